@@ -1,0 +1,1 @@
+"""Prefect flows: `align` (the pipeline) and its deployments (`align/full`, `align/nightly`)."""

@@ -1,0 +1,82 @@
+"""`align`: the command-line entry point.
+
+    align run [--params params.yaml] [--set sft.learning_rate=1e-3 ...]   run the flow now
+    align serve [--params params.yaml]          serve the align/full and align/nightly deployments
+    align stage <stage> [--set ...]             one stage, without Prefect (= python -m stages <stage>)
+    align status                                which stages are current, and why not
+    align dvc-yaml                              print the dvc.yaml derived from the stage table
+
+Without PREFECT_API_URL, `align run` uses Prefect's ephemeral mode (a temporary local
+server); with it set (e.g. to a `prefect server start --host 127.0.0.1`), runs show in that UI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _quiet_telemetry() -> None:
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="align", description="End-to-end alignment pipeline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run the align flow"), ("serve", "serve the deployments")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--params", default="params.yaml")
+        if name == "run":
+            p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for name in ("stage", "status", "dvc-yaml"):
+        sub.add_parser(name, add_help=False, help="see python -m stages --help")
+    args, rest = parser.parse_known_args(argv)
+    _quiet_telemetry()
+
+    from stages.__main__ import main as stages_main
+    from stages.config import ParamsError, load_params
+
+    if args.command == "stage":
+        return stages_main(rest)
+    if args.command in ("status", "dvc-yaml"):
+        return stages_main([args.command, *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:  # validate before starting Prefect: bad params cost nothing and write nothing
+        load_params(args.params, getattr(args, "overrides", []))
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from flows.deploy import serve_deployments
+
+        serve_deployments(args.params)
+        return 0
+    from flows.align import align
+
+    state = align(params_file=args.params, overrides=args.overrides, return_state=True)
+    if not state.is_completed():
+        print(f"error: flow run {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    print_summary(state.result())
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    print("\nstage        status     wall_s  fingerprint")
+    for s in summary["stages"]:
+        print(f"{s['stage']:<12} {s['status']:<10} {s['wall_time_s']:>6}  {s['fingerprint']}")
+    if summary["evaluation"]:
+        first = summary["evaluation"][0]
+        cols = ["model", *(c for c in first if c != "model")] if "model" in first else list(first)
+        print("\n" + "  ".join(f"{c:>22}" if i else f"{c:<8}" for i, c in enumerate(cols)))
+        for row in summary["evaluation"]:
+            print("  ".join(f"{row[c]!s:>22}" if i else f"{row[c]!s:<8}" for i, c in enumerate(cols)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

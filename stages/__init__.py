@@ -1,0 +1,8 @@
+"""align's library: the stages of the alignment pipeline, with no Prefect or DVC inside.
+
+    stages.config     typed params.yaml            stages.registry  the stage table (DAG)
+    stages.runner     the stage contract            stages.artifacts fingerprints, manifests
+    stages.pipeline   one module per stage          stages.trainers  transformers.Trainer subclasses
+    stages.data       loading, formats, validation  stages.builtin   the built-in tiny model and task
+    stages.models     model/tokenizer loading
+"""

@@ -1,0 +1,137 @@
+"""Stage outputs: fingerprints, atomic writes, manifests and their verification.
+
+The manifest is what decides whether a stage is current, for every entry point (the
+Prefect flow, `python -m stages`, `dvc repro`). A stage's fingerprint hashes exactly what
+`dvc.yaml` declares as its dependencies: the params keys it reads, the content of its
+code, and the content hashes of its upstream outputs. An output folder counts as current
+only if its manifest carries the expected fingerprint *and* its files still hash to what
+the manifest recorded, so a deleted, truncated or edited file is rebuilt, never reused.
+
+Outputs are written into a temporary sibling folder, the manifest last, then renamed into
+place: a stage that crashes leaves no folder that looks complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_hashes(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
+    """{relative posix path: sha256} of every file under `folder`, sorted."""
+    out = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel in exclude or "__pycache__" in rel:
+            continue
+        out[rel] = sha256_file(path)
+    return out
+
+
+def tree_hash(hashes: dict[str, str]) -> str:
+    return hash_json(sorted(hashes.items()))
+
+
+def code_hash(paths: tuple[str, ...], root: Path = CODE_ROOT) -> str:
+    """Content hash of the stage's code (files or folders, relative to the code root)."""
+    entries = {}
+    for rel in paths:
+        path = root / rel
+        if path.is_dir():
+            entries.update({f"{rel}/{k}": v for k, v in file_hashes(path, exclude=()).items() if k.endswith(".py")})
+        elif path.is_file():
+            entries[rel] = sha256_file(path)
+        else:
+            entries[rel] = "missing"
+    return tree_hash(entries)
+
+
+def fingerprint(stage: str, params: dict[str, Any], code: str, upstream: dict[str, str]) -> str:
+    """What a stage's output is a function of: its params, its code, its inputs' content."""
+    return hash_json({"stage": stage, "params": params, "code": code, "upstream": upstream})[:32]
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(folder: Path, expected_fingerprint: str | None = None) -> tuple[bool, str]:
+    """(True, "") if `folder` is complete and unmodified (and has the expected fingerprint)."""
+    if not folder.is_dir():
+        return False, "missing"
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False, f"{folder / MANIFEST} is missing or unreadable (an interrupted write?)"
+    if expected_fingerprint is not None and manifest.get("fingerprint") != expected_fingerprint:
+        return False, "stale: params, code or inputs changed since it was built"
+    recorded = manifest.get("outputs", {}).get("files", {})
+    actual = file_hashes(folder)
+    if actual != recorded:
+        changed = sorted(set(recorded) ^ set(actual) | {k for k in recorded if actual.get(k, recorded[k]) != recorded[k]})
+        return False, f"files changed since the manifest was written: {', '.join(changed[:5])}"
+    return True, ""
+
+
+@contextlib.contextmanager
+def atomic_output(final: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `final`; on success it replaces `final`, on error it is removed.
+
+    The caller writes the manifest last, inside the block (see `write_manifest`).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if (tmp / MANIFEST).exists() is False:
+            raise RuntimeError(f"internal: {tmp} has no manifest; outputs must be sealed by write_manifest")
+        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Hash every output file and write the manifest (always the last file written)."""
+    hashes = file_hashes(folder)
+    manifest = {**manifest, "outputs": {"files": hashes, "hash": tree_hash(hashes)}}
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, folder / MANIFEST)
+    return manifest
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)

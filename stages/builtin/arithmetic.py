@@ -1,0 +1,127 @@
+"""`builtin:arithmetic`: a verifiable task with systematically imperfect demonstrations.
+
+Prompts are additions of two `digits`-digit numbers ("47+85"); the right answer is
+checkable exactly. Demonstrations come from imperfect "labellers" who drop the carry in a
+fraction `error_rate` of the sums that need one (47+85 -> 122 instead of 132). Random
+errors spread over many values would leave the right answer the most likely one; a
+systematic error is what SFT faithfully learns and what the later alignment stages
+(preferences, rewards) can fix.
+
+Everything is generated deterministically from `seed`. Splits, all conversational:
+  sft        {"messages": [user, assistant]}                  demonstrations (some wrong)
+  preference {"prompt": [user], "chosen": [assistant], "rejected": [assistant]}
+  unpaired   {"prompt": [user], "completion": [assistant], "label": bool}
+  prompts    {"prompt": [user], "answer": str}                 prompt-only (for RL / scoring)
+  eval       {"prompt": [user], "completion": [assistant]}     held out, correct references
+With `reasoning`, assistant answers carry a `<think>` block with the column sums.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def columns(a: int, b: int) -> list[tuple[int, int]]:
+    """Digit pairs from the units column up."""
+    out = []
+    while a or b:
+        out.append((a % 10, b % 10))
+        a, b = a // 10, b // 10
+    return out or [(0, 0)]
+
+
+def needs_carry(a: int, b: int) -> bool:
+    """True if dropping the carry changes the result (a carry out of a non-top column)."""
+    cols = columns(a, b)
+    return any(x + y >= 10 for x, y in cols[:-1])
+
+
+def add(a: int, b: int, *, drop_carry: bool = False) -> tuple[int, str]:
+    """(sum, reasoning): column addition; with `drop_carry` the carries are forgotten."""
+    cols, carry, digits, steps = columns(a, b), 0, [], []
+    for i, (x, y) in enumerate(cols):
+        s = x + y + carry
+        steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={s}")
+        if i == len(cols) - 1:
+            digits.append(str(s)[::-1])
+        else:
+            digits.append(str(s % 10))
+            carry = 0 if drop_carry else s // 10
+    return int("".join(digits)[::-1]), ", ".join(steps)
+
+
+def answer_text(value: int, reasoning: str | None) -> str:
+    return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{value}" if reasoning is not None else str(value)
+
+
+def _user(a: int, b: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{a}+{b}"}]
+
+
+def _assistant(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def _pairs(rng: random.Random, digits: int) -> list[tuple[int, int]]:
+    lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    if (hi - lo + 1) ** 2 <= 200_000:  # enumerate small spaces so splits are disjoint and duplicate-free
+        pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+        rng.shuffle(pairs)
+        return pairs
+    return [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(200_000)]
+
+
+def _wrong(rng: random.Random, a: int, b: int) -> tuple[int, str]:
+    if needs_carry(a, b):
+        return add(a, b, drop_carry=True)
+    right, steps = add(a, b)
+    return right + rng.choice([-10, -1, 1, 10]), steps
+
+
+def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int, error_rate: float,
+             reasoning: bool, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """All splits of the task. Eval prompts never appear in any training split."""
+    rng = random.Random(seed)
+    pairs = _pairs(rng, digits)
+    if len(pairs) <= num_eval:
+        raise ValueError(f"data.builtin.num_eval = {num_eval}: only {len(pairs)} distinct {digits}-digit sums exist; "
+                         "lower num_eval or raise digits")
+    eval_pairs, train_pairs = pairs[:num_eval], pairs[num_eval:]
+
+    def text(value: int, steps: str) -> str:
+        return answer_text(value, steps if reasoning else None)
+
+    sft = []
+    for i in range(num_train):
+        a, b = train_pairs[i % len(train_pairs)]
+        if i and i % len(train_pairs) == 0:
+            rng.shuffle(train_pairs)
+        wrong = needs_carry(a, b) and rng.random() < error_rate
+        value, steps = add(a, b, drop_carry=wrong)
+        sft.append({"messages": _user(a, b) + _assistant(text(value, steps))})
+
+    preference, unpaired, prompts = [], [], []
+    for i in range(num_preference):
+        a, b = train_pairs[rng.randrange(len(train_pairs))]
+        good, bad = text(*add(a, b)), text(*_wrong(rng, a, b))
+        preference.append({"prompt": _user(a, b), "chosen": _assistant(good), "rejected": _assistant(bad)})
+        unpaired.append({"prompt": _user(a, b), "completion": _assistant(good if i % 2 == 0 else bad),
+                         "label": i % 2 == 0})
+        prompts.append({"prompt": _user(a, b), "answer": str(a + b)})
+
+    evals = [{"prompt": _user(a, b), "completion": _assistant(text(*add(a, b)))} for a, b in eval_pairs]
+    return {"sft": sft, "preference": preference, "unpaired": unpaired, "prompts": prompts, "eval": evals}
+
+
+def corpus(n: int = 3000, seed: int = 1234) -> Iterator[str]:
+    """Raw strings the built-in tokenizer is trained on: the task's prompts and answers, both variants."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        digits = rng.randint(1, 4)
+        a, b = rng.randint(0, 10**digits - 1), rng.randint(0, 10**digits - 1)
+        value, steps = add(a, b)
+        yield f"{a}+{b}"
+        yield answer_text(value, steps)
+    yield "The quick brown fox jumps over the lazy dog. Compute the sum of two numbers and answer."

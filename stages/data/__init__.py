@@ -1,0 +1,74 @@
+"""Data utilities: reading local files, detecting and validating formats, normalising rows.
+
+`load_source(path, on_bad_rows=...)` is the entry point preprocess uses: it returns the
+file's format, its rows in canonical form, and a report counting every row it read,
+kept or rejected (with the first reasons, each naming the file and line).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.data.formats import FORMATS, describe_formats, detect_format, is_conversational, normalise, validate
+from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
+
+__all__ = ["DataError", "LoadReport", "load_source", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS"]
+
+MAX_LISTED = 20
+
+
+@dataclass
+class LoadReport:
+    source: str
+    format: str = ""
+    read: int = 0
+    kept: int = 0
+    invalid: int = 0
+    examples: list[str] = field(default_factory=list)  # "file:line: why", the first MAX_LISTED
+
+    def reject(self, where: str, why: str) -> None:
+        self.invalid += 1
+        if len(self.examples) < MAX_LISTED:
+            self.examples.append(f"{where}: {why}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "format": self.format, "read": self.read, "kept": self.kept,
+                "invalid": self.invalid, "invalid_examples": self.examples}
+
+
+def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, list[dict[str, Any]], LoadReport]:
+    """(format, canonical rows, report). With on_bad_rows="error" any bad row raises DataError listing them."""
+    report = LoadReport(str(path))
+    rows: list[dict[str, Any]] = []
+    fmt = None
+    for row in read_rows(path):
+        report.read += 1
+        if row.value is None:
+            report.reject(row.where, row.error)
+            continue
+        row_fmt = detect_format(row.value)
+        if row_fmt is None:
+            report.reject(row.where, f"fields {sorted(row.value)} match no known format ({describe_formats()})")
+            continue
+        if fmt is None:
+            fmt = row_fmt
+        if row_fmt != fmt:
+            report.reject(row.where, f"row looks like format {row_fmt!r} but this file's first row is {fmt!r}; "
+                                     f"one format per file")
+            continue
+        why = validate(fmt, row.value)
+        if why:
+            report.reject(row.where, why)
+            continue
+        rows.append(normalise(fmt, row.value))
+    report.format = fmt or ""
+    report.kept = len(rows)
+    if report.invalid and on_bad_rows == "error":
+        listed = "\n  ".join(report.examples)
+        more = f"\n  ... and {report.invalid - len(report.examples)} more" if report.invalid > MAX_LISTED else ""
+        raise DataError(f"{path}: {report.invalid} bad row(s) of {report.read}:\n  {listed}{more}\n"
+                        "Fix the rows, or set data.on_bad_rows: skip to drop them (they are counted in the manifest).")
+    if not rows:
+        raise DataError(f"{path}: no usable rows (read {report.read}); expected one of: {describe_formats()}")
+    return fmt, rows, report

@@ -1,0 +1,31 @@
+"""Derive `dvc.yaml` from the stage table, so DVC and Prefect see the same dependencies.
+
+Each DVC stage runs the same command as the Prefect task (`python -m stages <stage>`),
+depends on the same code paths and upstream output folders, and lists only the params keys
+that stage reads. `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
+"""
+from __future__ import annotations
+
+import yaml
+
+from stages.registry import STAGES
+
+OUTPUT_DIR = "artifacts"  # dvc.yaml describes the default run.output_dir
+
+
+def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
+    out = {}
+    for spec in STAGES.values():
+        out[spec.name] = {
+            "cmd": f"python -m stages {spec.name}",
+            "deps": [*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)],
+            "params": list(spec.params),
+            "outs": [f"{output_dir}/{spec.name}"],
+            "metrics": [{f"{output_dir}/metrics/{spec.name}.json": {"cache": False}}],
+        }
+    return {"stages": out}
+
+
+def render_dvc_yaml(output_dir: str = OUTPUT_DIR) -> str:
+    header = "# Generated from stages/registry.py by `python -m stages dvc-yaml > dvc.yaml`; do not edit by hand.\n"
+    return header + yaml.safe_dump(dvc_stages(output_dir), sort_keys=False, width=120)

@@ -1,0 +1,86 @@
+"""Model and tokenizer loading: `builtin:tiny`, a local Hugging Face directory, or a hub id.
+
+`resolve_model` turns `model.name_or_path` into something `from_pretrained` accepts. The
+built-in model is built once per config into `<run.output_dir>/builtin/` (atomically, keyed
+by the hash of its config and code) and reused by every stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from stages import artifacts
+from stages.builtin import BUILTIN_MODELS
+from stages.config import ModelConfig
+
+
+def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> str:
+    """A path or hub id for `from_pretrained`; builds `builtin:tiny` on first use."""
+    name = cfg.name_or_path
+    if name.startswith("builtin:"):
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"model.name_or_path = {name!r}: unknown built-in model; built-ins: "
+                             f"{', '.join(BUILTIN_MODELS)}")
+        return str(_build_tiny(cfg, Path(output_dir)))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.name_or_path = {name!r}: folder has no config.json; point it at a "
+                                    "Hugging Face model directory (one written by save_pretrained)")
+        return str(path)
+    if name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model.name_or_path = {name!r}: no such folder")
+    return name  # a hub id: from_pretrained resolves it (needs network or a populated HF cache)
+
+
+def model_fingerprint(cfg: ModelConfig, output_dir: str | Path) -> str:
+    """Lineage: a content hash for local/built-in models, the id for hub models."""
+    path = Path(resolve_model(cfg, output_dir))
+    if path.is_dir():
+        return artifacts.tree_hash(artifacts.file_hashes(path))
+    return f"hub:{cfg.name_or_path}"
+
+
+def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
+    from stages.builtin import tiny
+
+    spec = dataclasses.asdict(cfg.builtin)
+    key = artifacts.hash_json({"spec": spec, "code": artifacts.code_hash(("stages/builtin",))})[:12]
+    final = output_dir / "builtin" / f"tiny-{key}"
+    if artifacts.verify(final)[0]:
+        return final
+    with artifacts.atomic_output(final) as tmp:
+        tiny.build(tmp, **spec)
+        artifacts.write_manifest(tmp, {"builtin": "tiny", "config": spec})
+    return final
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device = 'cuda' but no CUDA device is visible; use auto or cpu")
+    return device
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:  # many base models ship without one; EOS is the usual stand-in
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"tokenizer at {path} has no chat template; conversational data needs one "
+                         "(set tokenizer.chat_template and save it into the model folder)")
+    return tok
+
+
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device)

@@ -1,0 +1,1 @@
+"""One module per pipeline stage; each exposes `run(ctx: StageContext) -> metrics`. See stages.registry."""

@@ -1,0 +1,136 @@
+"""Stage `preprocess`: load, validate, normalise, deduplicate, filter by length, split, save.
+
+Reads `data.source` (builtin:arithmetic or a local file/folder) and `data.eval_source`,
+writes canonical JSONL files into its output folder:
+
+    sft_train.jsonl, sft_validation.jsonl   SFT rows (prompt/completion or text)
+    eval.jsonl                              held-out prompts with reference completions
+    preference.jsonl, unpaired.jsonl, prompts.jsonl   when the source provides them
+
+Every row dropped is counted by reason in the metrics (and so in the manifest).
+
+    python -m stages preprocess [--set data.source=path/to/data.jsonl]
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+from stages.builtin import BUILTIN_DATA, arithmetic
+from stages.data import FORMATS, DataError, LoadReport, load_source, write_jsonl
+from stages.data.formats import normalise, validate
+from stages.data.tokenize import tokenize_sft
+from stages.models import load_tokenizer, resolve_model
+
+EVAL_FORMATS = ("prompt_completion", "messages", "alpaca")
+
+
+def run(ctx) -> dict[str, Any]:
+    p = ctx.params
+    tokenizer = load_tokenizer(resolve_model(p.model, p.run.output_dir),
+                               trust_remote_code=p.model.trust_remote_code)
+    groups, eval_rows, sources = load_groups(p.data)
+    rng = random.Random(p.run.seed)
+    dropped: dict[str, dict[str, int]] = {}
+
+    for name in list(groups):
+        rows = groups[name]
+        if p.preprocess.dedup:
+            rows, n = dedup(rows)
+            dropped.setdefault(name, {})["duplicate"] = n
+        if name == "sft":
+            rows, n = filter_length(tokenizer, rows, p.preprocess.max_length)
+            dropped.setdefault(name, {})["too_long"] = n
+        groups[name] = rows
+    if eval_rows is None:  # carve a held-out eval split from the (deduplicated) SFT rows
+        eval_rows, groups["sft"] = carve_eval(groups.get("sft", []), p.preprocess.eval_fraction, rng, p.data.source)
+    eval_rows, n = dedup(eval_rows)
+    dropped["eval"] = {"duplicate": n}
+
+    files = {}
+    if groups.get("sft"):
+        train, val = split(groups.pop("sft"), p.preprocess.validation_fraction, rng)
+        files.update({"sft_train": train, "sft_validation": val})
+    files.update({k: v for k, v in groups.items() if v})
+    files["eval"] = eval_rows
+    for name, rows in files.items():
+        write_jsonl(ctx.out / f"{name}.jsonl", rows)
+        ctx.log.info("wrote %s.jsonl: %d rows", name, len(rows))
+    (ctx.out / "report.json").write_text(json.dumps({"sources": sources, "dropped": dropped}, indent=2))
+    return {"rows": {k: len(v) for k, v in files.items()}, "dropped": dropped,
+            "invalid_rows": sum(s["invalid"] for s in sources),
+            "table": [{"file": f"{k}.jsonl", "rows": len(v)} for k, v in files.items()]}
+
+
+def load_groups(data) -> tuple[dict[str, list], list | None, list[dict]]:
+    """({destination: rows}, eval rows or None, per-source reports)."""
+    if data.source.startswith("builtin:"):
+        if data.source not in BUILTIN_DATA:
+            raise DataError(f"data.source = {data.source!r}: unknown built-in; built-ins: {', '.join(BUILTIN_DATA)}")
+        splits = arithmetic.generate(**dataclasses.asdict(data.builtin))
+        groups = {name: _checked(name, rows) for name, rows in splits.items() if name != "eval"}
+        report = LoadReport(data.source, "builtin", read=sum(map(len, splits.values())),
+                            kept=sum(map(len, splits.values())))
+        eval_rows = _checked("eval", splits["eval"])
+        return groups, eval_rows, [report.as_dict()]
+    fmt, rows, report = load_source(data.source, on_bad_rows=data.on_bad_rows)
+    groups = {FORMATS[fmt][2]: rows}
+    sources = [report.as_dict()]
+    eval_rows = None
+    if data.eval_source:
+        eval_fmt, eval_rows, eval_report = load_source(data.eval_source, on_bad_rows=data.on_bad_rows)
+        if eval_fmt not in EVAL_FORMATS:
+            raise DataError(f"data.eval_source = {data.eval_source}: format {eval_fmt!r} has no reference answer; "
+                            f"use one of {', '.join(EVAL_FORMATS)}")
+        sources.append(eval_report.as_dict())
+    return groups, eval_rows, sources
+
+
+def _checked(split_name: str, rows: list[dict]) -> list[dict]:
+    """Built-in rows go through the same validation as user files (a bug in the generator must not pass)."""
+    fmt = {"sft": "messages", "preference": "preference", "unpaired": "unpaired", "eval": "prompt_completion"}.get(
+        split_name)
+    if fmt is None:
+        return rows
+    out = []
+    for i, row in enumerate(rows):
+        why = validate(fmt, row)
+        if why:
+            raise DataError(f"builtin:arithmetic {split_name} row {i}: {why}")
+        out.append(normalise(fmt, row))
+    return out
+
+
+def dedup(rows: list[dict]) -> tuple[list[dict], int]:
+    seen, out = set(), []
+    for row in rows:
+        key = json.dumps(row, sort_keys=True, ensure_ascii=False)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out, len(rows) - len(out)
+
+
+def filter_length(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], int]:
+    lengths = [len(t["input_ids"]) for t in tokenize_sft(tokenizer, rows)]
+    kept = [r for r, n in zip(rows, lengths) if n <= max_length]
+    return kept, len(rows) - len(kept)
+
+
+def carve_eval(sft: list[dict], fraction: float, rng: random.Random, source: str) -> tuple[list[dict], list[dict]]:
+    sft = list(sft)
+    rng.shuffle(sft)
+    n_eval = int(len(sft) * fraction)
+    if n_eval == 0:
+        raise DataError(f"{source}: no eval split: set data.eval_source, or preprocess.eval_fraction > 0 "
+                        f"large enough for {len(sft)} rows")
+    return sft[:n_eval], sft[n_eval:]
+
+
+def split(rows: list[dict], fraction: float, rng: random.Random) -> tuple[list[dict], list[dict]]:
+    rows = list(rows)
+    rng.shuffle(rows)
+    n_val = max(1, int(len(rows) * fraction)) if fraction > 0 and len(rows) > 1 else 0
+    return rows[n_val:], rows[:n_val]

@@ -1,0 +1,68 @@
+"""The pipeline's stages: what each one runs, reads and depends on.
+
+One entry per stage. The Prefect flow, `python -m stages <stage>` and `dvc.yaml` are all
+derived from this table, so a stage's upstream outputs, the params it reads and the code
+it depends on are declared exactly once. Adding a stage = one module under
+`stages/pipeline/`, one entry here, one thin task under `tasks/`, one line in the flow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    entry: str  # "module:function" called with a StageContext, returns the stage's metrics
+    upstream: tuple[str, ...]  # stages whose outputs this one reads
+    params: tuple[str, ...]  # dotted params keys (sections or leaves) this stage reads
+    code: tuple[str, ...]  # repo-relative files/folders whose content is part of the fingerprint
+
+    @property
+    def summary(self) -> str:
+        return f"{self.name} <- {', '.join(self.upstream) or '(sources)'}"
+
+
+MODEL_CODE = ("stages/models.py", "stages/builtin")
+
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec(
+            name="preprocess",
+            entry="stages.pipeline.preprocess:run",
+            upstream=(),
+            params=("model", "data", "preprocess", "run.seed"),
+            code=("stages/pipeline/preprocess.py", "stages/data", *MODEL_CODE),
+        ),
+        StageSpec(
+            name="sft",
+            entry="stages.pipeline.sft:run",
+            upstream=("preprocess",),
+            params=("model", "sft", "run.seed"),
+            code=("stages/pipeline/sft.py", "stages/trainers/sft.py", *MODEL_CODE),
+        ),
+        StageSpec(
+            name="evaluate",
+            entry="stages.pipeline.evaluate:run",
+            upstream=("preprocess", "sft"),
+            params=("model", "evaluate", "run.seed"),
+            code=("stages/pipeline/evaluate.py", *MODEL_CODE),
+        ),
+    ]
+}
+
+
+def get_stage(name: str) -> StageSpec:
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    return STAGES[name]
+
+
+def downstream_of(name: str) -> list[str]:
+    """`name` and every stage that (transitively) reads its outputs, in pipeline order."""
+    hit = {name}
+    for stage in STAGES.values():
+        if hit & set(stage.upstream):
+            hit.add(stage.name)
+    return [s for s in STAGES if s in hit]

@@ -1,0 +1,62 @@
+"""What every stage task shares: run the stage, forward its logs, report metrics, mark cache hits.
+
+Whether a stage is current is decided by its manifest (see `stages.artifacts`), the same
+check `python -m stages` and `dvc repro` go through. Prefect's own result cache is not
+used: it would be a second cache that can drift from the files on disk (a Prefect cache
+hit restores no files). A stage found current returns a Completed state named "Cached",
+which is what the UI and `align run` show.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.states import Completed
+
+from stages.config import Params
+from stages.runner import flat_metrics, run_stage
+
+
+class _ToPrefect(logging.Handler):
+    def __init__(self, logger):
+        super().__init__(logging.INFO)
+        self.target = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.log(record.levelno, "%s", record.getMessage())
+
+
+def run_stage_task(name: str, params: Params):
+    """Body of every stage task: returns the stage's manifest, in a "Cached" state if nothing ran."""
+    handler = _ToPrefect(get_run_logger())
+    logger = logging.getLogger("stages")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    propagate, logger.propagate = logger.propagate, False  # else Prefect's root handler prints each line twice
+    try:
+        manifest = run_stage(name, params)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    if not manifest["executed"]:
+        return Completed(name="Cached", message=f"{name} is current (fingerprint {manifest['fingerprint']})",
+                         data=manifest)
+    report(name, manifest)
+    return manifest
+
+
+def report(name: str, manifest: dict[str, Any]) -> None:
+    """The stage's metrics as a table artifact, and its manifest summary as markdown, in the Prefect UI."""
+    metrics = manifest.get("metrics", {})
+    table = metrics.get("table") or [{"metric": k, "value": v} for k, v in flat_metrics(metrics).items()]
+    key = f"{name}-metrics".replace("_", "-").lower()
+    create_table_artifact(key=key, table=table, description=f"{name}: metrics of fingerprint {manifest['fingerprint']}")
+    lines = [f"# {name}", "", f"- fingerprint: `{manifest['fingerprint']}`",
+             f"- outputs hash: `{manifest['outputs']['hash']}`", f"- wall time: {manifest['wall_time_s']} s",
+             f"- code: `{manifest['code']['hash'][:16]}` (git {manifest['code'].get('git')})"]
+    lines += [f"- input `{u}`: `{i['fingerprint']}`" for u, i in manifest.get("inputs", {}).items()]
+    lines += ["", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in flat_metrics(metrics).items()]
+    create_markdown_artifact(key=f"{name}-manifest".replace("_", "-").lower(), markdown="\n".join(lines))

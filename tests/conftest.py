@@ -1,0 +1,67 @@
+"""Shared fixtures: isolated Prefect home, small params for fast runs of the real pipeline."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Before anything imports prefect: never touch the user's ~/.prefect, never phone home.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="align-test-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+# Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
+SMALL = {
+    "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
+    "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},
+    "sft": {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1},
+    "evaluate": {"max_new_tokens": 4},
+}
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def write_params(folder: Path, extra: dict | None = None, *, small: bool = True) -> Path:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    if small:
+        deep_update(params, SMALL)
+    deep_update(params, {"run": {"output_dir": str(folder / "artifacts")}})
+    deep_update(params, extra or {})
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def small_params(tmp_path) -> Path:
+    """A params.yaml with small settings, outputs under tmp_path/artifacts."""
+    return write_params(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def built_pipeline(tmp_path_factory):
+    """preprocess + sft + evaluate built once on small settings (for tests that only read outputs)."""
+    from stages.config import load_params
+    from stages.runner import run_stage
+
+    folder = tmp_path_factory.mktemp("pipeline")
+    params = load_params(write_params(folder))
+    manifests = {name: run_stage(name, params) for name in ("preprocess", "sft", "evaluate")}
+    return params, manifests

@@ -1,0 +1,47 @@
+import json
+
+import pytest
+
+from stages import runner
+from stages.config import load_params
+from stages.data import read_jsonl
+from tests.conftest import write_params
+
+
+def test_builtin_outputs(built_pipeline):
+    params, manifests = built_pipeline
+    folder = runner.output_dir(params, "preprocess")
+    files = set(manifests["preprocess"]["outputs"]["files"])
+    assert {"sft_train.jsonl", "sft_validation.jsonl", "eval.jsonl", "preference.jsonl", "unpaired.jsonl",
+            "prompts.jsonl", "report.json"} <= files
+    train = read_jsonl(folder / "sft_train.jsonl")
+    evals = read_jsonl(folder / "eval.jsonl")
+    assert train[0]["prompt"][0]["role"] == "user" and train[0]["completion"][0]["role"] == "assistant"
+    assert not {json.dumps(r["prompt"]) for r in evals} & {json.dumps(r["prompt"]) for r in train}
+    rows = manifests["preprocess"]["metrics"]["rows"]
+    assert rows["sft_train"] + rows["sft_validation"] + manifests["preprocess"]["metrics"]["dropped"]["sft"][
+        "duplicate"] == 400
+
+
+def test_real_file_dedup_length_filter_and_skipped_rows(tmp_path):
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(40)]
+    rows += [rows[0], {"prompt": "long " * 400, "completion": "x"}]
+    lines = [json.dumps(r) for r in rows] + ["{broken"]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    params = load_params(write_params(tmp_path, {
+        "data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"},
+        "preprocess": {"max_length": 64, "eval_fraction": 0.1, "validation_fraction": 0.1}}))
+    m = runner.run_stage("preprocess", params)["metrics"]
+    assert m["invalid_rows"] == 1
+    assert m["dropped"]["sft"] == {"duplicate": 1, "too_long": 1}
+    assert m["rows"]["eval"] + m["rows"]["sft_train"] + m["rows"]["sft_validation"] == 40  # 43 read - 3 dropped
+    report = json.loads((tmp_path / "artifacts" / "preprocess" / "report.json").read_text())
+    assert report["sources"][0]["invalid_examples"][0].startswith(f"{tmp_path / 'data.jsonl'}:43: invalid JSON")
+
+
+def test_bad_file_fails_the_stage_and_writes_nothing(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "q", "completion": ""}\n')
+    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "data.jsonl")}}))
+    with pytest.raises(ValueError, match=r"data.jsonl:1: field 'completion' is empty"):
+        runner.run_stage("preprocess", params)
+    assert not (tmp_path / "artifacts" / "preprocess").exists()
