@@ -23,7 +23,9 @@ class StageSpec:
         return f"{self.name} <- {', '.join(self.upstream) or '(sources)'}"
 
 
+# Everything a stage's outputs depend on; a change in any of these files makes it stale.
 MODEL_CODE = ("stages/models.py", "stages/builtin")
+DATA_CODE = ("stages/data",)
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -33,21 +35,22 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.preprocess:run",
             upstream=(),
             params=("model", "data", "preprocess", "run.seed"),
-            code=("stages/pipeline/preprocess.py", "stages/data", *MODEL_CODE),
+            code=("stages/pipeline/preprocess.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="sft",
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
             params=("model", "sft", "run.seed"),
-            code=("stages/pipeline/sft.py", "stages/trainers/sft.py", *MODEL_CODE),
+            code=("stages/pipeline/sft.py", "stages/trainers", "stages/losses.py", "stages/kernels.py", *DATA_CODE,
+                  *MODEL_CODE),
         ),
         StageSpec(
             name="evaluate",
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft"),
             params=("model", "evaluate", "run.seed"),
-            code=("stages/pipeline/evaluate.py", *MODEL_CODE),
+            code=("stages/pipeline/evaluate.py", "stages/utils.py", *DATA_CODE, *MODEL_CODE),
         ),
     ]
 }
