@@ -155,21 +155,16 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad2 = grad.view(-1, vocab)
         gout2, idx2 = grad_out.reshape(-1, k), index.view(-1, k)
-        exact = logits.dtype in (torch.float32, torch.float64)
-        buf = None if exact else _scratch(logits, ctx.rows, torch.float32)
         for off, chunk in _row_chunks(logits, ctx.rows):
             n = chunk.shape[0]
-            g, idx = gout2[off : off + n], idx2[off : off + n]
-            if exact:
-                # Write softmax straight into the gradient slice: no temporary at all.
-                p = torch.softmax(chunk, -1, out=grad2[off : off + n])
-            else:
-                # Half types: do the arithmetic in float32 and round once at the end.
-                g = g.float()
-                p = torch.softmax(chunk, -1, dtype=torch.float32, out=buf[:n])
-            p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, idx, g)
-            if not exact:
-                grad2[off : off + n] = p
+            g = gout2[off : off + n]
+            # Softmax written straight into the gradient slice: no temporary at all. For
+            # half types the fused kernel accumulates in float32 and rounds once (mul_ adds
+            # a second rounding, the same order as the naive backward's, which rounds the
+            # log-softmax before exponentiating it); `softmax(..., dtype=float32)` would
+            # copy every chunk to float32 behind our back: slower and an extra allocation.
+            p = torch.softmax(chunk, -1, out=grad2[off : off + n])
+            p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, idx2[off : off + n], g)
         return grad, None, None
 
 
@@ -239,6 +234,17 @@ def selective_log_softmax(
 # ----------------------------------------------------------------- entropy_from_logits
 
 
+def _log_softmax_into(chunk, out, scratch):
+    """``out[:] = log_softmax(chunk)`` in ``out``'s (float32/64) precision.
+
+    Half-precision chunks are first upcast into ``scratch`` explicitly: passing
+    ``dtype=torch.float32`` to log_softmax would allocate that copy on every call.
+    """
+    if chunk.dtype != out.dtype:
+        chunk = scratch.copy_(chunk)
+    return torch.log_softmax(chunk, -1, out=out)
+
+
 class _EntropyFromLogits(torch.autograd.Function):
     """``H = -sum softmax(z) * log_softmax(z)`` per row of ``z: (..., V)``."""
 
@@ -250,7 +256,7 @@ class _EntropyFromLogits(torch.autograd.Function):
         logp_buf, p_buf = _scratch(logits, rows, work), _scratch(logits, rows, work)
         for off, chunk in _row_chunks(logits, rows):
             n = chunk.shape[0]
-            logp = torch.log_softmax(chunk, -1, dtype=work, out=logp_buf[:n])
+            logp = _log_softmax_into(chunk, logp_buf[:n], p_buf[:n])
             p = torch.exp(logp, out=p_buf[:n])
             torch.sum(p.mul_(logp), -1, out=ent1[off : off + n]).neg_()
         ctx.rows = rows
@@ -272,7 +278,7 @@ class _EntropyFromLogits(torch.autograd.Function):
             n = chunk.shape[0]
             dst = grad2[off : off + n] if logp_buf is None else logp_buf[:n]
             # dH/dz = -p * (log p + H)
-            logp = torch.log_softmax(chunk, -1, dtype=work, out=dst)
+            logp = _log_softmax_into(chunk, dst, p_buf[:n])
             p = torch.exp(logp, out=p_buf[:n])
             logp.add_(ent1[off : off + n, None]).mul_(p).mul_(-g1[off : off + n, None])
             if logp_buf is not None:

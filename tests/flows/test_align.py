@@ -1,0 +1,57 @@
+"""The `align` flow end to end on the embedded default (small settings), on a real Prefect server."""
+import pytest
+
+from stages.config import ParamsError
+from tests.conftest import write_params
+
+pytestmark = pytest.mark.slow
+
+
+def run(params_file, overrides=None):
+    from flows.align import align
+
+    state = align(params_file=str(params_file), overrides=overrides, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    return {s["stage"]: s["status"] for s in summary["stages"]}, summary
+
+
+def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect_server):
+    params = write_params(tmp_path)
+    first, summary = run(params)
+    assert first == {"preprocess": "executed", "sft": "executed", "evaluate": "executed"}
+    assert [r["model"] for r in summary["evaluation"]] == ["base", "sft"]
+
+    assert run(params)[0] == {"preprocess": "cached", "sft": "cached", "evaluate": "cached"}
+    assert run(params, ["evaluate.max_new_tokens=5"])[0] == {
+        "preprocess": "cached", "sft": "cached", "evaluate": "executed"}
+    assert run(params, ["evaluate.max_new_tokens=5", "sft.learning_rate=0.003"])[0] == {
+        "preprocess": "cached", "sft": "executed", "evaluate": "executed"}
+    assert run(params, ["evaluate.max_new_tokens=5", "data.builtin.seed=3"])[0] == {
+        "preprocess": "executed", "sft": "executed", "evaluate": "executed"}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_output_is_rebuilt_not_cached(tmp_path, prefect_server, damage, caplog):
+    params = write_params(tmp_path)
+    run(params)
+    weights = tmp_path / "artifacts" / "sft" / "model" / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        weights.unlink()
+    statuses, _ = run(params)
+    assert statuses["preprocess"] == "cached" and statuses["sft"] == "executed"
+    assert weights.stat().st_size > 1000
+    assert "rebuilding" in caplog.text and "model/model.safetensors" in caplog.text
+
+
+def test_bad_params_fail_before_any_stage(tmp_path, prefect_server):
+    from flows.align import align
+
+    params = write_params(tmp_path, {"sft": {"learning_rate": -1}})
+    state = align(params_file=str(params), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ParamsError, match="sft.learning_rate = -1: must be > 0"):
+        state.result()
+    assert not (tmp_path / "artifacts").exists()
