@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/kernels.py            # full sizes (~2-3 min on 2 CPU cores)
     python benchmarks/kernels.py --quick    # small sizes, a few seconds
-    python benchmarks/kernels.py --repeats 5 --device cuda
+    python benchmarks/kernels.py --repeats 7 --clp-repeats 3 --device cuda
 
 Cases:
 
@@ -14,17 +14,19 @@ Cases:
   then either the naive log_softmax+gather or ``selective_log_softmax``) at (N=8192,
   H=512, V=32000) in float32, forward and backward.
 
-Memory method. Every variant runs in a fresh subprocess, so nothing freed by another
-variant can hide in the allocator. On CPU the child allocates its inputs, resets the
-kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs`` resets ``VmHWM``), records
-``VmRSS`` as the baseline and reads ``VmHWM`` after the forward and after the backward
-of the *first* run: "peak extra" is that high-water mark minus the baseline, i.e. the
+Memory: every variant runs once in a fresh subprocess, so nothing freed by another run
+can hide in (or be reused from) the allocator. On CPU the child allocates its inputs,
+resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs`` resets
+``VmHWM``), records ``VmRSS`` as the baseline and reads ``VmHWM`` after the forward and
+after the backward: "peak extra" is that high-water mark minus the baseline, i.e. the
 memory the computation needed beyond its inputs (outputs and gradients included). Where
 ``clear_refs`` is not writable it falls back to ``getrusage().ru_maxrss``. On CUDA it uses
 ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` after the inputs.
 
-Timing: the minimum over ``--repeats`` runs (shared/virtualised CPUs mostly add noise
-upward, so the minimum is the stable statistic).
+Timing: the variants of one case run round-robin in one process (so all see the same
+background load), after a warm-up on tiny inputs; the table shows the minimum over
+``--repeats`` rounds (``--clp-repeats`` for chunked_logprobs): shared/virtualised CPUs
+add noise upward, so the minimum is the stable statistic.
 """
 
 from __future__ import annotations
@@ -151,70 +153,82 @@ def _make(kind: str, dtype_name: str, variant: str, sizes: dict, device: str):
     return forward, backward, params
 
 
-def _child(name: str, size_key: str, device: str, repeats: int) -> dict:
-    import torch
-
+def _child_memory(name: str, size_key: str, device: str) -> dict:
+    """Peak extra memory of one forward+backward of one variant, in this fresh process."""
     kind, dtype_name, variant = CASES[name]
     sizes = SIZES[size_key][kind]
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    # Warm up kernels/libraries on tiny inputs so the first measured run is not paying
-    # one-off initialisation, without leaving big freed blocks in the heap.
-    tiny = {k: (min(v, 64) if k != "H" else min(v, 32)) for k, v in sizes.items()}
-    f, b, _ = _make(kind, dtype_name, variant, tiny, device)
-    b(f())
-    del f, b
-
-    forward, backward, params = _make(kind, dtype_name, variant, sizes, device)
+    _warmup(kind, dtype_name, variant, sizes, device)
+    forward, backward, _ = _make(kind, dtype_name, variant, sizes, device)
     meter = _Meter(device)
-    fwd_t, bwd_t = [], []
-    fwd_peak = total_peak = None
-    for i in range(repeats):
-        if i == 0:
-            meter.start()
-        sync()
-        t0 = time.perf_counter()
-        out = forward()
-        sync()
-        t1 = time.perf_counter()
-        if i == 0:
-            fwd_peak = meter.peak()
-        backward(out)
-        sync()
-        t2 = time.perf_counter()
-        if i == 0:
-            total_peak = meter.peak()
-        del out
-        for p in params:
-            p.grad = None
-        fwd_t.append(t1 - t0)
-        bwd_t.append(t2 - t1)
-    return dict(
-        name=name,
-        kind=kind,
-        dtype=dtype_name,
-        variant=variant,
-        sizes=sizes,
-        fwd_s=min(fwd_t),
-        bwd_s=min(bwd_t),
-        total_s=min(a + c for a, c in zip(fwd_t, bwd_t)),
-        fwd_peak_mib=fwd_peak,
-        total_peak_mib=total_peak,
-        method=meter.method,
-        threads=torch.get_num_threads(),
-    )
+    meter.start()
+    out = forward()
+    fwd_peak = meter.peak()
+    backward(out)
+    return dict(name=name, fwd_peak_mib=fwd_peak, total_peak_mib=meter.peak(), method=meter.method)
+
+
+def _warmup(kind, dtype_name, variant, sizes, device) -> None:
+    # Initialise kernels/libraries on tiny inputs so measured runs do not pay one-off
+    # set-up costs, without leaving big freed blocks behind in the heap.
+    tiny = {k: (min(v, 32) if k == "H" else min(v, 64)) for k, v in sizes.items()}
+    forward, backward, _ = _make(kind, dtype_name, variant, tiny, device)
+    backward(forward())
+
+
+def _child_time(group: str, size_key: str, device: str, repeats: int) -> list[dict]:
+    """Time all variants of one group round-robin in one process; keep the minimum of each.
+
+    Interleaving puts every variant under the same background load, which matters on
+    shared machines where a 2x swing between consecutive identical runs is common.
+    """
+    import torch
+
+    names = [n for n in CASES if n.startswith(group + "-")]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    runs = {}
+    for name in names:
+        kind, dtype_name, variant = CASES[name]
+        _warmup(kind, dtype_name, variant, SIZES[size_key][kind], device)
+        runs[name] = _make(kind, dtype_name, variant, SIZES[size_key][kind], device)
+    times = {n: [] for n in names}
+    for _ in range(repeats):
+        for name in names:
+            forward, backward, params = runs[name]
+            gc.collect()
+            sync()
+            t0 = time.perf_counter()
+            out = forward()
+            sync()
+            t1 = time.perf_counter()
+            backward(out)
+            sync()
+            t2 = time.perf_counter()
+            del out
+            for p in params:
+                p.grad = None
+            times[name].append((t1 - t0, t2 - t1))
+    results = []
+    for name in names:
+        kind, dtype_name, variant = CASES[name]
+        ts = times[name]
+        results.append(dict(
+            name=name, kind=kind, dtype=dtype_name, variant=variant, sizes=SIZES[size_key][kind],
+            fwd_s=min(f for f, _ in ts), bwd_s=min(b for _, b in ts), total_s=min(f + b for f, b in ts),
+            threads=torch.get_num_threads(),
+        ))
+    return results
 
 
 # ----------------------------------------------------------------------- parent side
 
 
-def _run_case(name: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--device", args.device, "--repeats", str(args.repeats)]
+def _child_json(extra: list[str], args) -> object:
+    cmd = [sys.executable, __file__, "--device", args.device, *extra]
     if args.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr}")
+        raise RuntimeError(f"{' '.join(extra)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -264,31 +278,44 @@ def _targets(by: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (min is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed selective_log_softmax runs per variant (min)")
+    parser.add_argument("--clp-repeats", type=int, default=2, help="timed chunked_logprobs runs per variant (min)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-time", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.child:
-        print(json.dumps(_child(args.child, "quick" if args.quick else "full", args.device, args.repeats)))
+    size_key = "quick" if args.quick else "full"
+    if args.child_memory:
+        print(json.dumps(_child_memory(args.child_memory, size_key, args.device)))
+        return
+    if args.child_time:
+        print(json.dumps(_child_time(args.child_time, size_key, args.device, args.repeats)))
         return
 
     start = time.perf_counter()
-    results = []
+    memory = {}
     for name in CASES:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        results.append(_run_case(name, args))
+        print(f"memory: {name} ...", file=sys.stderr, flush=True)
+        memory[name] = _child_json(["--child-memory", name], args)
+    results = []
+    for group, repeats in (("sls-fp32", args.repeats), ("sls-bf16", args.repeats), ("clp-fp32", args.clp_repeats)):
+        print(f"time: {group} x{repeats} ...", file=sys.stderr, flush=True)
+        for r in _child_json(["--child-time", group, "--repeats", str(repeats)], args):
+            results.append({**r, **memory[r["name"]]})
     by = {r["name"]: r for r in results}
     cpu = os.cpu_count()
     print(f"device={args.device} cpus={cpu} torch threads={results[0]['threads']} "
-          f"repeats={args.repeats} memory method={results[0]['method']} "
+          f"repeats={args.repeats} (chunked_logprobs {args.clp_repeats}) memory method={results[0]['method']} "
           f"({'quick' if args.quick else 'full'} sizes, {time.perf_counter() - start:.0f} s)")
     print()
     print("\n".join(_table(results)))
     print()
+    if args.quick:
+        print("(quick sizes: the chunk budgets are sized for the full shapes, so the targets below are only meaningful without --quick)")
     print("\n".join(_targets(by)))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from stages.kernels import chunked_logprobs, entropy_from_logits, selective_log_softmax
 
@@ -25,6 +27,30 @@ def _logits(dtype, shape=(3, 17, V), seed=0):
 
 def _index(shape, seed=1, vocab=V):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+class _Allocations(TorchDispatchMode):
+    """Records the byte size of every fresh tensor an aten op returns.
+
+    An output is fresh when its storage is not the storage of one of the op's inputs, so
+    views, in-place ops and ``out=`` ops (which reuse buffers) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in inputs:
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+    def count_at_least(self, nbytes: int) -> int:
+        return sum(s >= nbytes for s in self.sizes)
 
 
 # --------------------------------------------------------------- selective_log_softmax
@@ -102,6 +128,40 @@ def test_selective_log_softmax_gradcheck_float64():
     logits = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 6, (2, 3, 2))
     assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, index, chunk_bytes=16), (logits,))
+
+
+@pytest.mark.parametrize("fn", ["selective", "entropy"])
+def test_chunked_kernels_never_allocate_a_full_size_tensor(fn):
+    full = torch.randn(4, 17, 500, requires_grad=True)
+    logits, index = full[:, :-1], _index((4, 16), vocab=500)  # non-viewable slice: must not be copied
+    full_bytes = logits.numel() * 4
+    rows = 8
+
+    def ours():
+        if fn == "selective":
+            return selective_log_softmax(logits, index, chunk_bytes=rows * 500 * 4)
+        return entropy_from_logits(logits, rows)
+
+    def naive():
+        if fn == "selective":
+            return _naive(logits, index)
+        return -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+    for run in (ours, naive):
+        with _Allocations() as fwd:
+            out = run()
+        with _Allocations() as bwd:  # gradient w.r.t. the slice itself, not the slice's base
+            torch.autograd.grad(out, logits, torch.ones_like(out))
+        # ours: forward never holds more than a chunk (two chunk buffers for entropy);
+        # backward allocates exactly one full-size tensor, the gradient. The naive path
+        # is checked too so the detector is known to see full-size allocations.
+        if run is ours:
+            assert max(fwd.sizes) <= rows * 500 * 4, fwd.sizes
+            assert bwd.count_at_least(full_bytes // 4) == 1, bwd.sizes
+            assert bwd.count_at_least(full_bytes) == 1, bwd.sizes
+        else:
+            assert fwd.count_at_least(full_bytes) >= 1, fwd.sizes
+            assert bwd.count_at_least(full_bytes) >= 2, bwd.sizes
 
 
 @pytest.mark.parametrize(
@@ -229,6 +289,25 @@ def test_chunked_logprobs_entropy_only_gradient_and_frozen_head():
     torch.testing.assert_close(gh, gh_ref, atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_logprobs_never_allocates_logits():
+    n, hidden_size, vocab, rows = 64, 16, 1000, 8
+    h0, w0, _, idx = _head(torch.float32, n_shape=(n,), hidden=hidden_size, vocab=vocab, bias=False)
+    logits_bytes = n * vocab * 4
+    for path in ("ours", "logits"):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with _Allocations() as allocs:
+            if path == "ours":
+                lp, ent = chunked_logprobs(h, w, idx, chunk_size=rows, return_entropy=True)
+            else:
+                lp, ent = _logits_path(h, w, None, idx, 1.0)
+            (lp.sum() + ent.sum()).backward()
+        if path == "ours":
+            # chunk buffers (rows x V) and the (V, H) weight gradient are the largest
+            assert max(allocs.sizes) == max(rows * vocab * 4, vocab * hidden_size * 4)
+        else:
+            assert allocs.count_at_least(logits_bytes) >= 2  # detector sanity: logits + their grad
+
+
 def test_chunked_logprobs_noncontiguous_hidden():
     h0, w0, _, idx = _head(torch.float32, n_shape=(3, 9), bias=False)
     out = chunked_logprobs(h0[:, :-1], w0, idx[:, 1:], chunk_size=4)
@@ -240,6 +319,7 @@ def test_chunked_logprobs_noncontiguous_hidden():
     ("kwargs", "match"),
     [
         (dict(hidden=torch.randn(4, 8, dtype=torch.float64).long()), r"`hidden` must be a floating-point"),
+        (dict(hidden=torch.randn(4, 8, dtype=torch.float64)), r"`hidden` must have the dtype of `weight` \(torch.float32\)"),
         (dict(weight=torch.randn(11, 9)), r"`hidden` must have shape \(\.\.\., H\) with H=9"),
         (dict(weight=torch.randn(11)), r"`weight` must be a floating-point \(V, H\)"),
         (dict(index=torch.zeros(5, dtype=torch.long)), r"`index` must have shape \(4,\)"),
@@ -248,7 +328,7 @@ def test_chunked_logprobs_noncontiguous_hidden():
         (dict(temperature=0.0), r"`temperature` must be > 0"),
         (dict(chunk_size=0), r"`chunk_size` must be a positive"),
     ],
-    ids=["int-hidden", "H-mismatch", "weight-1d", "index-shape", "index-range", "bias-shape", "temperature", "chunk"],
+    ids=["int-hidden", "dtype-mismatch", "H-mismatch", "weight-1d", "index-shape", "index-range", "bias-shape", "temperature", "chunk"],
 )
 def test_chunked_logprobs_bad_input(kwargs, match):
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(11, 8), index=torch.zeros(4, dtype=torch.long))

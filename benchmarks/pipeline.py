@@ -1,0 +1,74 @@
+"""Benchmark the quickstart: the main job from scratch, the all-cached rerun, and `dvc repro` no-op.
+
+    python benchmarks/pipeline.py            # default params.yaml (the quickstart), ~2 minutes
+    python benchmarks/pipeline.py --skip-dvc
+
+Runs in a temporary copy of the project (git + DVC initialised) so it never touches your
+artifacts/, and prints one table. Each `align run` is a fresh process in Prefect's
+ephemeral mode, exactly as `make run` does it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if res.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return elapsed, res.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-dvc", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="align-bench-"))
+    repo = work / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "artifacts", ".git", "__pycache__", ".dvc"))
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env.pop("PREFECT_API_URL", None)
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=b@b", "-c", "user.name=b", "commit", "-qm", "bench"]):
+        subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
+
+    rows = []
+    first, out = timed([str(BIN / "align"), "run"], repo, env)
+    rows.append(("main job, from scratch (align run)", f"{first:.1f} s"))
+    evaluation = json.loads((repo / "artifacts" / "evaluate" / "metrics.json").read_text())
+    for r in evaluation:
+        rows.append((f"held-out accuracy, {r['model']} (n={r['n']})", f"{r['accuracy']:.1%}"))
+    stages = {m: json.loads((repo / "artifacts" / m / "manifest.json").read_text())["wall_time_s"]
+              for m in ("preprocess", "sft", "evaluate")}
+    rows += [(f"  stage {m}", f"{s:.1f} s") for m, s in stages.items()]
+    second, out2 = timed([str(BIN / "align"), "run"], repo, env)
+    cached = sum(" cached " in line for line in out2.splitlines())
+    rows.append((f"second run, nothing changed ({cached}/3 cached)", f"{second:.1f} s"))
+    if not args.skip_dvc:
+        dvc_first, _ = timed(["dvc", "repro"], repo, env)  # after the flow's dvc commit: nothing to run
+        dvc_noop, out3 = timed(["dvc", "repro"], repo, env)
+        rows.append(("dvc repro after the flow (nothing runs)", f"{dvc_first:.2f} s"))
+        rows.append(("dvc repro no-op", f"{dvc_noop:.2f} s"))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'measure':<{width}}  value")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
