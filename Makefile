@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
+	$(BIN)/align server start
 	$(BIN)/align run
 
 test: install

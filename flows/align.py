@@ -21,7 +21,7 @@ from tasks.preprocess import preprocess
 from tasks.sft import sft
 
 
-@flow(name="align", log_prints=True)
+@flow(name="align")
 def align(params_file: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...])."""
     params = load_params(params_file, overrides or [])  # every params problem, before any compute

@@ -2,12 +2,14 @@
 
     align run [--params params.yaml] [--set sft.learning_rate=1e-3 ...]   run the flow now
     align serve [--params params.yaml]          serve the align/full and align/nightly deployments
+    align server start|stop                     a background Prefect server on 127.0.0.1 for fast reruns + UI
     align stage <stage> [--set ...]             one stage, without Prefect (= python -m stages <stage>)
     align status                                which stages are current, and why not
     align dvc-yaml                              print the dvc.yaml derived from the stage table
 
-Without PREFECT_API_URL, `align run` uses Prefect's ephemeral mode (a temporary local
-server); with it set (e.g. to a `prefect server start --host 127.0.0.1`), runs show in that UI.
+Which Prefect server a run talks to: PREFECT_API_URL if set; else the background server of
+`align server start` if it is running; else Prefect's ephemeral mode (a temporary server
+started and stopped around the run, several seconds each time).
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--params", default="params.yaml")
         if name == "run":
             p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    srv = sub.add_parser("server", help="start or stop a background Prefect server on 127.0.0.1")
+    srv.add_argument("action", choices=["start", "stop"])
+    srv.add_argument("--port", type=int, default=4200)
     for name in ("stage", "status", "dvc-yaml"):
         sub.add_parser(name, add_help=False, help="see python -m stages --help")
     args, rest = parser.parse_known_args(argv)
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from stages.__main__ import main as stages_main
     from stages.config import ParamsError, load_params
 
+    if args.command == "server":
+        return server_command(args.action, args.port)
     if args.command == "stage":
         return stages_main(rest)
     if args.command in ("status", "dvc-yaml"):
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    use_background_server()
     if args.command == "serve":
         from flows.deploy import serve_deployments
 
@@ -64,6 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print_summary(state.result())
     return 0
+
+
+def server_command(action: str, port: int) -> int:
+    from flows import server
+
+    if action == "start":
+        url = server.start_server(port)
+        print(f"Prefect server: {url.removesuffix('/api')} (align run uses it; `align server stop` stops it)")
+    else:
+        print("stopped" if server.stop_server() else "no align server recorded")
+    return 0
+
+
+def use_background_server() -> None:
+    """Point Prefect at `align server start`'s server when no API URL is configured (before prefect loads)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from flows.server import find_server
+
+    if url := find_server():
+        os.environ["PREFECT_API_URL"] = url
 
 
 def print_summary(summary: dict) -> None:

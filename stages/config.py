@@ -87,13 +87,13 @@ class ModelConfig:
 class ArithmeticConfig:
     """The built-in verifiable task `builtin:arithmetic` (used only when data.source is builtin:arithmetic)."""
 
-    num_train: int = positive(12000, "SFT demonstrations")
+    num_train: int = positive(6000, "SFT demonstrations")
     num_preference: int = positive(3000, "preference pairs (correct chosen, wrong rejected)")
     num_eval: int = positive(300, "held-out evaluation prompts, never seen in training")
     digits: int = param(2, help="digits per operand", check=lambda v: 1 <= v <= 9, rule="must be in [1, 9]")
     error_rate: float = fraction(0.7, "fraction of carry-needing sums whose demonstration drops the carry",
                                  open_right=False)
-    reasoning: bool = param(False, help="answers carry a <think>...</think> block with the column sums")
+    reasoning: bool = param(True, help="answers carry a <think>...</think> block with the column sums")
     seed: int = param(0, help="seed of the task generator")
 
 
@@ -117,11 +117,11 @@ class PreprocessConfig:
 
 @dataclass
 class SFTParams:
-    learning_rate: float = positive(2e-3, "peak learning rate")
+    learning_rate: float = positive(3e-3, "peak learning rate")
     num_train_epochs: float = positive(2.0, "passes over the training rows")
     max_steps: int = param(-1, help="stop after this many optimizer steps (-1: use num_train_epochs)",
                            check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    per_device_train_batch_size: int = positive(64, "rows per device per micro-batch")
+    per_device_train_batch_size: int = positive(32, "rows per device per micro-batch")
     gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
     warmup_ratio: float = fraction(0.05, "share of steps with linear warm-up")
     weight_decay: float = non_negative(0.0, "AdamW weight decay")
@@ -135,8 +135,8 @@ class SFTParams:
 
 @dataclass
 class EvaluateParams:
-    max_new_tokens: int = positive(16, "generation budget per prompt")
-    batch_size: int = positive(128, "prompts per generate call")
+    max_new_tokens: int = positive(32, "generation budget per prompt")
+    batch_size: int = positive(300, "prompts per generate call")
     max_samples: int = param(-1, help="evaluate on at most N held-out prompts (-1: all)",
                              check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
     answer_regex: str | None = param(r"(-?\d+)\s*$", help="regex whose first group is the answer in both completion "

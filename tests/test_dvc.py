@@ -78,7 +78,7 @@ def test_repro_noop_partial_rerun_and_agreement_with_prefect(dvc_repo):
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=dvc_repo).stdout
     assert flow.count(" cached ") == 3, flow
     # a param change through the flow: sft and evaluate execute, and dvc.lock records them
-    set_param(dvc_repo, "learning_rate: 0.002", "learning_rate: 0.003")
+    set_param(dvc_repo, "learning_rate: 0.003", "learning_rate: 0.004")
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=dvc_repo).stdout
     rows = [line.split()[:2] for line in flow.splitlines()]
     assert [r for r in rows if len(r) == 2 and r[1] in ("cached", "executed")] == [
