@@ -25,7 +25,7 @@ def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect
     assert run(params)[0] == {"preprocess": "cached", "sft": "cached", "evaluate": "cached"}
     assert run(params, ["evaluate.max_new_tokens=5"])[0] == {
         "preprocess": "cached", "sft": "cached", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "sft.learning_rate=0.003"])[0] == {
+    assert run(params, ["evaluate.max_new_tokens=5", "sft.learning_rate=0.004"])[0] == {
         "preprocess": "cached", "sft": "executed", "evaluate": "executed"}
     assert run(params, ["evaluate.max_new_tokens=5", "data.builtin.seed=3"])[0] == {
         "preprocess": "executed", "sft": "executed", "evaluate": "executed"}
