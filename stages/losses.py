@@ -34,3 +34,13 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: 
     with torch.no_grad():
         correct = ((shift_logits.argmax(-1) == shift_labels) & mask).sum()
     return loss, {"num_tokens": num_tokens.detach(), "correct_tokens": correct}
+
+
+def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The same loss as `sft_loss`, from the labelled tokens' log-probs: (N,) -> scalar.
+
+    -sum(logps) / num_items_in_batch (or / N): what the chunked log-prob path of the SFT
+    trainer uses, where the (B, T, V) logits are never built.
+    """
+    denom = num_items_in_batch if num_items_in_batch is not None else max(logps.numel(), 1)
+    return -logps.sum() / denom

@@ -3,7 +3,12 @@
 Rows are prompt/completion (strings or chat messages) or plain text; they are tokenised
 with the chat template and a completion mask built from positions. With
 `completion_only_loss` the loss covers completion tokens only. The loss itself is
-`stages.losses.sft_loss`; this module only feeds it.
+`stages.losses.sft_loss` (from logits) or `sft_loss_from_logps`; this module only feeds it.
+
+Memory: with `use_chunked_logprobs` (default) and a model whose output layer allows it
+(see `stages.trainers.logprobs`), the loss is computed from the final hidden states of
+the labelled positions only, through `stages.kernels.chunked_logprobs`: the (batch,
+tokens, vocab) logits are never built. Otherwise it falls back to the full logits.
 """
 from __future__ import annotations
 
@@ -15,13 +20,16 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from stages.data.tokenize import tokenize_sft
-from stages.losses import IGNORE_INDEX, sft_loss
+from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
 
 
 @dataclass
 class SFTConfig(TrainingArguments):
     max_seq_length: int = field(default=1024, metadata={"help": "truncate tokenised rows to this length"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss on completion tokens only"})
+    use_chunked_logprobs: bool = field(default=True, metadata={
+        "help": "loss from hidden states through the chunked lm-head kernel (no full logits) where the model allows"})
 
 
 @dataclass
@@ -66,8 +74,18 @@ class SFTTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
-        outputs = model(**inputs, use_cache=False)
-        loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch)
+        head = lm_head_for_chunking(model) if self.args.use_chunked_logprobs else None
+        if head is not None:
+            targets = labels[:, 1:]
+            select = targets != IGNORE_INDEX
+            hidden, outputs = selected_hidden(model, inputs, select)
+            logps = head_logprobs(hidden, head, targets[select])
+            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch)
+            stats = {"num_tokens": select.sum(), "correct_tokens": (head_argmax(hidden.detach(), head)
+                                                                    == targets[select]).sum()}
+        else:
+            outputs = model(**inputs, use_cache=False)
+            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages grads; the denominator is already global
         mode = "train" if model.training else "eval"

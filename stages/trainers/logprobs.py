@@ -1,0 +1,73 @@
+"""Log-probabilities of target tokens under a causal LM, without full logits where the model allows.
+
+`lm_head_for_chunking(model)` decides whether the model's output layer can be fed to
+`stages.kernels.chunked_logprobs` (hidden states x head weight, chunk by chunk, never the
+(tokens, vocab) logits). It falls back (returns None) when the logits are not a plain
+`hidden @ W.T (+ b)`:
+
+- the output layer is not a plain `torch.nn.Linear` (quantized 4/8-bit heads, a LoRA
+  adapter on the head, tied heads wrapped in custom modules);
+- the config post-processes logits (`final_logit_softcapping`, `logit_scale`,
+  `logits_scaling`, ... as in Gemma 2, Cohere, Granite);
+- the forward has no `logits_to_keep` argument (the logits could not be skipped anyway).
+
+The trainers then run the model's forward themselves (so DDP/FSDP hooks fire as usual),
+asking for the final hidden states and only one position of logits.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from stages.kernels import chunked_logprobs
+
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def unwrap(model):
+    while hasattr(model, "module"):  # DDP / accelerate wrappers
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
+def lm_head_for_chunking(model) -> nn.Linear | None:
+    """The output layer to use with chunked_logprobs, or None when the logits path is required."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return None
+    config = getattr(inner, "config", None)
+    for attr in LOGIT_POSTPROCESSING:
+        value = getattr(config, attr, None)
+        if value not in (None, 1, 1.0):
+            return None
+    if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+        return None
+    return head
+
+
+def selected_hidden(model, inputs: dict, select: torch.Tensor):
+    """Forward pass; final hidden states at next-token-prediction positions where `select`: (N, H).
+
+    select: (B, T-1) bool, True where position t's prediction of token t+1 is needed.
+    """
+    out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][:, :-1][select], out
+
+
+def head_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, **kw):
+    """log p(targets) from hidden states: (N, H), targets: (N,) -> (N,) (and entropy with return_entropy)."""
+    return chunked_logprobs(hidden, head.weight, targets, bias=head.bias, **kw)
+
+
+@torch.no_grad()
+def head_argmax(hidden: torch.Tensor, head: nn.Linear, rows: int = 1024) -> torch.Tensor:
+    """Greedy token per row, in row chunks (for accuracy metrics): (N, H) -> (N,)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        out[start:start + rows] = head(hidden[start:start + rows]).argmax(-1)
+    return out

@@ -1,0 +1,67 @@
+"""The SFT loss through the chunked lm-head kernel equals the full-logits loss, gradients included."""
+import pytest
+import torch
+from torch import nn
+
+from stages.builtin import tiny
+from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
+                      intermediate_size=64, vocab_size=384, seed=0)
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_chunked_loss_and_grads_match_logits_path(model):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (3, 9))
+    attention = torch.ones_like(ids)
+    attention[2, 6:] = 0
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX
+    labels[attention == 0] = IGNORE_INDEX
+    inputs = {"input_ids": ids, "attention_mask": attention}
+
+    model.zero_grad()
+    ref, stats = sft_loss(model(**inputs).logits, labels)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    head = lm_head_for_chunking(model)
+    assert head is model.lm_head
+    select = labels[:, 1:] != IGNORE_INDEX
+    hidden, _ = selected_hidden(model, inputs, select)
+    loss = sft_loss_from_logps(head_logprobs(hidden, head, labels[:, 1:][select]))
+    loss.backward()
+    assert torch.allclose(loss, ref, atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5), n
+    correct = (head_argmax(hidden.detach(), head) == labels[:, 1:][select]).sum()
+    assert correct == stats["correct_tokens"]
+
+
+def test_falls_back_when_logits_are_post_processed(model):
+    model.config.final_logit_softcapping = 30.0
+    try:
+        assert lm_head_for_chunking(model) is None
+    finally:
+        model.config.final_logit_softcapping = None
+    assert lm_head_for_chunking(model) is not None
+
+
+def test_falls_back_for_non_linear_head(model):
+    class Quantized(nn.Linear):  # e.g. bitsandbytes' Linear4bit subclasses nn.Linear
+        pass
+
+    original = model.lm_head
+    model.lm_head = Quantized(original.in_features, original.out_features, bias=False)
+    try:
+        assert lm_head_for_chunking(model) is None
+    finally:
+        model.lm_head = original
