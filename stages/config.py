@@ -116,6 +116,22 @@ class PreprocessConfig:
 
 
 @dataclass
+class LoraParams:
+    """LoRA / QLoRA adapters for a training stage (off by default: full fine-tuning)."""
+
+    enabled: bool = param(False, help="train LoRA adapters instead of all weights")
+    r: int = positive(16, "adapter rank")
+    alpha: float = positive(32, "scaling numerator (scale = alpha / r)")
+    dropout: float = fraction(0.05, "dropout on the adapter input")
+    target_modules: list[str] = param(default_factory=lambda: ["all-linear"],
+                                      help="module names to adapt (e.g. q_proj, v_proj), or all-linear")
+    modules_to_save: list[str] = param(default_factory=list, help="modules trained in full and saved with the "
+                                       "adapter (e.g. embed_tokens, lm_head)")
+    quantization: Literal["none", "4bit", "8bit"] = param("none", help="QLoRA: load the base in 4 or 8 bits "
+                                                          "(bitsandbytes, CUDA only)")
+
+
+@dataclass
 class SFTParams:
     learning_rate: float = positive(3e-3, "peak learning rate")
     num_train_epochs: float = positive(2.0, "passes over the training rows")
@@ -129,8 +145,31 @@ class SFTParams:
         "cosine", help="learning-rate schedule")
     max_seq_length: int = positive(512, "truncate tokenised rows to this many tokens")
     completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
+    assistant_only_loss: bool = param(False, help="loss on every assistant turn of multi-turn conversations only "
+                                      "(needs {% generation %} markers in the chat template)")
+    dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
+    formatting_func: str | None = param(None, help="module:function turning a row into a training text")
+    packing: bool = param(False, help="pack rows into max_seq_length sequences, padding-free")
+    packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
+    streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
+    gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
+    gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param("auto", help="auto: bf16 on GPUs that have it")
+    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
     logging_steps: int = positive(20, "log loss every N optimizer steps")
-    report_to: list[str] = param(default_factory=list, help="trackers: tensorboard, wandb (empty: none)")
+    report_to: list[str] = param(default_factory=lambda: ["tensorboard"],
+                                 help="trackers: tensorboard, wandb, mlflow ([] for none)")
+    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.streaming and self.max_steps <= 0:
+            problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
+        if self.streaming and self.packing:
+            problems.append(("packing", "= true: packing needs the whole dataset; turn off sft.streaming or packing"))
+        if self.formatting_func is not None and ":" not in self.formatting_func:
+            problems.append(("formatting_func", f"= {self.formatting_func!r}: expected module:function"))
+        return problems
 
 
 @dataclass

@@ -77,10 +77,14 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
+                   quantization_config=None):
+    """A causal LM from a model folder, hub id or PEFT adapter folder (loaded onto its base)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                 trust_remote_code=trust_remote_code)
-    return model.to(device)
+    kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+    if quantization_config is not None:  # bitsandbytes places the quantised weights itself
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
+                                                    device_map={"": 0}, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import platform
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class StageContext:
     out: Path  # temporary folder; everything written here becomes the stage's output
     inputs: dict[str, Path]  # upstream stage name -> its (verified) output folder
     log: logging.Logger
+    work: Path  # persists across crashed attempts of this fingerprint (checkpoints); removed on success
 
 
 @dataclass
@@ -93,9 +95,11 @@ def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, An
     log.info("%s: running (fingerprint %s)", name, state.fingerprint)
     fn = _entry(spec)
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    work = Path(params.run.output_dir) / ".work" / f"{name}-{state.fingerprint[:16]}"
+    work.mkdir(parents=True, exist_ok=True)
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{name}"))
+                           log=logging.getLogger(f"stages.{name}"), work=work)
         metrics = fn(ctx) or {}
         manifest = artifacts.write_manifest(tmp, {
             "stage": name,
@@ -109,6 +113,7 @@ def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, An
             "wall_time_s": round(time.perf_counter() - t0, 3),
             "versions": _versions(),
         })
+    shutil.rmtree(work, ignore_errors=True)
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
     log.info("%s: done in %.1fs -> %s", name, manifest["wall_time_s"], state.folder)
     return {**manifest, "executed": True}

@@ -12,8 +12,12 @@ from typing import Any
 
 from stages.data.formats import FORMATS, describe_formats, detect_format, is_conversational, normalise, validate
 from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
+from stages.data.packing import pack_dataset
+from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
 
-__all__ = ["DataError", "LoadReport", "load_source", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS"]
+__all__ = ["DataError", "LoadReport", "load_source", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
+           "apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset", "pack_dataset"]
+# not re-exported: stages.data.collators.CompletionCollator, which needs torch (importing stages.data stays light)
 
 MAX_LISTED = 20
 

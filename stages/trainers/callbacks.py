@@ -19,3 +19,11 @@ class LogToLogger(TrainerCallback):
         self.history.append({"step": state.global_step, **logs})
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
         self.logger.info("step %d/%d: %s", state.global_step, state.max_steps, shown)
+
+
+def tensorboard_callback(log_dir):
+    """TensorBoard logs into `log_dir` (transformers' own callback otherwise writes under output_dir/runs)."""
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    return TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(log_dir)))

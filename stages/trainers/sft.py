@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-import torch
 from transformers import Trainer, TrainingArguments
 
+from stages.data.collators import CompletionCollator
+from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
@@ -28,49 +30,48 @@ from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chu
 class SFTConfig(TrainingArguments):
     max_seq_length: int = field(default=1024, metadata={"help": "truncate tokenised rows to this length"})
     completion_only_loss: bool = field(default=True, metadata={"help": "loss on completion tokens only"})
+    assistant_only_loss: bool = field(default=False, metadata={"help": "loss on every assistant turn only"})
+    dataset_text_field: str = field(default="text", metadata={"help": "column of raw-text rows"})
+    packing: bool = field(default=False, metadata={"help": "pack rows into max_seq_length sequences, padding-free"})
+    packing_strategy: str = field(default="bfd", metadata={"help": "bfd or wrapped (stages.data.packing)"})
     use_chunked_logprobs: bool = field(default=True, metadata={
         "help": "loss from hidden states through the chunked lm-head kernel (no full logits) where the model allows"})
-
-
-@dataclass
-class SFTCollator:
-    """Right-pads `input_ids`; labels are the ids on completion (or all real) tokens, IGNORE_INDEX elsewhere."""
-
-    pad_token_id: int
-    completion_only_loss: bool = True
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(features), width), dtype=torch.long)
-        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            row = torch.tensor(f["input_ids"], dtype=torch.long)
-            ids[i, :n], attention[i, :n] = row, 1
-            keep = torch.tensor(f["completion_mask"], dtype=torch.bool) if self.completion_only_loss else \
-                torch.ones(n, dtype=torch.bool)
-            labels[i, :n] = torch.where(keep, row, IGNORE_INDEX)
-        return {"input_ids": ids, "attention_mask": attention, "labels": labels}
 
 
 class SFTTrainer(Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: SFTConfig, *, processing_class, train_dataset, eval_dataset=None, **kwargs):
+    def __init__(self, model, args: SFTConfig, *, processing_class, train_dataset, eval_dataset=None,
+                 formatting_func=None, **kwargs):
+        self.formatting_func = formatting_func
+        args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
+        kwargs.setdefault("data_collator", CompletionCollator(
+            pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
+            assistant_only_loss=args.assistant_only_loss, padding_free=args.packing,
+            max_length=args.max_seq_length))
+        super().__init__(model=model, args=args, processing_class=processing_class,
+                         train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
+                         eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
+        """Rows -> tokenised Dataset (packed if asked); IterableDatasets are tokenised lazily."""
         import datasets
 
-        def prepare(rows):
-            if rows is None or (len(rows) and "input_ids" in rows[0]):
-                return rows
-            return datasets.Dataset.from_list(tokenize_sft(processing_class, list(rows), max_length=args.max_seq_length))
-
-        args.remove_unused_columns = False  # the collator needs completion_mask
-        kwargs.setdefault("data_collator", SFTCollator(processing_class.pad_token_id, args.completion_only_loss))
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=prepare(train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if rows is None:
+            return None
+        tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_seq_length, text_field=args.dataset_text_field,
+                           formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
+        if isinstance(rows, datasets.IterableDataset):
+            columns = list(next(iter(rows)).keys())
+            return rows.map(lambda batch: _columns(tokenize(_rows(batch))), batched=True, remove_columns=columns)
+        rows = list(rows)
+        if rows and "input_ids" not in rows[0]:
+            rows = tokenize(rows)
+        if pack:
+            rows = pack_dataset(rows, args.max_seq_length, args.packing_strategy)
+        return datasets.Dataset.from_list(rows)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
@@ -104,3 +105,12 @@ class SFTTrainer(Trainer):
             logs[f"{prefix}num_tokens"] = float(sum(m["num_tokens"]))
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    keys = list(batch)
+    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}

@@ -7,8 +7,7 @@ import torch
 from stages.builtin import arithmetic, tiny
 from stages.config import ArithmeticConfig
 from stages.data.formats import normalise
-from stages.losses import IGNORE_INDEX
-from stages.trainers.sft import SFTCollator, SFTConfig, SFTTrainer
+from stages.trainers.sft import SFTConfig, SFTTrainer
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +44,42 @@ def test_loss_falls_and_every_parameter_changes(setup, tmp_path):
     assert 0 <= logged["mean_token_accuracy"] <= 1 and logged["num_tokens"] > 0
 
 
-def test_collator_masks_prompt_and_padding_from_positions():
-    """pad id == eos id: the real EOS at the end of the completion must still be a label."""
-    eos = pad = 7
-    feats = [{"input_ids": [1, 2, 3, 4, eos], "completion_mask": [0, 0, 0, 1, 1]},
-             {"input_ids": [1, 5, eos], "completion_mask": [0, 1, 1]}]
-    batch = SFTCollator(pad_token_id=pad)(feats)
-    assert batch["labels"].tolist() == [[IGNORE_INDEX] * 3 + [4, eos], [IGNORE_INDEX, 5, eos, IGNORE_INDEX, IGNORE_INDEX]]
-    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
-    full = SFTCollator(pad_token_id=pad, completion_only_loss=False)(feats)
-    assert full["labels"][1].tolist() == [1, 5, eos, IGNORE_INDEX, IGNORE_INDEX]
-
-
 def test_completion_tokens_are_the_assistant_answer(setup, tmp_path):
     trainer, tok = _trainer(setup, tmp_path)
     row = trainer.train_dataset[0]
     completion = [i for i, m in zip(row["input_ids"], row["completion_mask"]) if m]
     answer = setup[1][0]["completion"][0]["content"]
     assert tok.decode(completion) == answer + "<|end|>"
+
+
+def test_assistant_only_loss_trains_every_assistant_turn(setup, tmp_path):
+    _, rows = setup
+    turns = [{"prompt": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                         {"role": "user", "content": "2+2"}], "completion": [{"role": "assistant", "content": "4"}]}]
+    trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True)
+    row = trainer._prepare(turns, tok, trainer.args, False)[0]
+    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
+    assert tok.decode(targets) == "2<|end|>4<|end|>"
+
+
+def test_packing_trains_and_uses_fewer_rows(setup, tmp_path):
+    trainer, _ = _trainer(setup, tmp_path, packing=True, max_seq_length=128)
+    assert len(trainer.train_dataset) < len(setup[1]) / 3  # ~30-token rows, 128-token packs
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # padding-free
+    assert (batch["position_ids"] == 0).sum() > 2  # positions restart per packed sequence
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+
+
+def test_streaming_rows_are_tokenised_lazily(setup, tmp_path):
+    import datasets
+
+    path, rows = setup
+    streamed = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    trainer, _ = _trainer((path, streamed), tmp_path)
+    first = next(iter(trainer.train_dataset))
+    assert set(first) == {"input_ids", "completion_mask"} and sum(first["completion_mask"]) > 0
+    trainer.train()
+    assert trainer.state.global_step == 40

@@ -1,0 +1,181 @@
+"""Chat templates applied to rows: conversational rows in, rendered strings out.
+
+Three pure helpers, each working on one row (a dict) or on a whole dataset:
+
+- `maybe_extract_prompt(row)`: a preference row without a "prompt" whose chosen and
+  rejected share a beginning gets that beginning as its explicit prompt.
+- `apply_chat_template(row, tokenizer)`: a conversational row rendered to strings with
+  the tokenizer's chat template, for every row kind (see the table below). The rendered
+  prompt is always a prefix of prompt + completion, so completion masks can be built
+  from positions.
+- `unpair_preference_dataset(rows)`: each prompt/chosen/rejected row becomes two
+  prompt/completion/label rows (chosen -> True, rejected -> False).
+
+| row kind          | fields in                      | fields out                       |
+|-------------------|--------------------------------|----------------------------------|
+| messages          | messages                       | text                             |
+| prompt_only       | prompt                         | prompt (with generation prompt)  |
+| prompt_completion | prompt, completion             | prompt, completion               |
+| preference        | [prompt], chosen, rejected     | prompt, chosen, rejected         |
+| unpaired          | prompt, completion, label      | prompt, completion, label        |
+
+Columns beyond the row kind's own are kept as they are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from stages.data.formats import detect_format, extract_shared_prompt, is_conversational
+
+__all__ = ["apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset"]
+
+
+def maybe_extract_prompt(row: dict[str, Any]) -> dict[str, Any]:
+    """A preference row with its shared beginning moved into an explicit "prompt".
+
+    Conversations: the leading messages both chosen and rejected share become the prompt
+    (each side keeps at least its last message). Plain strings: the longest common
+    prefix, cut back to its last whitespace so no word is split; the whitespace starts
+    the completions (" blue." rather than "blue."), as byte-level tokenizers expect.
+
+    Rows that already have a prompt, rows that are not preference rows and rows whose
+    sides share nothing are returned unchanged (the same object).
+    """
+    if "prompt" in row or "chosen" not in row or "rejected" not in row:
+        return row
+    chosen, rejected = row["chosen"], row["rejected"]
+    if is_conversational(chosen) and is_conversational(rejected):
+        split = extract_shared_prompt(chosen, rejected)
+        return {**row, **split} if split["prompt"] else row
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        n = _common_prefix_length(chosen, rejected)
+        cut = max((i for i in range(n) if chosen[i].isspace()), default=0)
+        if cut == 0:
+            return row
+        return {**row, "prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
+    return row
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def apply_chat_template(row: dict[str, Any], tokenizer, *, tools: list[dict] | None = None) -> dict[str, Any]:
+    """A conversational row rendered to strings with `tokenizer`'s chat template (table above).
+
+    Completions are rendered as part of the whole conversation, then cut after the
+    rendered prompt, so the special tokens that close each turn are in the completion.
+    `tools` (JSON schemas) is passed to the template. Non-conversational rows are
+    returned unchanged (the same object). Preference rows without a prompt go through
+    `maybe_extract_prompt` first.
+
+    Raises ValueError when the tokenizer has no chat template, or when the template
+    renders the prompt differently once a completion follows (it rewrites earlier turns).
+    """
+    kind = detect_format(row)
+    render = _RENDERERS.get(kind)
+    field = "messages" if kind == "messages" else "chosen" if kind == "preference" else "prompt"
+    if render is None or not is_conversational(row[field]):
+        return row
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"row field {field!r} is a list of chat messages, but the tokenizer "
+                         f"({type(tokenizer).__name__}) has no chat_template (found None); expected a tokenizer "
+                         "with a chat template to render it. Fix: set tokenizer.chat_template (for a base model, "
+                         "copy the template of its instruct version), or give the rows as plain strings.")
+    return render(row, _Renderer(tokenizer, tools))
+
+
+class _Renderer:
+    def __init__(self, tokenizer, tools):
+        self.tokenizer, self.tools = tokenizer, tools
+
+    def __call__(self, messages: list[dict], *, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def split(self, prompt: list[dict], completion: list[dict], field: str) -> tuple[str, str]:
+        """(prompt text, completion text) with prompt text + completion text == the whole rendering."""
+        prompt_text = self(prompt, generation_prompt=True)
+        full = self(prompt + completion)
+        if not full.startswith(prompt_text):
+            raise ValueError(
+                f"the chat template renders the prompt differently once {field!r} is appended, so the rendered "
+                f"prompt is not a prefix of prompt + {field} (prompt ends {prompt_text[-60:]!r}, the full text "
+                f"has {full[max(0, len(prompt_text) - 60):len(prompt_text)]!r} there). The template rewrites "
+                "earlier turns depending on what follows (e.g. it strips reasoning from past assistant turns, or "
+                "its generation prompt differs from how it opens an assistant turn). Fix: use a training template "
+                "whose rendering of the prompt with add_generation_prompt=True is a prefix of the full "
+                "conversation (set tokenizer.chat_template), or give the rows as plain strings.")
+        return prompt_text, full[len(prompt_text):]
+
+
+def _messages(row: dict, r: _Renderer) -> dict:
+    extra = {k: v for k, v in row.items() if k != "messages"}
+    return {**extra, "text": r(row["messages"])}
+
+
+def _prompt_only(row: dict, r: _Renderer) -> dict:
+    return {**row, "prompt": r(row["prompt"], generation_prompt=True)}
+
+
+def _prompt_completion(row: dict, r: _Renderer) -> dict:
+    prompt, completion = r.split(row["prompt"], row["completion"], "completion")
+    return {**row, "prompt": prompt, "completion": completion}
+
+
+def _preference(row: dict, r: _Renderer) -> dict:
+    row = maybe_extract_prompt(row)
+    if "prompt" not in row:  # nothing shared: each side is a whole conversation
+        return {**row, "prompt": "", "chosen": r(row["chosen"]), "rejected": r(row["rejected"])}
+    prompt, chosen = r.split(row["prompt"], row["chosen"], "chosen")
+    _, rejected = r.split(row["prompt"], row["rejected"], "rejected")
+    return {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+# row kind (stages.data.formats.detect_format) -> renderer; unpaired rows render like prompt/completion
+_RENDERERS = {
+    "messages": _messages,
+    "prompt_only": _prompt_only,
+    "prompt_completion": _prompt_completion,
+    "unpaired": _prompt_completion,
+    "preference": _preference,
+}
+
+
+def unpair_preference_dataset(rows_or_dataset):
+    """Each prompt/chosen/rejected row -> two prompt/completion/label rows, chosen first.
+
+    Takes a list of dicts or a `datasets.Dataset` and returns the same type, with 2N rows
+    for N: (prompt, chosen, label=True) then (prompt, rejected, label=False); other
+    columns are repeated on both. Rows without a prompt go through `maybe_extract_prompt`;
+    one that still has none raises ValueError.
+    """
+    if isinstance(rows_or_dataset, list):
+        return [out for row in rows_or_dataset for out in _unpair(row)]
+
+    def unpair_batch(batch: dict[str, list]) -> dict[str, list]:
+        n = len(next(iter(batch.values())))
+        rows = [out for i in range(n) for out in _unpair({k: v[i] for k, v in batch.items()})]
+        return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+
+    return rows_or_dataset.map(unpair_batch, batched=True, remove_columns=rows_or_dataset.column_names)
+
+
+def _unpair(row: dict[str, Any]) -> tuple[dict, dict]:
+    row = maybe_extract_prompt(row)
+    if "prompt" not in row:
+        raise ValueError(f"preference row {_preview(row)} has no 'prompt' and its chosen and rejected share no "
+                         "prefix to take one from; an unpaired row needs a prompt. Add a 'prompt' field.")
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
+    return ({**extra, "prompt": row["prompt"], "completion": row["chosen"], "label": True},
+            {**extra, "prompt": row["prompt"], "completion": row["rejected"], "label": False})
+
+
+def _preview(row: dict) -> str:
+    text = repr(row)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,66 @@
+"""LoRA and QLoRA for every training stage, from the `lora` params of that stage.
+
+`quantization_config(lora)` is what `from_pretrained` needs for QLoRA (a 4- or 8-bit
+base through bitsandbytes, CUDA only); `apply_lora(model, lora)` wraps a model with PEFT
+adapters after checking that the target modules exist.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def quantization_config(lora, *, device: str, compute_dtype: str = "bfloat16"):
+    """A BitsAndBytesConfig for QLoRA, or None; a clear error where it cannot work."""
+    if not lora.enabled or lora.quantization == "none":
+        return None
+    if device != "cuda":
+        raise ValueError(f"lora.quantization = {lora.quantization!r}: QLoRA needs a CUDA GPU (bitsandbytes "
+                         f"quantises on the GPU) but this run is on {device}; set lora.quantization: none for "
+                         "plain LoRA")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ValueError(f"lora.quantization = {lora.quantization!r} needs bitsandbytes: pip install bitsandbytes"
+                         ) from None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if lora.quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=getattr(torch, compute_dtype))
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def linear_module_names(model) -> list[str]:
+    """Short names of the Linear layers LoRA can target (q_proj, v_proj, ...)."""
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return sorted(names)
+
+
+def apply_lora(model, lora):
+    """Wrap `model` with LoRA adapters; unknown target modules fail with the names that exist."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    available = linear_module_names(model)
+    targets = lora.target_modules
+    if targets != ["all-linear"]:
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise ValueError(f"lora.target_modules = {targets}: {missing} not in the model; its Linear layers "
+                             f"are {available} (or use [all-linear])")
+    named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in lora.modules_to_save if m not in named]
+    if missing:
+        raise ValueError(f"lora.modules_to_save = {lora.modules_to_save}: {missing} not in the model")
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        modules_to_save=lora.modules_to_save or None)
+    return get_peft_model(model, config)
+
+
+def trainable_fraction(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,186 @@
+"""Chat templates applied to every row kind; prompts stay prefixes; preference rows split and unpaired."""
+import datasets
+import pytest
+
+from stages.builtin import tiny
+from stages.data.formats import extract_shared_prompt
+from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text):
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.build_tokenizer(384)
+
+
+# ---- maybe_extract_prompt ------------------------------------------------------------------------
+
+def test_extract_prompt_from_shared_messages():
+    row = {"chosen": [user("hi"), bot("hello"), user("2+2?"), bot("4")],
+           "rejected": [user("hi"), bot("hello"), user("2+2?"), bot("5")], "id": 7}
+    assert maybe_extract_prompt(row) == {"prompt": [user("hi"), bot("hello"), user("2+2?")],
+                                         "chosen": [bot("4")], "rejected": [bot("5")], "id": 7}
+
+
+def test_extract_prompt_keeps_a_message_on_each_side_when_one_extends_the_other():
+    row = {"chosen": [user("q"), bot("a")], "rejected": [user("q"), bot("a"), user("more"), bot("b")]}
+    assert maybe_extract_prompt(row) == {"prompt": [user("q")], "chosen": [bot("a")],
+                                         "rejected": [bot("a"), user("more"), bot("b")]}
+
+
+@pytest.mark.parametrize("chosen, rejected, prompt, c, r", [
+    # common prefix "The sky is " is cut before its last space: no word is split, completions keep the space
+    ("The sky is blue.", "The sky is green.", "The sky is", " blue.", " green."),
+    # the common prefix "I like ca" ends mid-word: cut back to the space before "cats"/"cars"
+    ("I like cats", "I like cars", "I like", " cats", " cars"),
+    # one side extends the other: the whole shorter side is never taken (a completion is left on each side)
+    ("Hello world", "Hello world again", "Hello", " world", " world again"),
+])
+def test_extract_prompt_from_shared_string_prefix(chosen, rejected, prompt, c, r):
+    assert maybe_extract_prompt({"chosen": chosen, "rejected": rejected}) == \
+        {"prompt": prompt, "chosen": c, "rejected": r}
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": "Q:", "chosen": " a b", "rejected": " a c"},          # explicit prompt: left alone
+    {"chosen": "Hi there", "rejected": "Hi, there"},                 # shared "Hi" has no word boundary
+    {"chosen": [user("a"), bot("x")], "rejected": [user("b"), bot("x")]},  # no shared message
+    {"prompt": "q", "completion": "a"},                              # not a preference row
+])
+def test_extract_prompt_leaves_rows_without_a_shared_prefix_unchanged(row):
+    assert maybe_extract_prompt(row) is row
+
+
+def test_extract_shared_prompt_still_importable_from_formats():
+    assert extract_shared_prompt([user("q"), bot("a")], [user("q"), bot("b")])["prompt"] == [user("q")]
+
+
+# ---- apply_chat_template -------------------------------------------------------------------------
+
+U, A, E = "<|user|>\n", "<|assistant|>\n", "<|end|>"
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"messages": [user("2+2?"), bot("4")], "id": 1},
+     {"text": f"{U}2+2?{E}{A}4{E}", "id": 1}),
+    ({"prompt": [user("2+2?")]},
+     {"prompt": f"{U}2+2?{E}{A}"}),
+    ({"prompt": [user("2+2?")], "completion": [bot("4")]},
+     {"prompt": f"{U}2+2?{E}{A}", "completion": f"4{E}"}),
+    ({"prompt": [user("2+2?")], "chosen": [bot("4")], "rejected": [bot("5")]},
+     {"prompt": f"{U}2+2?{E}{A}", "chosen": f"4{E}", "rejected": f"5{E}"}),
+    ({"chosen": [user("2+2?"), bot("4")], "rejected": [user("2+2?"), bot("5")]},  # implicit prompt
+     {"prompt": f"{U}2+2?{E}{A}", "chosen": f"4{E}", "rejected": f"5{E}"}),
+    ({"prompt": [user("2+2?")], "completion": [bot("5")], "label": False},
+     {"prompt": f"{U}2+2?{E}{A}", "completion": f"5{E}", "label": False}),
+])
+def test_apply_chat_template_every_row_kind(tok, row, expected):
+    assert apply_chat_template(row, tok) == expected
+
+
+def test_rendered_prompt_is_a_prefix_of_the_whole_conversation(tok):
+    row = {"prompt": [{"role": "system", "content": "be brief"}, user("hi"), bot("hello"), user("2+2?")],
+           "completion": [bot("4")]}
+    out = apply_chat_template(row, tok)
+    assert out["prompt"] + out["completion"] == tok.apply_chat_template(row["prompt"] + row["completion"],
+                                                                        tokenize=False)
+    assert out["completion"] == f"4{E}"
+
+
+def test_tools_are_passed_to_the_template():
+    tok = tiny.build_tokenizer(384)
+    tok.chat_template = "{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}" + tiny.CHAT_TEMPLATE
+    out = apply_chat_template({"prompt": [user("q")]}, tok, tools=[{"name": "calc"}])
+    assert out == {"prompt": f"[calc]{U}q{E}{A}"}
+
+
+@pytest.mark.parametrize("row", [
+    {"text": "plain"},
+    {"prompt": "Q: 2+2?", "completion": " 4"},
+    {"prompt": "Q:", "chosen": " 4", "rejected": " 5"},
+    {"instruction": "add", "output": "4"},
+])
+def test_non_conversational_rows_are_returned_unchanged(tok, row):
+    assert apply_chat_template(row, tok) is row
+
+
+def test_tokenizer_without_chat_template_is_explained():
+    tok = tiny.build_tokenizer(384)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"field 'prompt' is a list of chat messages.*no chat_template "
+                                         r"\(found None\).*Fix: set tokenizer.chat_template"):
+        apply_chat_template({"prompt": [user("q")], "completion": [bot("a")]}, tok)
+
+
+# Adds an instruction to the user turn only while it is the conversation's last message: the prompt
+# renders "2+2? Be brief.", the whole conversation renders "2+2?", so the prompt is not a prefix.
+REWRITING = (
+    "{%- for m in messages -%}"
+    "{{- '<|' + m['role'] + '|>\n' + m['content'] -}}"
+    "{%- if m['role'] == 'user' and loop.last -%}{{- ' Be brief.' -}}{%- endif -%}"
+    "{{- '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"
+)
+
+
+def test_template_that_rewrites_earlier_turns_is_refused():
+    tok = tiny.build_tokenizer(384)
+    tok.chat_template = REWRITING
+    assert tok.apply_chat_template([user("2+2?")], tokenize=False, add_generation_prompt=True) == \
+        f"{U}2+2? Be brief.{E}{A}"
+    with pytest.raises(ValueError, match=r"not a prefix of prompt \+ completion.*rewrites earlier turns.*Fix: "
+                                         r"use a training template"):
+        apply_chat_template({"prompt": [user("2+2?")], "completion": [bot("4")]}, tok)
+    with pytest.raises(ValueError, match=r"not a prefix of prompt \+ chosen"):
+        apply_chat_template({"prompt": [user("2+2?")], "chosen": [bot("4")], "rejected": [bot("5")]}, tok)
+    # rendering a prompt alone is still fine: nothing follows it
+    assert apply_chat_template({"prompt": [user("q")]}, tok) == {"prompt": f"{U}q Be brief.{E}{A}"}
+
+
+# ---- unpair_preference_dataset -------------------------------------------------------------------
+
+PAIRS = [
+    {"prompt": "Q1", "chosen": " a", "rejected": " b", "id": 1},
+    {"chosen": [user("q"), bot("x")], "rejected": [user("q"), bot("y")], "id": 2},
+]
+UNPAIRED = [
+    {"id": 1, "prompt": "Q1", "completion": " a", "label": True},
+    {"id": 1, "prompt": "Q1", "completion": " b", "label": False},
+    {"id": 2, "prompt": [user("q")], "completion": [bot("x")], "label": True},
+    {"id": 2, "prompt": [user("q")], "completion": [bot("y")], "label": False},
+]
+
+
+def test_unpair_list():
+    assert unpair_preference_dataset(PAIRS) == UNPAIRED
+
+
+def test_unpair_dataset_returns_a_dataset():
+    ds = datasets.Dataset.from_list([dict(PAIRS[0], extra=0), dict(PAIRS[0], prompt="Q2", extra=5)])
+    out = unpair_preference_dataset(ds)
+    assert isinstance(out, datasets.Dataset)
+    assert out.to_list() == [
+        {"extra": 0, "id": 1, "prompt": "Q1", "completion": " a", "label": True},
+        {"extra": 0, "id": 1, "prompt": "Q1", "completion": " b", "label": False},
+        {"extra": 5, "id": 1, "prompt": "Q2", "completion": " a", "label": True},
+        {"extra": 5, "id": 1, "prompt": "Q2", "completion": " b", "label": False},
+    ]
+
+
+def test_unpair_conversational_dataset_with_implicit_prompt():
+    out = unpair_preference_dataset(datasets.Dataset.from_list(PAIRS[1:]))
+    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in out] == \
+        [{k: r[k] for k in ("prompt", "completion", "label")} for r in UNPAIRED[2:]]
+
+
+def test_unpair_row_without_any_prompt_is_refused():
+    with pytest.raises(ValueError, match="has no 'prompt'.*share no prefix"):
+        unpair_preference_dataset([{"chosen": "yes", "rejected": "no"}])
