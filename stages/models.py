@@ -71,9 +71,6 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:  # many base models ship without one; EOS is the usual stand-in
         tok.pad_token = tok.eos_token
-    if tok.chat_template is None:
-        raise ValueError(f"tokenizer at {path} has no chat template; conversational data needs one "
-                         "(set tokenizer.chat_template and save it into the model folder)")
     return tok
 
 

@@ -17,6 +17,7 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
         return "", _with_eos(tokenizer, row[text_field])
     prompt, completion = row["prompt"], row["completion"]
     if is_conversational(prompt):
+        require_chat_template(tokenizer)
         prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
         if not full.startswith(prompt_text):
@@ -27,8 +28,17 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
     return prompt, _with_eos(tokenizer, completion)
 
 
+def require_chat_template(tokenizer) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the data is conversational (lists of messages) but the tokenizer "
+                         f"({getattr(tokenizer, 'name_or_path', '?')}) has no chat template; use an instruct/chat "
+                         "model, or set tokenizer.chat_template and save it into the model folder, or convert the "
+                         "data to plain prompt/completion strings")
+
+
 def render_prompt(tokenizer, prompt: Any) -> str:
     if is_conversational(prompt):
+        require_chat_template(tokenizer)
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return prompt
 
@@ -63,6 +73,7 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
 
 
 def _assistant_tokens(tokenizer, row: dict[str, Any]) -> dict[str, list[int]]:
+    require_chat_template(tokenizer)
     enc = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
     mask = list(enc["assistant_masks"])

@@ -47,6 +47,7 @@ def run(ctx) -> dict[str, Any]:
     trainable, total = trainable_fraction(model)
 
     precision = mixed_precision(s.mixed_precision, device)
+    check_trackers(s.report_to)
     args = SFTConfig(
         output_dir=str(ctx.work / "checkpoints"),
         learning_rate=s.learning_rate, num_train_epochs=s.num_train_epochs, max_steps=s.max_steps,
@@ -120,6 +121,20 @@ def load_formatting_func(path: str | None):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"sft.formatting_func = {path!r}: cannot import it ({e})") from None
+
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_trackers(report_to: list[str]) -> None:
+    import importlib.util
+
+    for name in report_to:
+        if name not in TRACKERS:
+            raise ValueError(f"sft.report_to: unknown tracker {name!r}; supported: {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ValueError(f"sft.report_to includes {name!r} but the {TRACKERS[name]} package is not installed: "
+                             f"pip install {TRACKERS[name]}, or remove it from sft.report_to")
 
 
 def mixed_precision(setting: str, device: str) -> str:

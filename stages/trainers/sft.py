@@ -12,6 +12,7 @@ tokens, vocab) logits are never built. Otherwise it falls back to the full logit
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +55,7 @@ class SFTTrainer(Trainer):
                          train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
                          eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._last_log_time = time.perf_counter()
 
     def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
         """Rows -> tokenised Dataset (packed if asked); IterableDatasets are tokenised lazily."""
@@ -69,6 +71,7 @@ class SFTTrainer(Trainer):
         rows = list(rows)
         if rows and "input_ids" not in rows[0]:
             rows = tokenize(rows)
+            check_targets(rows, args.max_seq_length)
         if pack:
             rows = pack_dataset(rows, args.max_seq_length, args.packing_strategy)
         return datasets.Dataset.from_list(rows)
@@ -103,8 +106,22 @@ class SFTTrainer(Trainer):
         if m:
             logs[f"{prefix}mean_token_accuracy"] = sum(m["mean_token_accuracy"]) / len(m["mean_token_accuracy"])
             logs[f"{prefix}num_tokens"] = float(sum(m["num_tokens"]))
+            if mode == "train":  # loss tokens per second since the last log line
+                now = time.perf_counter()
+                logs["loss_tokens_per_second"] = round(sum(m["num_tokens"]) / max(now - self._last_log_time, 1e-9), 1)
+                self._last_log_time = now
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+def check_targets(rows: list[dict[str, list[int]]], max_seq_length: int) -> None:
+    """Every row must keep at least one loss token after truncation (else the prompt fills max_seq_length)."""
+    key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
+    empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
+    if empty:
+        raise ValueError(f"sft.max_seq_length = {max_seq_length} is shorter than the prompt of {len(empty)} row(s) "
+                         f"(first: row {empty[0]}), which would leave nothing to learn; raise sft.max_seq_length or "
+                         "filter long prompts in preprocess (preprocess.max_length)")
 
 
 def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
