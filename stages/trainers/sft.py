@@ -24,7 +24,7 @@ from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
-from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
+from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
 
 
 @dataclass
@@ -47,10 +47,13 @@ class SFTTrainer(Trainer):
                  formatting_func=None, **kwargs):
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
+        # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
+        # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
+        attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
         kwargs.setdefault("data_collator", CompletionCollator(
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
-            assistant_only_loss=args.assistant_only_loss, padding_free=args.packing,
-            max_length=args.max_seq_length))
+            assistant_only_loss=args.assistant_only_loss,
+            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_seq_length))
         super().__init__(model=model, args=args, processing_class=processing_class,
                          train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
                          eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)

@@ -66,7 +66,7 @@ def test_packing_trains_and_uses_fewer_rows(setup, tmp_path):
     trainer, _ = _trainer(setup, tmp_path, packing=True, max_seq_length=128)
     assert len(trainer.train_dataset) < len(setup[1]) / 3  # ~30-token rows, 128-token packs
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
-    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # padding-free
+    assert batch["input_ids"].shape[0] == 2 and "attention_mask" not in batch  # packed rows, no 2D mask
     assert (batch["position_ids"] == 0).sum() > 2  # positions restart per packed sequence
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
