@@ -9,7 +9,7 @@ output folder is current, otherwise builds it atomically with a manifest.
     python -m stages status          # which stages are current, and why not
     python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table
 
-Many GPUs: training stages run under `accelerate launch -m stages <stage>` (see README).
+Stages run as one process on one device (CPU or one GPU); multi-GPU launching is not wired yet.
 """
 from __future__ import annotations
 

@@ -113,6 +113,8 @@ class PreprocessConfig:
     dedup: bool = param(True, help="drop exact duplicate rows")
     validation_fraction: float = fraction(0.05, "share of SFT rows held out for validation loss")
     eval_fraction: float = fraction(0.1, "share of rows held out for evaluation when data.eval_source is unset")
+    streaming: bool = param(False, help="one pass in constant memory for corpora larger than RAM (.jsonl best): "
+                            "rows are split by a hash of their content instead of a shuffle")
 
 
 @dataclass

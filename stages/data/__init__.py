@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from stages.data.formats import FORMATS, describe_formats, detect_format, is_conversational, normalise, validate
 from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
 from stages.data.packing import pack_dataset
 from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
 
-__all__ = ["DataError", "LoadReport", "load_source", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
+__all__ = ["DataError", "LoadReport", "load_source", "iter_source", "check_report", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
            "apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset", "pack_dataset"]
 # not re-exported: stages.data.collators.CompletionCollator, which needs torch (importing stages.data stays light)
 
@@ -41,10 +41,11 @@ class LoadReport:
                 "invalid": self.invalid, "invalid_examples": self.examples}
 
 
-def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, list[dict[str, Any]], LoadReport]:
-    """(format, canonical rows, report). With on_bad_rows="error" any bad row raises DataError listing them."""
-    report = LoadReport(str(path))
-    rows: list[dict[str, Any]] = []
+def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]]:
+    """Canonical rows of a file, one at a time (constant memory for .jsonl); bad rows go to `report`.
+
+    The file's format is that of its first parseable row; `report.format` is set as soon as it is known.
+    """
     fmt = None
     for row in read_rows(path):
         report.read += 1
@@ -56,7 +57,7 @@ def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, l
             report.reject(row.where, f"fields {sorted(row.value)} match no known format ({describe_formats()})")
             continue
         if fmt is None:
-            fmt = row_fmt
+            fmt = report.format = row_fmt
         if row_fmt != fmt:
             report.reject(row.where, f"row looks like format {row_fmt!r} but this file's first row is {fmt!r}; "
                                      f"one format per file")
@@ -65,14 +66,24 @@ def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, l
         if why:
             report.reject(row.where, why)
             continue
-        rows.append(normalise(fmt, row.value))
-    report.format = fmt or ""
-    report.kept = len(rows)
+        report.kept += 1
+        yield normalise(fmt, row.value)
+
+
+def check_report(report: LoadReport, on_bad_rows: str) -> None:
+    """Raise DataError listing the bad rows (on_bad_rows="error"), or when nothing usable was read."""
     if report.invalid and on_bad_rows == "error":
         listed = "\n  ".join(report.examples)
         more = f"\n  ... and {report.invalid - len(report.examples)} more" if report.invalid > MAX_LISTED else ""
-        raise DataError(f"{path}: {report.invalid} bad row(s) of {report.read}:\n  {listed}{more}\n"
+        raise DataError(f"{report.source}: {report.invalid} bad row(s) of {report.read}:\n  {listed}{more}\n"
                         "Fix the rows, or set data.on_bad_rows: skip to drop them (they are counted in the manifest).")
-    if not rows:
-        raise DataError(f"{path}: no usable rows (read {report.read}); expected one of: {describe_formats()}")
-    return fmt, rows, report
+    if not report.kept:
+        raise DataError(f"{report.source}: no usable rows (read {report.read}); expected one of: {describe_formats()}")
+
+
+def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, list[dict[str, Any]], LoadReport]:
+    """(format, canonical rows, report). With on_bad_rows="error" any bad row raises DataError listing them."""
+    report = LoadReport(str(path))
+    rows = list(iter_source(path, report))
+    check_report(report, on_bad_rows)
+    return report.format, rows, report

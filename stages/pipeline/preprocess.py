@@ -14,12 +14,13 @@ Every row dropped is counted by reason in the metrics (and so in the manifest).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from typing import Any
 
 from stages.builtin import BUILTIN_DATA, arithmetic
-from stages.data import FORMATS, DataError, LoadReport, load_source, write_jsonl
+from stages.data import FORMATS, DataError, LoadReport, check_report, iter_source, load_source, write_jsonl
 from stages.data.formats import normalise, validate
 from stages.data.tokenize import tokenize_sft
 from stages.models import load_tokenizer, resolve_model
@@ -31,6 +32,8 @@ def run(ctx) -> dict[str, Any]:
     p = ctx.params
     tokenizer = load_tokenizer(resolve_model(p.model, p.run.output_dir),
                                trust_remote_code=p.model.trust_remote_code)
+    if p.preprocess.streaming and not p.data.source.startswith("builtin:"):
+        return run_streaming(ctx, tokenizer)
     groups, eval_rows, sources = load_groups(p.data)
     rng = random.Random(p.run.seed)
     dropped: dict[str, dict[str, int]] = {}
@@ -134,3 +137,79 @@ def split(rows: list[dict], fraction: float, rng: random.Random) -> tuple[list[d
     rng.shuffle(rows)
     n_val = max(1, int(len(rows) * fraction)) if fraction > 0 and len(rows) > 1 else 0
     return rows[n_val:], rows[:n_val]
+
+
+def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
+    """One pass over `data.source` in constant memory (bar one 20-byte digest per kept row, for dedup).
+
+    Rows go straight to their output file; the split is decided by a seeded hash of the row's
+    content (so it is deterministic and needs no shuffle), eval first when carved from the source.
+    """
+    p = ctx.params
+    pre, seed = p.preprocess, p.run.seed
+    report = LoadReport(p.data.source)
+    files: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    dropped: dict[str, dict[str, int]] = {}
+    seen: set[bytes] = set()
+
+    def write(name: str, row: dict) -> None:
+        if name not in files:
+            files[name] = open(ctx.out / f"{name}.jsonl", "w", encoding="utf-8")
+        files[name].write(json.dumps(row, ensure_ascii=False) + "\n")
+        counts[name] = counts.get(name, 0) + 1
+
+    def flush(buffer: list[tuple[bytes, dict]]) -> None:
+        dest = FORMATS[report.format][2]
+        rows = [r for _, r in buffer]
+        lengths = [len(t["input_ids"]) for t in tokenize_sft(tokenizer, rows)] if dest == "sft" else [0] * len(rows)
+        for (digest, row), n in zip(buffer, lengths):
+            if n > pre.max_length:
+                dropped.setdefault(dest, {}).setdefault("too_long", 0)
+                dropped[dest]["too_long"] += 1
+                continue
+            write(dest if dest != "sft" else _bucket(digest, pre, carve_eval=not p.data.eval_source), row)
+        buffer.clear()
+
+    try:
+        buffer: list[tuple[bytes, dict]] = []
+        for row in iter_source(p.data.source, report):
+            digest = hashlib.sha1(f"{seed}:{json.dumps(row, sort_keys=True)}".encode()).digest()
+            if pre.dedup and digest in seen:
+                dest = FORMATS[report.format][2]
+                dropped.setdefault(dest, {}).setdefault("duplicate", 0)
+                dropped[dest]["duplicate"] += 1
+                continue
+            seen.add(digest)
+            buffer.append((digest, row))
+            if len(buffer) >= buffer_rows:
+                flush(buffer)
+        flush(buffer)
+        check_report(report, p.data.on_bad_rows)
+        sources = [report.as_dict()]
+        if p.data.eval_source:
+            eval_report = LoadReport(p.data.eval_source)
+            for row in iter_source(p.data.eval_source, eval_report):
+                write("eval", row)
+            check_report(eval_report, p.data.on_bad_rows)
+            sources.append(eval_report.as_dict())
+    finally:
+        for f in files.values():
+            f.close()
+    if not counts.get("eval"):
+        raise DataError(f"{p.data.source}: the streamed split left no eval rows; set data.eval_source or raise "
+                        "preprocess.eval_fraction")
+    (ctx.out / "report.json").write_text(json.dumps({"sources": sources, "dropped": dropped}, indent=2))
+    return {"rows": counts, "dropped": dropped, "invalid_rows": sum(s["invalid"] for s in sources),
+            "streaming": True, "table": [{"file": f"{k}.jsonl", "rows": v} for k, v in counts.items()]}
+
+
+def _bucket(digest: bytes, pre, *, carve_eval: bool) -> str:
+    """The split of an SFT row from its content hash: eval (if carved), validation, or train."""
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    eval_share = pre.eval_fraction if carve_eval else 0.0
+    if u < eval_share:
+        return "eval"
+    if u < eval_share + pre.validation_fraction:
+        return "sft_validation"
+    return "sft_train"

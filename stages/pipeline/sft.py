@@ -10,7 +10,8 @@ Writes `model/` (a full Hugging Face model, or a PEFT adapter that
 `tensorboard/` and `log_history.json`.
 
     python -m stages sft [--set sft.learning_rate=1e-3] [--set sft.lora.enabled=true]
-    accelerate launch -m stages sft        # several GPUs (see README)
+
+One process on one device for now; multi-GPU launching (Accelerate) is a later step.
 """
 from __future__ import annotations
 

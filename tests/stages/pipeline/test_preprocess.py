@@ -45,3 +45,22 @@ def test_bad_file_fails_the_stage_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"data.jsonl:1: field 'completion' is empty"):
         runner.run_stage("preprocess", params)
     assert not (tmp_path / "artifacts" / "preprocess").exists()
+
+
+def test_streaming_matches_in_memory_counts_and_is_deterministic(tmp_path):
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(400)] + [{"prompt": "q0", "completion": "a0"}]
+    rows.append({"prompt": "long " * 400, "completion": "x"})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n")
+    extra = {"data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"},
+             "preprocess": {"max_length": 64, "streaming": True, "eval_fraction": 0.1, "validation_fraction": 0.1}}
+    params = load_params(write_params(tmp_path, extra))
+    m = runner.run_stage("preprocess", params)["metrics"]
+    assert m["streaming"] and m["invalid_rows"] == 1
+    assert m["dropped"]["sft"] == {"duplicate": 1, "too_long": 1}
+    assert sum(m["rows"].values()) == 400 and 20 < m["rows"]["eval"] < 65 and 20 < m["rows"]["sft_validation"] < 65
+    folder = tmp_path / "artifacts" / "preprocess"
+    eval_prompts = {r["prompt"] for r in read_jsonl(folder / "eval.jsonl")}
+    assert not eval_prompts & {r["prompt"] for r in read_jsonl(folder / "sft_train.jsonl")}
+    first = (folder / "eval.jsonl").read_text()
+    runner.run_stage("preprocess", params, force=True)
+    assert (folder / "eval.jsonl").read_text() == first  # the hash split is deterministic
