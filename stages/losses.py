@@ -44,3 +44,389 @@ def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.
     """
     denom = num_items_in_batch if num_items_in_batch is not None else max(logps.numel(), 1)
     return -logps.sum() / denom
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision inputs are computed in float32; float32 and float64 are kept as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_shapes(expected: torch.Size, like: str, **tensors: torch.Tensor | None) -> None:
+    """Raise a ValueError naming each tensor whose shape differs from `expected` (the shape of `like`)."""
+    wrong = [f"{name} has shape {tuple(t.shape)}" for name, t in tensors.items()
+             if t is not None and t.shape != expected]
+    if wrong:
+        raise ValueError(f"{'; '.join(wrong)}: expected {tuple(expected)}, the shape of {like}")
+
+
+def _pick(table: dict, name: str, what: str):
+    if name not in table:
+        raise ValueError(f"{what} = {name!r} is not supported; choose one of {sorted(table)}")
+    return table[name]
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over the positions where `mask` is 1; 0 when the mask is empty."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO and its pairwise variants
+# ---------------------------------------------------------------------------------------------
+# Every variant is a function of the two log-ratios against the reference,
+#   r_c = chosen_logps - ref_chosen_logps,  r_r = rejected_logps - ref_rejected_logps,
+# since the DPO margin is Δ = (chosen - rejected) - (ref_chosen - ref_rejected) = r_c - r_r.
+# Each takes (r_c, r_r, beta, eps, bco_delta) and returns the per-pair losses (B,).
+
+def _dpo_sigmoid(rc, rr, beta, eps, bco_delta):
+    # -(1-ε)·log σ(βΔ) - ε·log σ(-βΔ): the DPO paper; ε > 0 is conservative DPO (labels flipped w.p. ε).
+    z = beta * (rc - rr)
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def _dpo_hinge(rc, rr, beta, eps, bco_delta):
+    # relu(1 - βΔ): SLiC's hinge on the margin.
+    return torch.relu(1 - beta * (rc - rr))
+
+
+def _dpo_ipo(rc, rr, beta, eps, bco_delta):
+    # (Δ - 1/(2β))²: IPO regresses the margin onto a fixed target instead of pushing it to infinity.
+    return (rc - rr - 1 / (2 * beta)) ** 2
+
+
+def _dpo_robust(rc, rr, beta, eps, bco_delta):
+    # [-(1-ε)·log σ(βΔ) + ε·log σ(-βΔ)] / (1 - 2ε): rDPO, unbiased under label noise of rate ε.
+    z = beta * (rc - rr)
+    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+def _dpo_kto_pair(rc, rr, beta, eps, bco_delta):
+    # KTO on the pairs: chosen as desirable, rejected as undesirable, each measured against the
+    # batch KL estimate of the other half, clamped at 0 and detached (no gradient through the
+    # reference point). Half of each term, so losses.mean() is the mean over the 2B examples.
+    kl_c = rc.mean().clamp(min=0).detach()
+    kl_r = rr.mean().clamp(min=0).detach()
+    return 0.5 * ((1 - torch.sigmoid(beta * (rc - kl_r))) + (1 - torch.sigmoid(beta * (kl_c - rr))))
+
+
+def _dpo_bco_pair(rc, rr, beta, eps, bco_delta):
+    # BCO: binary classification of β·r_c as "good" and β·r_r as "bad" around a reward shift δ:
+    # -log σ(β r_c - δ) - log σ(-(β r_r - δ)). δ is the trainer's running mean of the rewards, or,
+    # when not given, the detached mean of this batch's 2B rewards.
+    if bco_delta is None:
+        bco_delta = torch.cat((beta * rc, beta * rr)).mean().detach()
+    return -F.logsigmoid(beta * rc - bco_delta) - F.logsigmoid(-(beta * rr - bco_delta))
+
+
+def _dpo_sppo_hard(rc, rr, beta, eps, bco_delta):
+    # SPPO with hard win/loss labels: (r_c - 1/(2β))² + (r_r + 1/(2β))².
+    return (rc - 1 / (2 * beta)) ** 2 + (rr + 1 / (2 * beta)) ** 2
+
+
+def _dpo_nca_pair(rc, rr, beta, eps, bco_delta):
+    # NCA: -log σ(β r_c) - ½·[log σ(-β r_c) + log σ(-β r_r)]; absolute likelihoods, not only the margin.
+    return -F.logsigmoid(beta * rc) - 0.5 * (F.logsigmoid(-beta * rc) + F.logsigmoid(-beta * rr))
+
+
+def _dpo_apo_zero(rc, rr, beta, eps, bco_delta):
+    # APO-zero: (1 - σ(β r_c)) + σ(β r_r): raise the chosen, lower the rejected likelihood.
+    return (1 - torch.sigmoid(beta * rc)) + torch.sigmoid(beta * rr)
+
+
+def _dpo_apo_down(rc, rr, beta, eps, bco_delta):
+    # APO-down: σ(β r_c) + (1 - σ(β(r_c - r_r))): lower both, the rejected more than the chosen.
+    return torch.sigmoid(beta * rc) + (1 - torch.sigmoid(beta * (rc - rr)))
+
+
+DPO_LOSSES = {
+    "sigmoid": _dpo_sigmoid,
+    "hinge": _dpo_hinge,
+    "ipo": _dpo_ipo,
+    "robust": _dpo_robust,
+    "kto_pair": _dpo_kto_pair,
+    "bco_pair": _dpo_bco_pair,
+    "sppo_hard": _dpo_sppo_hard,
+    "nca_pair": _dpo_nca_pair,
+    "apo_zero": _dpo_apo_zero,
+    "apo_down": _dpo_apo_down,
+}
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None, *,
+             beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             reference_free: bool = False, bco_delta: float | torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair preference losses from sequence log-probs.
+
+    chosen_logps, rejected_logps: (B,) summed log-probs of each response under the policy
+    (length-averaged for "ipo"); ref_chosen_logps, ref_rejected_logps: (B,) the same under the
+    frozen reference. With r_c = chosen_logps - ref_chosen_logps, r_r = rejected_logps -
+    ref_rejected_logps and the margin Δ = r_c - r_r, β = beta, ε = label_smoothing:
+
+      sigmoid    -(1-ε)·log σ(βΔ) - ε·log σ(-βΔ)                 DPO; ε > 0: conservative DPO
+      hinge      relu(1 - βΔ)                                    SLiC
+      ipo        (Δ - 1/(2β))²                                   IPO
+      robust     [-(1-ε)·log σ(βΔ) + ε·log σ(-βΔ)] / (1 - 2ε)    robust DPO
+      kto_pair   ½·[(1 - σ(β(r_c - KL_r))) + (1 - σ(β(KL_c - r_r)))],
+                 KL_c = max(0, mean(r_c)), KL_r = max(0, mean(r_r)), both detached
+      bco_pair   -log σ(β r_c - δ) - log σ(-(β r_r - δ)), δ = bco_delta, or when None the
+                 detached mean of the batch rewards β·r_c and β·r_r together
+      sppo_hard  (r_c - 1/(2β))² + (r_r + 1/(2β))²
+      nca_pair   -log σ(β r_c) - ½·[log σ(-β r_c) + log σ(-β r_r)]
+      apo_zero   (1 - σ(β r_c)) + σ(β r_r)
+      apo_down   σ(β r_c) + (1 - σ(β(r_c - r_r)))
+
+    reference_free=True takes the reference log-probs as 0 everywhere (the reference
+    arguments may then be None): r_c = chosen_logps, r_r = rejected_logps.
+
+    Returns (losses, chosen_rewards, rejected_rewards), each (B,); the rewards are the
+    implicit rewards β·r_c and β·r_r, detached. Half-precision inputs are computed in float32.
+    """
+    if chosen_logps.dim() != 1:
+        raise ValueError(f"chosen_logps has shape {tuple(chosen_logps.shape)}: expected (B,), one log-prob per pair")
+    if not reference_free and (ref_chosen_logps is None or ref_rejected_logps is None):
+        raise ValueError("ref_chosen_logps and ref_rejected_logps are required unless reference_free=True")
+    _check_shapes(chosen_logps.shape, "chosen_logps", rejected_logps=rejected_logps,
+                  ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    if not beta > 0:
+        raise ValueError(f"beta = {beta}: must be > 0 (the KL strength; 0.1 is typical)")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing = {label_smoothing}: must be in [0, 0.5) (the assumed label-flip rate)")
+    fn = _pick(DPO_LOSSES, loss_type, "loss_type")
+
+    chosen, rejected = _upcast(chosen_logps), _upcast(rejected_logps)
+    if reference_free:
+        rc, rr = chosen, rejected
+    else:
+        rc, rr = chosen - _upcast(ref_chosen_logps), rejected - _upcast(ref_rejected_logps)
+    losses = fn(rc, rr, beta, label_smoothing, bco_delta)
+    return losses, (beta * rc).detach(), (beta * rr).detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# KTO (unpaired)
+# ---------------------------------------------------------------------------------------------
+
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor | float,
+             labels: torch.Tensor, *, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> torch.Tensor:
+    """KTO's per-example losses for unpaired desirable / undesirable completions.
+
+    policy_logps, ref_logps: (B,) summed completion log-probs; labels: (B,) bool, True for a
+    desirable completion; kl: scalar, the batch estimate of KL(policy || reference) (from
+    mismatched prompt/completion pairs), used as the reference point z = max(0, kl), detached.
+    With r = policy_logps - ref_logps:
+
+      desirable    desirable_weight   · (1 - σ(β(r - z)))
+      undesirable  undesirable_weight · (1 - σ(β(z - r)))
+
+    Returns losses (B,); the trainer averages them.
+    """
+    if policy_logps.dim() != 1:
+        raise ValueError(f"policy_logps has shape {tuple(policy_logps.shape)}: expected (B,)")
+    _check_shapes(policy_logps.shape, "policy_logps", ref_logps=ref_logps, labels=labels)
+    if not beta > 0:
+        raise ValueError(f"beta = {beta}: must be > 0 (the KL strength; 0.1 is typical)")
+    r = _upcast(policy_logps) - _upcast(ref_logps)
+    z = torch.as_tensor(kl, dtype=r.dtype, device=r.device).detach().clamp(min=0)
+    desirable = desirable_weight * (1 - torch.sigmoid(beta * (r - z)))
+    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z - r)))
+    return torch.where(labels.bool(), desirable, undesirable)
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------
+
+_GRPO_EPS = 1e-4
+
+GRPO_REWARD_SCALES = {
+    # rewards: (G_count, G) grouped; returns the divisor broadcastable to that shape.
+    "group": lambda grouped: grouped.std(dim=1, keepdim=True) + _GRPO_EPS,
+    "batch": lambda grouped: grouped.std() + _GRPO_EPS,
+    "none": lambda grouped: torch.ones((), dtype=grouped.dtype, device=grouped.device),
+}
+
+
+@torch.no_grad()
+def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group") -> torch.Tensor:
+    """Group-relative advantages: each reward minus the mean of its group, optionally scaled.
+
+    rewards: (B·G,), where each consecutive run of G = num_generations entries holds the
+    completions of one prompt. A_i = r_i - mean(group(i)), then divided by
+
+      group  std(group(i)) + 1e-4      GRPO
+      batch  std(all B·G rewards) + 1e-4
+      none   1                         Dr. GRPO (no difficulty bias from the std)
+
+    std is the unbiased (n - 1) sample standard deviation, as torch.std by default; a group
+    of equal rewards gets advantage 0. Returns advantages (B·G,), detached.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}: expected (B·G,), one reward per completion")
+    if num_generations < 2:
+        raise ValueError(f"num_generations = {num_generations}: must be >= 2 (one completion has no group baseline)")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"rewards has {rewards.numel()} entries, not divisible by num_generations = "
+                         f"{num_generations}: expected B·G, G completions for each prompt")
+    scale = _pick(GRPO_REWARD_SCALES, scale_rewards, "scale_rewards")
+    grouped = _upcast(rewards).view(-1, num_generations)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / scale(grouped)
+    return advantages.reshape(-1)
+
+
+GRPO_AGGREGATIONS = {
+    # (per_token (B, T), mask (B, T), num_items_in_batch) -> scalar
+    "grpo": lambda x, m, n: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
+    "bnpo": lambda x, m, n: (x * m).sum() / m.sum().clamp(min=1),
+    "dr_grpo": lambda x, m, n: (x * m).sum() / x.numel(),
+    "dapo": lambda x, m, n: (x * m).sum() / (n if n is not None else m.sum().clamp(min=1)),
+}
+
+
+def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float = 0.2,
+              epsilon_high: float | None = None, loss_type: str = "grpo",
+              num_items_in_batch: int | torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate GRPO loss with an optional k3 KL penalty, aggregated by `loss_type`.
+
+    logps, old_logps, ref_logps: (B, T) per-token completion log-probs under the policy, the
+    policy that sampled (None: logps detached, i.e. one update per generation) and the
+    reference; mask: (B, T), 1 on completion tokens; advantages: (B,), one per completion.
+    Per token, with ρ = exp(logps - old_logps), ε_h = epsilon_high (default epsilon_low):
+
+      ℓ = -min(ρ·A, clip(ρ, 1 - ε_low, 1 + ε_h)·A) + β·KL,  KL = exp(d) - d - 1,  d = ref_logps - logps
+
+    (the k3 estimator, always >= 0; skipped when β = 0, where ref_logps may be None). Then
+
+      grpo     mean over each sequence's tokens, then over the B sequences
+      bnpo     sum over all tokens / number of tokens
+      dr_grpo  sum / (B·T), T the tensor width (max completion length)
+      dapo     sum / num_items_in_batch (tokens in the whole global batch; default: local count)
+
+    Returns (loss, metrics), metrics detached, means over the masked tokens:
+    "clip_ratio/low_mean" (ρ < 1 - ε_low and A < 0), "clip_ratio/high_mean" (ρ > 1 + ε_h and
+    A > 0), "clip_ratio/region_mean" (either), and "kl" when β > 0.
+    """
+    if logps.dim() != 2:
+        raise ValueError(f"logps has shape {tuple(logps.shape)}: expected (B, T)")
+    _check_shapes(logps.shape, "logps", old_logps=old_logps, ref_logps=ref_logps, mask=mask)
+    _check_shapes(logps.shape[:1], "logps[:, 0]", advantages=advantages)
+    if beta < 0:
+        raise ValueError(f"beta = {beta}: must be >= 0 (the KL penalty; 0 turns it off)")
+    if beta > 0 and ref_logps is None:
+        raise ValueError(f"ref_logps is None but beta = {beta}: the KL penalty needs the reference log-probs")
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    if epsilon_low < 0 or epsilon_high < 0:
+        raise ValueError(f"epsilon_low = {epsilon_low}, epsilon_high = {epsilon_high}: must be >= 0")
+    aggregate = _pick(GRPO_AGGREGATIONS, loss_type, "loss_type")
+
+    logps = _upcast(logps)
+    old_logps = logps.detach() if old_logps is None else _upcast(old_logps)
+    mask = mask.to(logps.dtype)
+    adv = _upcast(advantages).unsqueeze(1)
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    metrics = {}
+    if beta > 0:
+        d = _upcast(ref_logps) - logps
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + beta * kl
+        metrics["kl"] = _masked_mean(kl, mask).detach()
+    loss = aggregate(per_token, mask, num_items_in_batch)
+
+    with torch.no_grad():
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid tokens of each sequence.
+
+    rewards, values, mask: (B, T); mask is 1 on the response tokens that act. Walking the
+    valid tokens backwards, with t' the next valid token after t (none: V(t') = 0, A(t') = 0):
+
+      δ_t = r_t + γ·V(t') - V(t),   A_t = δ_t + γ·λ·A(t')
+
+    Masked tokens are skipped (their rewards are ignored), so holes in the mask, e.g. tool
+    output inside a response, are stepped over. Returns (advantages, returns), both (B, T),
+    returns = advantages + values on the valid tokens, both 0 where mask is 0; detached.
+    """
+    _check_shapes(rewards.shape, "rewards", values=values, mask=mask)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}: expected (B, T)")
+    rewards, values = _upcast(rewards), _upcast(values)
+    mask = mask.to(rewards.dtype)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.size(1))):
+        m = mask[:, t]
+        adv_t = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv
+        # A masked token leaves the carried (next value, next advantage) untouched.
+        next_adv = m * adv_t + (1 - m) * next_adv
+        next_value = m * values[:, t] + (1 - m) * next_value
+        advantages[:, t] = m * adv_t
+    return advantages, (advantages + values) * mask
+
+
+def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
+             old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2,
+             cliprange_value: float = 0.2, vf_coef: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped policy loss plus its clipped value loss, masked means over the tokens.
+
+    All arguments (B, T): per-token log-probs now and at sampling, advantages, value-head
+    outputs now and at sampling, returns (e.g. from `gae`), and the mask of response tokens.
+    With ρ = exp(logps - old_logps), c = cliprange, c_v = cliprange_value:
+
+      policy  mean(max(-A·ρ, -A·clip(ρ, 1 - c, 1 + c)))
+      value   mean(0.5·max((v - R)², (clip(v, v_old - c_v, v_old + c_v) - R)²))
+      loss    policy + vf_coef·value
+
+    Returns (loss, metrics) with "policy_loss", "value_loss", "clipfrac" (share of tokens where
+    the clipped policy term is the larger), "value_clipfrac", "approx_kl" (mean ½(logps -
+    old_logps)²), all detached.
+    """
+    if logps.dim() != 2:
+        raise ValueError(f"logps has shape {tuple(logps.shape)}: expected (B, T)")
+    _check_shapes(logps.shape, "logps", old_logps=old_logps, advantages=advantages, values=values,
+                  old_values=old_values, returns=returns, mask=mask)
+    logps, values = _upcast(logps), _upcast(values)
+    mask = mask.to(logps.dtype)
+    log_ratio = logps - _upcast(old_logps)
+    ratio = torch.exp(log_ratio)
+    pg_plain = -advantages * ratio
+    pg_clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    policy = _masked_mean(torch.maximum(pg_plain, pg_clipped), mask)
+
+    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    vf_plain = (values - returns) ** 2
+    vf_clipped = (v_clipped - returns) ** 2
+    value = 0.5 * _masked_mean(torch.maximum(vf_plain, vf_clipped), mask)
+
+    with torch.no_grad():
+        metrics = {
+            "policy_loss": policy.detach(),
+            "value_loss": value.detach(),
+            "clipfrac": _masked_mean((pg_clipped > pg_plain).to(mask.dtype), mask),
+            "value_clipfrac": _masked_mean((vf_clipped > vf_plain).to(mask.dtype), mask),
+            "approx_kl": _masked_mean(0.5 * log_ratio ** 2, mask),
+        }
+    return policy + vf_coef * value, metrics

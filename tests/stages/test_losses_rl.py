@@ -1,0 +1,301 @@
+"""RL losses (GRPO advantages and loss, GAE, PPO) on tiny hand-made tensors, float64 throughout."""
+import math
+
+import pytest
+import torch
+
+from stages.losses import GRPO_AGGREGATIONS, gae, grpo_advantages, grpo_loss, ppo_loss
+
+F64 = torch.float64
+
+
+def _close(t, expected, tol=1e-6):
+    got = t.tolist() if isinstance(t, torch.Tensor) else t
+    if not isinstance(expected, list):
+        assert math.isclose(got, expected, abs_tol=tol), (got, expected)
+        return
+    got = torch.tensor(got, dtype=F64).flatten().tolist()
+    expected = torch.tensor(expected, dtype=F64).flatten().tolist()
+    assert len(got) == len(expected) and all(math.isclose(g, e, abs_tol=tol) for g, e in zip(got, expected)), \
+        (got, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_advantages
+# ---------------------------------------------------------------------------------------------
+# Two prompts, G = 3: group 0 = [1, 2, 3] (mean 2, deviations [-1, 0, 1], unbiased std √(2/2) = 1),
+# group 1 = [4, 4, 10] (mean 6, deviations [-2, -2, 4], unbiased std √(24/2) = √12).
+# The whole batch [1, 2, 3, 4, 4, 10]: mean 4, deviations [-3, -2, -1, 0, 0, 6], squares sum 50,
+# unbiased std √(50/5) = √10.
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 4.0, 10.0], dtype=F64)
+DEVIATIONS = [-1.0, 0.0, 1.0, -2.0, -2.0, 4.0]
+
+
+def test_grpo_advantages_group_scaling():
+    """A = (r - group mean) / (group std + 1e-4)."""
+    adv = grpo_advantages(REWARDS, 3)
+    s0, s1 = 1 + 1e-4, math.sqrt(12) + 1e-4
+    _close(adv, [-1 / s0, 0.0, 1 / s0, -2 / s1, -2 / s1, 4 / s1])
+
+
+def test_grpo_advantages_batch_scaling():
+    """A = (r - group mean) / (std of all six rewards + 1e-4) = deviations / (√10 + 1e-4).
+
+    The std is of the rewards, not of the centred advantages (that would be √(26/5)).
+    """
+    adv = grpo_advantages(REWARDS, 3, scale_rewards="batch")
+    _close(adv, [d / (math.sqrt(10) + 1e-4) for d in DEVIATIONS])
+
+
+def test_grpo_advantages_no_scaling():
+    _close(grpo_advantages(REWARDS, 3, scale_rewards="none"), DEVIATIONS)
+
+
+def test_grpo_advantages_groups_are_consecutive_runs():
+    """G = 2 regroups the same rewards: [1, 2] [3, 4] [4, 10] → deviations [-½, ½, -½, ½, -3, 3]."""
+    _close(grpo_advantages(REWARDS, 2, scale_rewards="none"), [-0.5, 0.5, -0.5, 0.5, -3.0, 3.0])
+
+
+def test_grpo_advantages_equal_rewards_give_zero():
+    adv = grpo_advantages(torch.tensor([5.0, 5.0, 5.0, 0.0, 1.0, 2.0]), 3)
+    assert adv[:3].abs().max().item() == 0.0 and adv[3:].abs().max().item() > 0.5
+
+
+def test_grpo_advantages_bad_inputs():
+    with pytest.raises(ValueError, match="not divisible by num_generations = 4"):
+        grpo_advantages(REWARDS, 4)
+    with pytest.raises(ValueError, match="num_generations = 1"):
+        grpo_advantages(REWARDS, 1)
+    with pytest.raises(ValueError, match=r"\['batch', 'group', 'none'\]"):
+        grpo_advantages(REWARDS, 3, scale_rewards="std")
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss
+# ---------------------------------------------------------------------------------------------
+
+def _grpo_inputs():
+    """B = 2, T = 3, old_logps = 0, so ratios ρ = exp(logps) = [1, 1.5, 0.5] in both rows; ε = 0.2.
+
+    Row 0, A = +1, mask [1, 1, 1]: -min(ρA, clip(ρ)A) = [-1, -min(1.5, 1.2), -min(0.5, 0.8)]
+        = [-1, -1.2, -0.5]; sum -2.7 over 3 tokens (the 1.5 is clipped high).
+    Row 1, A = -2, mask [1, 0, 1]: -min(-2ρ, -2 clip(ρ)) = 2·max(ρ, clip(ρ)) = [2, (3, masked), 1.6];
+        sum 3.6 over 2 tokens (the 0.5 is clipped low).
+    """
+    logps = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]], dtype=F64)).requires_grad_(True)
+    old = torch.zeros(2, 3, dtype=F64)
+    advantages = torch.tensor([1.0, -2.0], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    return logps, old, advantages, mask
+
+
+@pytest.mark.parametrize("loss_type, num_items, expected", [
+    ("grpo", None, (-2.7 / 3 + 3.6 / 2) / 2),   # per-sequence means -0.9 and 1.8, averaged: 0.45
+    ("bnpo", None, (-2.7 + 3.6) / 5),            # 0.9 over 5 tokens: 0.18
+    ("dr_grpo", None, (-2.7 + 3.6) / (2 * 3)),   # over B·T = 6: 0.15
+    ("dapo", 9, (-2.7 + 3.6) / 9),               # over the global token count 9: 0.1
+    ("dapo", None, (-2.7 + 3.6) / 5),            # falls back to the local count 5
+])
+def test_grpo_loss_aggregations(loss_type, num_items, expected):
+    logps, old, advantages, mask = _grpo_inputs()
+    loss, metrics = grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type=loss_type,
+                              num_items_in_batch=num_items)
+    _close(loss.item(), expected)
+    assert "kl" not in metrics
+
+
+def test_grpo_aggregations_all_tested():
+    assert set(GRPO_AGGREGATIONS) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+
+
+def test_grpo_clip_metrics():
+    """Of the 5 masked tokens: row 1's ρ = 0.5 < 0.8 with A < 0 is clipped low (1/5); row 0's ρ = 1.5 > 1.2
+    with A > 0 is clipped high (1/5). Row 1's masked ρ = 1.5 and row 0's ρ = 0.5 with A > 0 do not count.
+    """
+    logps, old, advantages, mask = _grpo_inputs()
+    _, metrics = grpo_loss(logps, old, None, advantages, mask, beta=0.0)
+    _close(metrics["clip_ratio/low_mean"].item(), 0.2)
+    _close(metrics["clip_ratio/high_mean"].item(), 0.2)
+    _close(metrics["clip_ratio/region_mean"].item(), 0.4)
+    assert not any(m.requires_grad for m in metrics.values())
+
+
+def test_grpo_epsilon_high():
+    """ε_high = 0.6: row 0's ρ = 1.5 < 1.6 is no longer clipped, so its token costs -1.5:
+    row 0 mean (-1 - 1.5 - 0.5)/3 = -1, grpo loss (-1 + 1.8)/2 = 0.4, no high clipping."""
+    logps, old, advantages, mask = _grpo_inputs()
+    loss, metrics = grpo_loss(logps, old, None, advantages, mask, beta=0.0, epsilon_high=0.6)
+    _close(loss.item(), 0.4)
+    _close(metrics["clip_ratio/high_mean"].item(), 0.0)
+    _close(metrics["clip_ratio/low_mean"].item(), 0.2)
+
+
+def test_grpo_gradient_is_zero_on_clipped_tokens():
+    """grpo weights each token by 1/(len · B): row 0 by 1/6, row 1 by 1/4. d(-ρA)/dlogp = -ρA.
+
+    row 0: ρ = 1 → -1/6; ρ = 1.5 clipped → 0; ρ = 0.5 (A > 0, not clipped) → -0.5/6
+    row 1: ρ = 1, A = -2 → 2/4; masked → 0; ρ = 0.5 clipped → 0
+    """
+    logps, old, advantages, mask = _grpo_inputs()
+    loss, _ = grpo_loss(logps, old, None, advantages, mask, beta=0.0)
+    loss.backward()
+    _close(logps.grad, [[-1 / 6, 0.0, -0.5 / 6], [0.5, 0.0, 0.0]])
+
+
+def test_grpo_kl_term():
+    """β = 0.1, ref - logps = log 2 on row 0 and 0 on row 1: k3 = e^d - d - 1 = 1 - log 2 on row 0, 0 on row 1.
+
+    grpo: 0.45 + 0.1·(1 - log 2 + 0)/2; bnpo: 0.18 + 0.1·3(1 - log 2)/5; metric kl = 3(1 - log 2)/5.
+    """
+    logps, old, advantages, mask = _grpo_inputs()
+    ref = logps.detach() + torch.tensor([[math.log(2)], [0.0]], dtype=F64)
+    loss, metrics = grpo_loss(logps, old, ref, advantages, mask, beta=0.1)
+    _close(loss.item(), 0.45 + 0.1 * (1 - math.log(2)) / 2)
+    _close(metrics["kl"].item(), 3 * (1 - math.log(2)) / 5)
+    loss, _ = grpo_loss(logps, old, ref, advantages, mask, beta=0.1, loss_type="bnpo")
+    _close(loss.item(), 0.18 + 0.1 * 3 * (1 - math.log(2)) / 5)
+
+
+def test_grpo_old_logps_none_means_ratio_one():
+    """Without old log-probs ρ = 1, so the loss is -mean(A) per token: grpo = -(1 - 2)/2 = 0.5."""
+    logps, _, advantages, mask = _grpo_inputs()
+    loss, metrics = grpo_loss(logps, None, None, advantages, mask, beta=0.0)
+    _close(loss.item(), 0.5)
+    _close(metrics["clip_ratio/region_mean"].item(), 0.0)
+
+
+def test_grpo_dapo_accumulation_is_exact():
+    """Two micro-batches of one row each, summed with the global token count, equal the full batch."""
+    logps, old, advantages, mask = _grpo_inputs()
+    full, _ = grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="dapo")
+    parts = sum(grpo_loss(logps[i:i + 1], old[i:i + 1], None, advantages[i:i + 1], mask[i:i + 1], beta=0.0,
+                          loss_type="dapo", num_items_in_batch=5)[0] for i in range(2))
+    _close(parts.item(), full.item())
+
+
+def test_grpo_loss_bad_inputs():
+    logps, old, advantages, mask = _grpo_inputs()
+    with pytest.raises(ValueError, match="ref_logps is None but beta = 0.1"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.1)
+    with pytest.raises(ValueError, match=r"\['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="ppo")
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\): expected \(2,\)"):
+        grpo_loss(logps, old, None, torch.zeros(3), mask, beta=0.0)
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 2\): expected \(2, 3\)"):
+        grpo_loss(logps, old, None, advantages, mask[:, :2], beta=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# gae
+# ---------------------------------------------------------------------------------------------
+
+def _gae_slow(rewards, values, mask, gamma, lam):
+    """The obvious version: per row, walk the valid positions backwards in plain Python."""
+    B, T = len(rewards), len(rewards[0])
+    adv = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        next_v = next_a = 0.0
+        for t in reversed([t for t in range(T) if mask[b][t]]):
+            a = rewards[b][t] + gamma * next_v - values[b][t] + gamma * lam * next_a
+            adv[b][t] = a
+            next_v, next_a = values[b][t], a
+    return adv
+
+
+def test_gae_monte_carlo_when_lambda_is_one():
+    """γ = λ = 1: A_t = (sum of rewards from t on) - V_t = 1 - 0.5 for every token; returns 1."""
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0]], dtype=F64), torch.full((1, 3), 0.5, dtype=F64),
+                   torch.ones(1, 3), gamma=1.0, lam=1.0)
+    _close(adv, [[0.5, 0.5, 0.5]])
+    _close(ret, [[1.0, 1.0, 1.0]])
+
+
+def test_gae_td_when_lambda_is_zero():
+    """λ = 0, γ = ½: A_t = r_t + ½V_{t+1} - V_t with V = [1, 2, ½], r = [0, 0, 1]:
+    [0 + 1 - 1, 0 + ¼ - 2, 1 + 0 - ½] = [0, -1.75, 0.5]."""
+    adv, _ = gae(torch.tensor([[0.0, 0.0, 1.0]], dtype=F64), torch.tensor([[1.0, 2.0, 0.5]], dtype=F64),
+                 torch.ones(1, 3), gamma=0.5, lam=0.0)
+    _close(adv, [[0.0, -1.75, 0.5]])
+
+
+def test_gae_skips_masked_tokens():
+    """mask [1, 0, 1], γ = λ = 1; the masked token's reward 100 and value 100 are ignored:
+    A_2 = 1 - ½ = ½; A_0 = 0 + V_2 - V_0 + A_2 = ½; the masked A_1 and return are 0."""
+    adv, ret = gae(torch.tensor([[0.0, 100.0, 1.0]], dtype=F64), torch.tensor([[0.5, 100.0, 0.5]], dtype=F64),
+                   torch.tensor([[1, 0, 1]]), gamma=1.0, lam=1.0)
+    _close(adv, [[0.5, 0.0, 0.5]])
+    _close(ret, [[1.0, 0.0, 1.0]])
+
+
+def test_gae_matches_the_loop():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(4, 7, dtype=F64), torch.randn(4, 7, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1],
+                         [1, 1, 1, 1, 0, 0, 0],   # right padding
+                         [1, 1, 0, 0, 1, 1, 0],   # a hole, then padding
+                         [0, 0, 0, 0, 0, 0, 0]])  # empty
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    expected = _gae_slow(rewards.tolist(), values.tolist(), mask.tolist(), 0.9, 0.8)
+    _close(adv, expected, tol=1e-12)
+    _close(ret, ((torch.tensor(expected, dtype=F64) + values) * mask).tolist(), tol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# ppo_loss
+# ---------------------------------------------------------------------------------------------
+
+def _ppo_inputs():
+    """One row, ρ = [1, 1.5, 0.5], A = [1, 1, -1], c = 0.2.
+
+    policy:  -Aρ = [-1, -1.5, 0.5], -A·clip(ρ) = [-1, -1.2, 0.8], max = [-1, -1.2, 0.8] (tokens 1, 2 clipped)
+    value:   v = [1, 2, 0], v_old = [1, 1, 0], R = [1, 3, 1], c_v = 0.2 → clip(v) = [1, 1.2, 0]
+             (v - R)² = [0, 1, 1], (clip(v) - R)² = [0, 3.24, 1], max = [0, 3.24, 1] (token 1 clipped)
+    """
+    logps = torch.log(torch.tensor([[1.0, 1.5, 0.5]], dtype=F64))
+    old = torch.zeros(1, 3, dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, -1.0]], dtype=F64)
+    values = torch.tensor([[1.0, 2.0, 0.0]], dtype=F64, requires_grad=True)
+    old_values = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
+    returns = torch.tensor([[1.0, 3.0, 1.0]], dtype=F64)
+    return logps, old, adv, values, old_values, returns
+
+
+def test_ppo_loss_hand_computed():
+    """policy = -1.4/3; value = ½·4.24/3 = 2.12/3; loss = policy + 0.1·value; clipfrac 2/3, value clipfrac 1/3,
+    approx_kl = ½(log²1.5 + log²0.5)/3."""
+    logps, old, adv, values, old_values, returns = _ppo_inputs()
+    loss, m = ppo_loss(logps, old, adv, values, old_values, returns, torch.ones(1, 3))
+    _close(m["policy_loss"].item(), -1.4 / 3)
+    _close(m["value_loss"].item(), 2.12 / 3)
+    _close(loss.item(), -1.4 / 3 + 0.1 * 2.12 / 3)
+    _close(m["clipfrac"].item(), 2 / 3)
+    _close(m["value_clipfrac"].item(), 1 / 3)
+    _close(m["approx_kl"].item(), 0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2) / 3)
+
+
+def test_ppo_value_gradient_is_zero_where_clipped():
+    """Token 1's value term is the clipped one, constant in v → gradient 0. Token 2 is inside the clip range:
+    d/dv 0.1·½(v - R)²/3 = 0.1·(0 - 1)/3. Token 0: v = R → 0."""
+    logps, old, adv, values, old_values, returns = _ppo_inputs()
+    loss, _ = ppo_loss(logps, old, adv, values, old_values, returns, torch.ones(1, 3))
+    loss.backward()
+    _close(values.grad, [[0.0, 0.0, -0.1 / 3]])
+
+
+def test_ppo_loss_masks_tokens():
+    """mask [1, 1, 0]: policy (-1 - 1.2)/2 = -1.1; value ½(0 + 3.24)/2 = 0.81; loss -1.1 + 0.081.
+    Changing anything at the masked token changes nothing."""
+    logps, old, adv, values, old_values, returns = _ppo_inputs()
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = ppo_loss(logps, old, adv, values, old_values, returns, mask)
+    _close(loss.item(), -1.1 + 0.081)
+    _close(m["clipfrac"].item(), 0.5)
+    junk = torch.tensor([[0.0, 0.0, 50.0]], dtype=F64)
+    loss2, _ = ppo_loss(logps + junk, old, adv - junk, values + junk, old_values, returns + junk, mask)
+    _close(loss2.item(), loss.item(), tol=1e-12)
+
+
+def test_ppo_loss_bad_shapes():
+    logps, old, adv, values, old_values, returns = _ppo_inputs()
+    with pytest.raises(ValueError, match=r"returns has shape \(1, 2\): expected \(1, 3\)"):
+        ppo_loss(logps, old, adv, values, old_values, returns[:, :2], torch.ones(1, 3))
