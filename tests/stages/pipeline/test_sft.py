@@ -64,6 +64,8 @@ def test_crash_resumes_from_last_checkpoint(tmp_path, monkeypatch):
     assert not runner.output_dir(params, "sft").exists()  # nothing that looks complete
     work = list((tmp_path / "artifacts" / ".work").glob("sft-*"))
     assert [p.name for p in sorted((work[0] / "checkpoints").iterdir())] == ["checkpoint-2", "checkpoint-4"]
+    saved = {p.name for p in (work[0] / "checkpoints" / "checkpoint-4").iterdir()}
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "tokenizer.json", "chat_template.jinja"} <= saved
 
     monkeypatch.undo()
     m = runner.run_stage("sft", params)["metrics"]
