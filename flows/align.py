@@ -1,6 +1,6 @@
 """The `align` flow: the pipeline as a DAG of cached, versioned stages.
 
-    preprocess -> sft -> evaluate
+    preprocess -> sft -> policy -> evaluate
 
 Each task finishes "Cached" when its stage's output folder is current (same params, code
 and inputs, files intact), so rerunning the flow only executes what changed downstream of
@@ -17,6 +17,7 @@ from prefect.artifacts import create_table_artifact
 from flows.dvc_sync import record_in_dvc_lock
 from stages.config import load_params
 from tasks.evaluate import evaluate
+from tasks.policy import policy
 from tasks.preprocess import preprocess
 from tasks.sft import sft
 
@@ -29,7 +30,9 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None) 
     runs = {}
     runs["preprocess"] = preprocess(params, return_state=True)
     runs["sft"] = sft(params, [runs["preprocess"].result()], return_state=True)
-    runs["evaluate"] = evaluate(params, [runs["preprocess"].result(), runs["sft"].result()], return_state=True)
+    runs["policy"] = policy(params, [runs["preprocess"].result(), runs["sft"].result()], return_state=True)
+    runs["evaluate"] = evaluate(params, [runs[s].result() for s in ("preprocess", "sft", "policy")],
+                                return_state=True)
 
     summary = summarise(runs)
     if not overrides and any(s["status"] == "executed" for s in summary["stages"]):

@@ -175,6 +175,34 @@ class SFTParams:
 
 
 @dataclass
+class PolicyParams:
+    """Preference optimisation after SFT (KTO, Online DPO, PPO and GRPO join later)."""
+
+    method: Literal["dpo", "none"] = param("dpo", help="dpo: offline preference optimisation on preference pairs; "
+                                           "none: skip (evaluate then reports base and SFT only)")
+    learning_rate: float = positive(1e-4, "peak learning rate (DPO wants ~10-50x less than SFT)")
+    num_train_epochs: float = positive(1.0, "passes over the preference pairs")
+    max_steps: int = param(-1, help="stop after this many optimizer steps (-1: use num_train_epochs)",
+                           check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
+    per_device_train_batch_size: int = positive(32, "pairs per device per micro-batch")
+    gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
+    warmup_ratio: float = fraction(0.05, "share of steps with linear warm-up")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = param(
+        "cosine", help="learning-rate schedule")
+    beta: float = positive(0.1, "KL strength to the reference (the SFT model)")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "kto_pair", "bco_pair", "sppo_hard", "nca_pair",
+                       "apo_zero", "apo_down"] = param("sigmoid", help="DPO loss variant (stages.losses.dpo_loss)")
+    label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
+                                   rule="must be in [0, 0.5)")
+    reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
+    logging_steps: int = positive(20, "log every N optimizer steps")
+    report_to: list[str] = param(default_factory=lambda: ["tensorboard"], help="tensorboard, wandb, mlflow")
+    lora: LoraParams = param(default_factory=LoraParams, help="LoRA adapters (reference = adapter disabled)")
+
+
+@dataclass
 class EvaluateParams:
     max_new_tokens: int = positive(32, "generation budget per prompt")
     batch_size: int = positive(300, "prompts per generate call")
@@ -229,6 +257,7 @@ class Params:
     run: RunConfig = field(default_factory=RunConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     sft: SFTParams = field(default_factory=SFTParams)
+    policy: PolicyParams = field(default_factory=PolicyParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
 
     def to_dict(self) -> dict[str, Any]:

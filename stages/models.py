@@ -81,6 +81,11 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tr
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+    if (Path(path) / "adapter_config.json").exists():  # a PEFT adapter: load its base, merge the adapter in
+        from peft import AutoPeftModelForCausalLM
+
+        merged = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs).merge_and_unload()
+        return merged.requires_grad_(True).to(device)  # PEFT loads for inference, frozen; training continues here
     if quantization_config is not None:  # bitsandbytes places the quantised weights itself
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
                                                     device_map={"": 0}, **kwargs)

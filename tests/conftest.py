@@ -25,6 +25,7 @@ SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},
     "sft": {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1},
+    "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1},
     "evaluate": {"max_new_tokens": 4},
 }
 
@@ -63,5 +64,5 @@ def built_pipeline(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("pipeline")
     params = load_params(write_params(folder))
-    manifests = {name: run_stage(name, params) for name in ("preprocess", "sft", "evaluate")}
+    manifests = {name: run_stage(name, params) for name in ("preprocess", "sft", "policy", "evaluate")}
     return params, manifests

@@ -1,7 +1,8 @@
 """Stage `evaluate`: greedy generation on the held-out prompts, exact match of the extracted answer.
 
-Evaluates the SFT model and (with `evaluate.baseline`) the untrained base model, so the
-table always shows what training bought. Writes `metrics.json` (one row per model) and
+Evaluates the policy model (the end of the pipeline), the SFT model it started from and
+(with `evaluate.baseline`) the untrained base model, so the table always shows what each
+stage bought. Writes `metrics.json` (one row per model) and
 `predictions.jsonl` (every prompt, completion, extracted answer and verdict).
 
     python -m stages evaluate [--set evaluate.max_samples=100]
@@ -28,6 +29,8 @@ def run(ctx) -> dict[str, Any]:
         rows = rows[: e.max_samples]
     pattern = re.compile(e.answer_regex) if e.answer_regex else None
     models = {"sft": str(ctx.inputs["sft"] / "model")}
+    if (ctx.inputs["policy"] / "model").is_dir():  # absent with policy.method: none
+        models["policy"] = str(ctx.inputs["policy"] / "model")
     if e.baseline:
         models = {"base": resolve_model(p.model, p.run.output_dir), **models}
 
@@ -53,7 +56,8 @@ def run(ctx) -> dict[str, Any]:
     write_jsonl(ctx.out / "predictions.jsonl", predictions)
     (ctx.out / "metrics.json").write_text(json.dumps(table, indent=2))
     by_model = {r["model"]: r for r in table}
-    return {"accuracy": by_model["sft"]["accuracy"],
+    final = by_model.get("policy", by_model["sft"])
+    return {"accuracy": final["accuracy"], "sft_accuracy": by_model["sft"]["accuracy"],
             "baseline_accuracy": by_model["base"]["accuracy"] if "base" in by_model else None,
             "n": len(rows), "table": table}
 

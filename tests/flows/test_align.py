@@ -19,16 +19,18 @@ def run(params_file, overrides=None):
 def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect_server):
     params = write_params(tmp_path)
     first, summary = run(params)
-    assert first == {"preprocess": "executed", "sft": "executed", "evaluate": "executed"}
-    assert [r["model"] for r in summary["evaluation"]] == ["base", "sft"]
+    everything = {"preprocess": "executed", "sft": "executed", "policy": "executed", "evaluate": "executed"}
+    assert first == everything
+    assert [r["model"] for r in summary["evaluation"]] == ["base", "sft", "policy"]
 
-    assert run(params)[0] == {"preprocess": "cached", "sft": "cached", "evaluate": "cached"}
+    assert run(params)[0] == dict.fromkeys(everything, "cached")
     assert run(params, ["evaluate.max_new_tokens=5"])[0] == {
-        "preprocess": "cached", "sft": "cached", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "sft.learning_rate=0.004"])[0] == {
-        "preprocess": "cached", "sft": "executed", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "data.builtin.seed=3"])[0] == {
-        "preprocess": "executed", "sft": "executed", "evaluate": "executed"}
+        "preprocess": "cached", "sft": "cached", "policy": "cached", "evaluate": "executed"}
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2"])[0] == {
+        "preprocess": "cached", "sft": "cached", "policy": "executed", "evaluate": "executed"}
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2", "sft.learning_rate=0.004"])[0] == {
+        "preprocess": "cached", "sft": "executed", "policy": "executed", "evaluate": "executed"}
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2", "data.builtin.seed=3"])[0] == everything
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])

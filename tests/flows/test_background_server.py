@@ -30,8 +30,8 @@ def test_start_reuse_stop(tmp_path):
         assert f"http://127.0.0.1:{port}" in align("server", "start")  # idempotent: finds the running one
         out = align("run")
         assert "Starting temporary server" not in out  # no ephemeral server: the background one was used
-        assert out.count(" executed ") == 3
+        assert out.count(" executed ") == 4
     finally:
         align("server", "stop")
     out = align("run")
-    assert "Starting temporary server" in out and out.count(" cached ") == 3
+    assert "Starting temporary server" in out and out.count(" cached ") == 4

@@ -36,9 +36,12 @@ def test_local_model_with_text_data_trains(tmp_path, plain_model_dir):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
                                               for i in range(60)))
     params = load_params(write_params(tmp_path, {"model": {"name_or_path": str(plain_model_dir)},
-                                                 "data": {"source": str(tmp_path / "d.jsonl")}}))
-    for stage in ("preprocess", "sft", "evaluate"):
+                                                 "data": {"source": str(tmp_path / "d.jsonl")},
+                                                 "policy": {"method": "none"}}))
+    for stage in ("preprocess", "sft", "policy", "evaluate"):
         runner.run_stage(stage, params)
+    table = json.loads((tmp_path / "artifacts" / "evaluate" / "metrics.json").read_text())
+    assert [r["model"] for r in table] == ["base", "sft"]  # no preference data, no policy row
     manifest = json.loads((tmp_path / "artifacts" / "sft" / "manifest.json").read_text())
     assert manifest["metrics"]["base_model"]["name_or_path"] == str(plain_model_dir)
 

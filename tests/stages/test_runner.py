@@ -33,7 +33,7 @@ def test_second_call_reuses(built_pipeline):
 
 def test_status_reports_current(built_pipeline):
     params, _ = built_pipeline
-    assert [r["current"] for r in runner.status(params)] == [True, True, True]
+    assert [r["current"] for r in runner.status(params)] == [True, True, True, True]
 
 
 def test_changed_param_makes_stage_and_downstream_stale(built_pipeline):

@@ -8,10 +8,10 @@ from stages.pipeline.evaluate import after_reasoning, extract
 def test_table_has_baseline_and_sft_rows(built_pipeline):
     params, manifests = built_pipeline
     table = manifests["evaluate"]["metrics"]["table"]
-    assert [r["model"] for r in table] == ["base", "sft"]
+    assert [r["model"] for r in table] == ["base", "sft", "policy"]
     preds = read_jsonl(runner.output_dir(params, "evaluate") / "predictions.jsonl")
-    assert len(preds) == 2 * 20
-    for label in ("base", "sft"):
+    assert len(preds) == 3 * 20
+    for label in ("base", "sft", "policy"):
         rows = [p for p in preds if p["model"] == label]
         acc = sum(p["correct"] for p in rows) / len(rows)
         assert abs(acc - next(r["accuracy"] for r in table if r["model"] == label)) < 1e-3

@@ -26,6 +26,7 @@ def test_lora_adapter_loads_with_peft_and_evaluates(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(json.loads((model_dir / "adapter_config.json").read_text())[
         "base_model_name_or_path"])
     assert isinstance(PeftModel.from_pretrained(base, model_dir), PeftModel)
+    runner.run_stage("policy", params)  # DPO starts from the SFT adapter merged into its base
     assert runner.run_stage("evaluate", params)["metrics"]["n"] == 20  # evaluate loads the adapter onto its base
 
 
@@ -49,16 +50,16 @@ def test_max_seq_length_shorter_than_prompt(tmp_path):
 
 
 def test_crash_resumes_from_last_checkpoint(tmp_path, monkeypatch):
-    import stages.pipeline.sft as sft_stage
+    import stages.pipeline.training as training
 
     params = _params(tmp_path, max_steps=6, save_steps=2)
 
-    class Crash(sft_stage.LogToLogger):
+    class Crash(training.LogToLogger):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == 5:
                 raise KeyboardInterrupt("simulated kill at step 5")
 
-    monkeypatch.setattr(sft_stage, "LogToLogger", Crash)
+    monkeypatch.setattr(training, "LogToLogger", Crash)
     with pytest.raises(KeyboardInterrupt):
         runner.run_stage("sft", params)
     assert not runner.output_dir(params, "sft").exists()  # nothing that looks complete

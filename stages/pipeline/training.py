@@ -1,0 +1,85 @@
+"""What every training stage shares: trainer arguments, callbacks, resume, saving, trackers.
+
+Each training stage (`sft`, `policy`, ...) builds its own model, data and trainer; these
+helpers keep checkpoints, crash-resume, TensorBoard and the saved outputs identical.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from typing import Any
+
+from transformers import PrinterCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from stages.trainers.callbacks import LogToLogger, tensorboard_callback
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) -> dict[str, Any]:
+    """TrainingArguments keywords common to every training stage, from its params section `s`."""
+    check_trackers(s.report_to, section)
+    return dict(
+        output_dir=str(ctx.work / "checkpoints"), learning_rate=s.learning_rate, num_train_epochs=s.num_train_epochs,
+        max_steps=s.max_steps, per_device_train_batch_size=s.per_device_train_batch_size,
+        per_device_eval_batch_size=64, gradient_accumulation_steps=s.gradient_accumulation_steps,
+        warmup_steps=s.warmup_ratio, lr_scheduler_type=s.lr_scheduler_type, logging_steps=s.logging_steps,
+        save_strategy="steps", save_steps=s.save_steps, save_total_limit=2,
+        report_to=[r for r in s.report_to if r != "tensorboard"] or "none",
+        seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
+        disable_tqdm=not sys.stderr.isatty(), bf16=precision == "bf16", fp16=precision == "fp16",
+    )
+
+
+def callbacks(ctx, report_to: list[str]) -> tuple[LogToLogger, list]:
+    logger = LogToLogger(ctx.log)
+    extra = [tensorboard_callback(ctx.work / "tensorboard")] if "tensorboard" in report_to else []
+    return logger, [logger, *extra]
+
+
+def last_checkpoint(ctx) -> str | None:
+    """The checkpoint a crashed attempt with the same fingerprint left behind, if any."""
+    folder = ctx.work / "checkpoints"
+    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+
+
+def train(trainer, ctx) -> tuple[Any, str | None]:
+    trainer.remove_callback(PrinterCallback)  # LogToLogger already reports every log line
+    resume = last_checkpoint(ctx)
+    if resume:
+        ctx.log.info("resuming from %s", resume)
+    return trainer.train(resume_from_checkpoint=resume), resume
+
+
+def save_outputs(trainer, tokenizer, ctx) -> None:
+    """model/ (full model or adapter, with tokenizer and chat template), log_history.json, tensorboard/."""
+    if not trainer.is_world_process_zero():
+        return
+    trainer.save_model(str(ctx.out / "model"))
+    tokenizer.save_pretrained(str(ctx.out / "model"))
+    (ctx.out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+    if (ctx.work / "tensorboard").is_dir():
+        shutil.copytree(ctx.work / "tensorboard", ctx.out / "tensorboard")
+
+
+def check_trackers(report_to: list[str], section: str) -> None:
+    for name in report_to:
+        if name not in TRACKERS:
+            raise ValueError(f"{section}.report_to: unknown tracker {name!r}; supported: {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ValueError(f"{section}.report_to includes {name!r} but the {TRACKERS[name]} package is not "
+                             f"installed: pip install {TRACKERS[name]}, or remove it from {section}.report_to")
+
+
+def mixed_precision(setting: str, device: str, section: str) -> str:
+    import torch
+
+    if setting == "auto":
+        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "no"
+    if setting != "no" and device != "cuda":
+        raise ValueError(f"{section}.mixed_precision = {setting!r} needs a GPU; this run is on {device} "
+                         "(use auto or no)")
+    return setting
