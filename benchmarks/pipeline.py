@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from stages.registry import STAGES  # noqa: E402
 BIN = Path(sys.executable).parent
 
 
@@ -55,15 +57,15 @@ def main() -> None:
     for r in evaluation:
         rows.append((f"held-out accuracy, {r['model']} (n={r['n']})", f"{r['accuracy']:.1%}"))
     stages = {m: json.loads((repo / "artifacts" / m / "manifest.json").read_text())["wall_time_s"]
-              for m in ("preprocess", "sft", "evaluate")}
+              for m in STAGES}
     rows += [(f"  stage {m}", f"{s:.1f} s") for m, s in stages.items()]
     second, out2 = timed([str(BIN / "align"), "run"], repo, env)
     cached = sum(" cached " in line for line in out2.splitlines())
-    rows.append((f"second run, nothing changed ({cached}/3 cached)", f"{second:.1f} s"))
+    rows.append((f"second run, nothing changed ({cached}/{len(STAGES)} cached)", f"{second:.1f} s"))
     subprocess.run([str(BIN / "align"), "server", "stop"], cwd=repo, env=env, capture_output=True)
     ephemeral, out2 = timed([str(BIN / "align"), "run"], repo, env)
     cached = sum(" cached " in line for line in out2.splitlines())
-    rows.append((f"same, Prefect ephemeral mode, no server ({cached}/3 cached)", f"{ephemeral:.1f} s"))
+    rows.append((f"same, Prefect ephemeral mode, no server ({cached}/{len(STAGES)} cached)", f"{ephemeral:.1f} s"))
     if not args.skip_dvc:
         dvc_first, _ = timed(["dvc", "repro"], repo, env)  # after the flow's dvc commit: nothing to run
         dvc_noop, out3 = timed(["dvc", "repro"], repo, env)
