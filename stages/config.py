@@ -134,7 +134,9 @@ class LoraParams:
 
 
 @dataclass
-class SFTParams:
+class TrainingParams:
+    """What every training stage section shares (the trainer, checkpoints, tracking, adapters)."""
+
     learning_rate: float = positive(3e-3, "peak learning rate")
     num_train_epochs: float = positive(2.0, "passes over the training rows")
     max_steps: int = param(-1, help="stop after this many optimizer steps (-1: use num_train_epochs)",
@@ -142,9 +144,18 @@ class SFTParams:
     per_device_train_batch_size: int = positive(32, "rows per device per micro-batch")
     gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
     warmup_ratio: float = fraction(0.05, "share of steps with linear warm-up")
-    weight_decay: float = non_negative(0.0, "AdamW weight decay")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = param(
         "cosine", help="learning-rate schedule")
+    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
+    logging_steps: int = positive(20, "log every N optimizer steps")
+    report_to: list[str] = param(default_factory=lambda: ["tensorboard"],
+                                 help="trackers: tensorboard, wandb, mlflow ([] for none)")
+    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
+
+
+@dataclass
+class SFTParams(TrainingParams):
+    weight_decay: float = non_negative(0.0, "AdamW weight decay")
     max_seq_length: int = positive(512, "truncate tokenised rows to this many tokens")
     completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
     assistant_only_loss: bool = param(False, help="loss on every assistant turn of multi-turn conversations only "
@@ -157,11 +168,6 @@ class SFTParams:
     gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
     gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param("auto", help="auto: bf16 on GPUs that have it")
-    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
-    logging_steps: int = positive(20, "log loss every N optimizer steps")
-    report_to: list[str] = param(default_factory=lambda: ["tensorboard"],
-                                 help="trackers: tensorboard, wandb, mlflow ([] for none)")
-    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
@@ -175,20 +181,13 @@ class SFTParams:
 
 
 @dataclass
-class PolicyParams:
+class PolicyParams(TrainingParams):
     """Preference optimisation after SFT (KTO, Online DPO, PPO and GRPO join later)."""
 
-    method: Literal["dpo", "none"] = param("dpo", help="dpo: offline preference optimisation on preference pairs; "
-                                           "none: skip (evaluate then reports base and SFT only)")
     learning_rate: float = positive(1e-4, "peak learning rate (DPO wants ~10-50x less than SFT)")
     num_train_epochs: float = positive(1.0, "passes over the preference pairs")
-    max_steps: int = param(-1, help="stop after this many optimizer steps (-1: use num_train_epochs)",
-                           check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    per_device_train_batch_size: int = positive(32, "pairs per device per micro-batch")
-    gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
-    warmup_ratio: float = fraction(0.05, "share of steps with linear warm-up")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = param(
-        "cosine", help="learning-rate schedule")
+    method: Literal["dpo", "none"] = param("dpo", help="dpo: offline preference optimisation on preference pairs; "
+                                           "none: skip (evaluate then reports base and SFT only)")
     beta: float = positive(0.1, "KL strength to the reference (the SFT model)")
     loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "kto_pair", "bco_pair", "sppo_hard", "nca_pair",
                        "apo_zero", "apo_down"] = param("sigmoid", help="DPO loss variant (stages.losses.dpo_loss)")
@@ -196,10 +195,6 @@ class PolicyParams:
                                    rule="must be in [0, 0.5)")
     reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
-    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
-    logging_steps: int = positive(20, "log every N optimizer steps")
-    report_to: list[str] = param(default_factory=lambda: ["tensorboard"], help="tensorboard, wandb, mlflow")
-    lora: LoraParams = param(default_factory=LoraParams, help="LoRA adapters (reference = adapter disabled)")
 
 
 @dataclass
