@@ -35,11 +35,12 @@ import argparse
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from peak_memory import PeakMemory, status_mib  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,48 +62,6 @@ SIZES = {
 
 # ------------------------------------------------------------------------ child side
 
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-class _Meter:
-    """Peak extra memory (MiB) since `start()`, by the most reliable method available."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self.torch, self.cuda = torch, device.startswith("cuda")
-        self.method = "cuda.max_memory_allocated" if self.cuda else "VmHWM"
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
-            self.base = self.torch.cuda.memory_allocated() / 2**20
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.base = _status_mib("VmRSS")
-        except OSError:
-            # No reset possible: ru_maxrss is a lifetime peak, so this is only valid if
-            # nothing before this point used more memory than the inputs do now.
-            self.method = "ru_maxrss"
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def peak(self) -> float:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            return self.torch.cuda.max_memory_allocated() / 2**20 - self.base
-        if self.method == "VmHWM":
-            return _status_mib("VmHWM") - self.base
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - self.base
 
 
 def _make(kind: str, dtype_name: str, variant: str, sizes: dict, device: str):
@@ -159,7 +118,7 @@ def _child_memory(name: str, size_key: str, device: str) -> dict:
     sizes = SIZES[size_key][kind]
     _warmup(kind, dtype_name, variant, sizes, device)
     forward, backward, _ = _make(kind, dtype_name, variant, sizes, device)
-    meter = _Meter(device)
+    meter = PeakMemory(device)
     meter.start()
     out = forward()
     fwd_peak = meter.peak()

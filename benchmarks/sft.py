@@ -58,13 +58,14 @@ import gc
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from peak_memory import PeakMemory, status_mib  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -112,37 +113,6 @@ def skewed_rows(n: int, seed: int, long_fraction: float = 0.1) -> list[dict]:
 
 
 # -------------------------------------------------------------------------- memory
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-class _Meter:
-    """Peak extra resident memory (MiB) since `start()` (CPU; copied from benchmarks/kernels.py)."""
-
-    method = "VmHWM"
-
-    def start(self) -> None:
-        gc.collect()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.base = _status_mib("VmRSS")
-        except OSError:
-            # No reset possible: ru_maxrss is a lifetime peak, so this is only valid if
-            # nothing before this point used more memory than the process holds now.
-            self.method = "ru_maxrss"
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def peak(self) -> float:
-        if self.method == "VmHWM":
-            return _status_mib("VmHWM") - self.base
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - self.base
 
 
 # ------------------------------------------------------------------------- helpers
@@ -262,13 +232,13 @@ def _child_lora(path: Path, sizes: dict, lora: bool, out: Path) -> dict:
     trainer.remove_callback(PrinterCallback)
     counter = _CountingCollator(trainer.data_collator)
     trainer.data_collator = counter
-    meter = _Meter()
+    meter = PeakMemory()
     meter.start()
     trainer.train()
     peak = meter.peak()
     return dict(run=f"LoRA r=8 on {'/'.join(t.split('_')[0] for t in LORA_TARGETS)}" if lora else
                 "full fine-tuning", trainable=trainable, total=total, peak_extra_mib=peak,
-                peak_rss_mib=_status_mib("VmHWM") if meter.method == "VmHWM" else float("nan"),
+                peak_rss_mib=status_mib("VmHWM") if meter.method == "VmHWM" else float("nan"),
                 base_mib=meter.base, steps=trainer.state.global_step, tokens_per_step=counter.real / counter.batches,
                 method=meter.method)
 
@@ -324,7 +294,7 @@ def _child_ckpt(path: Path, sizes: dict, checkpointing: bool) -> dict:
     ids = _ckpt_inputs(model.config.vocab_size, sizes)
     _step(model, ids[:1, :16])
     model.zero_grad(set_to_none=False)
-    meter = _Meter()
+    meter = PeakMemory()
     meter.start()
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     fwd = meter.peak()
