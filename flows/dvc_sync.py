@@ -8,6 +8,7 @@ With overrides the workspace differs from params.yaml on purpose and nothing is 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,6 +36,4 @@ def record_in_dvc_lock(params_file: str, output_dir: str) -> bool:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "DVC_NO_ANALYTICS": "1"}

@@ -318,6 +318,11 @@ def _split_reasoning(text: str, open_tag: str, close_tag: str, thinking_in_promp
     return tail, reasoning, True
 
 
+def answer_after_reasoning(text: str, think_tags: tuple[str, str] = ("<think>", "</think>")) -> str:
+    """The answer part of an already-decoded text, by the same policy as `parse_completions`."""
+    return _split_reasoning(text, think_tags[0], think_tags[1], thinking_in_prompt=False)[0]
+
+
 def parse_completions(
     token_ids: torch.Tensor | Sequence[Sequence[int]],
     tokenizer,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from stages.data.formats import is_conversational
+from stages.data.templates import apply_chat_template
 
 
 def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple[str, str]:
@@ -18,13 +19,8 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
     prompt, completion = row["prompt"], row["completion"]
     if is_conversational(prompt):
         require_chat_template(tokenizer)
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-        if not full.startswith(prompt_text):
-            raise ValueError("the chat template renders the prompt differently once the completion is appended "
-                             f"(prompt: {prompt_text[-60:]!r}); use a template whose generation prompt is a prefix "
-                             "of the full conversation")
-        return prompt_text, full[len(prompt_text):]
+        rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
+        return rendered["prompt"], rendered["completion"]
     return prompt, _with_eos(tokenizer, completion)
 
 
@@ -39,7 +35,7 @@ def require_chat_template(tokenizer) -> None:
 def render_prompt(tokenizer, prompt: Any) -> str:
     if is_conversational(prompt):
         require_chat_template(tokenizer)
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
     return prompt
 
 

@@ -18,7 +18,7 @@ import torch
 from stages.data import read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
-from stages.utils import decode_and_strip_padding
+from stages.utils import answer_after_reasoning, decode_and_strip_padding
 
 
 def run(ctx) -> dict[str, Any]:
@@ -93,11 +93,9 @@ def reference_text(completion: Any) -> str:
     return completion
 
 
-def after_reasoning(text: str, tags: tuple[str, str] = ("<think>", "</think>")) -> str:
-    """A reference's answer part: the text after the last closing tag ("" if a block is left open)."""
-    if tags[1] in text:
-        return text.rsplit(tags[1], 1)[1]
-    return "" if tags[0] in text else text
+def after_reasoning(text: str) -> str:
+    """A reference's answer part, by the reasoning-block policy of `stages.utils` ("" if a block is left open)."""
+    return answer_after_reasoning(text)
 
 
 def extract(text: str, pattern: re.Pattern | None) -> str | None:
