@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from peak_memory import PeakMemory, status_mib  # noqa: E402  (benchmarks/ is on sys.path)
+from peak_memory import PeakMemory  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -278,7 +278,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
     path = Path(path)
     source = str(path)
     if not path.exists():
-        raise ParamsError(source, [f"file not found; run from the project root or pass --params PATH"])
+        raise ParamsError(source, ["file not found; run from the project root or pass --params PATH"])
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:

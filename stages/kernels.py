@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = [

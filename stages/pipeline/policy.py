@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from stages.data import DataError, read_jsonl
-from stages.models import load_causal_lm, load_tokenizer, pick_device
+from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.dpo import DPOConfig, DPOTrainer
 
 
@@ -31,11 +30,7 @@ def run(ctx) -> dict[str, Any]:
         raise DataError(f"{pairs_path}: no preference pairs; policy.method = dpo needs prompt/chosen/rejected rows "
                         "(data.source in preference format, or builtin:arithmetic)")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
-    model = load_causal_lm(start, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
-                           quantization_config=quantization_config(s.lora, device=device))
-    if s.lora.enabled:
-        model = apply_lora(model, s.lora)
-    trainable, total = trainable_fraction(model)
+    model, trainable, total = training.load_trainable_model(start, p, s, device=device)
     args = DPOConfig(**training.trainer_args(ctx, s, device=device, section="policy"), beta=s.beta,
                      loss_type=s.loss_type, label_smoothing=s.label_smoothing, reference_free=s.reference_free,
                      max_length=s.max_length)

@@ -19,9 +19,8 @@ import importlib
 from typing import Any
 
 from stages.data import DataError, read_jsonl
-from stages.models import load_causal_lm, load_tokenizer, model_fingerprint, pick_device, resolve_model
+from stages.models import load_tokenizer, model_fingerprint, pick_device, resolve_model
 from stages.pipeline import training
-from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.sft import SFTConfig, SFTTrainer
 
 
@@ -31,15 +30,9 @@ def run(ctx) -> dict[str, Any]:
     base = resolve_model(p.model, p.run.output_dir)
     tokenizer = load_tokenizer(base, trust_remote_code=p.model.trust_remote_code)
     train, val = load_rows(ctx, s)
-    model = load_causal_lm(base, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
-                           quantization_config=quantization_config(s.lora, device=device))
-    if s.gradient_checkpointing:
-        model.config.use_cache = False
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=s.gradient_checkpointing_every)
-    if s.lora.enabled:
-        model = apply_lora(model, s.lora)
-    trainable, total = trainable_fraction(model)
+    model, trainable, total = training.load_trainable_model(
+        base, p, s, device=device, checkpointing_every=s.gradient_checkpointing_every if s.gradient_checkpointing
+        else None)
 
     precision = training.mixed_precision(s.mixed_precision, device, "sft")
     args = SFTConfig(

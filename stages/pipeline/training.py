@@ -14,9 +14,25 @@ from typing import Any
 from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from stages.models import load_causal_lm
+from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, tensorboard_callback
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def load_trainable_model(path: str, p, s, *, device: str, checkpointing_every: int | None = None):
+    """The model a training stage starts from: loaded (quantised for QLoRA), activation checkpointing
+    every `checkpointing_every` blocks if given, LoRA adapters if `s.lora.enabled`. -> (model, trainable, total)."""
+    model = load_causal_lm(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
+                           quantization_config=quantization_config(s.lora, device=device))
+    if checkpointing_every:
+        model.config.use_cache = False
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=checkpointing_every)
+    if s.lora.enabled:
+        model = apply_lora(model, s.lora)
+    return (model, *trainable_fraction(model))
 
 
 def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) -> dict[str, Any]:

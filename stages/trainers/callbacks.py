@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from transformers import PrinterCallback, TrainerCallback
+from transformers import TrainerCallback
 
 
 class LogToLogger(TrainerCallback):
