@@ -1,6 +1,9 @@
 """The `align` flow: the pipeline as a DAG of cached, versioned stages.
 
-    preprocess -> sft -> policy -> evaluate
+    preprocess -> sft -> reward -> score -> reference -> policy -> evaluate
+
+(reward: the reward model with its quality gate; score: SFT samples scored into pairs;
+reference: the reference log-probs of the DPO pairs, cached apart from the policy's params.)
 
 Each task finishes "Cached" when its stage's output folder is current (same params, code
 and inputs, files intact), so rerunning the flow only executes what changed downstream of
@@ -19,6 +22,9 @@ from stages.config import load_params
 from tasks.evaluate import evaluate
 from tasks.policy import policy
 from tasks.preprocess import preprocess
+from tasks.reference import reference
+from tasks.reward import reward
+from tasks.score import score
 from tasks.sft import sft
 
 
@@ -28,11 +34,17 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None) 
     params = load_params(params_file, overrides or [])  # every params problem, before any compute
 
     runs = {}
+
+    def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here
+        return [runs[n].result() for n in names]
+
     runs["preprocess"] = preprocess(params, return_state=True)
-    runs["sft"] = sft(params, [runs["preprocess"].result()], return_state=True)
-    runs["policy"] = policy(params, [runs["preprocess"].result(), runs["sft"].result()], return_state=True)
-    runs["evaluate"] = evaluate(params, [runs[s].result() for s in ("preprocess", "sft", "policy")],
-                                return_state=True)
+    runs["sft"] = sft(params, after("preprocess"), return_state=True)
+    runs["reward"] = reward(params, after("preprocess", "sft"), return_state=True)
+    runs["score"] = score(params, after("preprocess", "sft", "reward"), return_state=True)
+    runs["reference"] = reference(params, after("preprocess", "sft", "score"), return_state=True)
+    runs["policy"] = policy(params, after("preprocess", "sft", "reward", "score", "reference"), return_state=True)
+    runs["evaluate"] = evaluate(params, after("preprocess", "sft", "policy"), return_state=True)
 
     summary = summarise(runs)
     if not overrides and any(s["status"] == "executed" for s in summary["stages"]):

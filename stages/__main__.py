@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except runner.UpstreamMissing as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except runner.QualityGateFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     except (ValueError, FileNotFoundError) as e:  # bad data, bad model path: the message says what to fix
         print(f"error: {args.stage}: {e}", file=sys.stderr)
         return 1

@@ -180,21 +180,217 @@ class SFTParams(TrainingParams):
         return problems
 
 
-@dataclass
-class PolicyParams(TrainingParams):
-    """Preference optimisation after SFT (KTO, Online DPO, PPO and GRPO join later)."""
+REWARD_BUILTINS = ("exact_match", "reasoning_format", "length_penalty", "reward_model")
 
-    learning_rate: float = positive(1e-4, "peak learning rate (DPO wants ~10-50x less than SFT)")
-    num_train_epochs: float = positive(1.0, "passes over the preference pairs")
-    method: Literal["dpo", "none"] = param("dpo", help="dpo: offline preference optimisation on preference pairs; "
-                                           "none: skip (evaluate then reports base and SFT only)")
+
+def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
+    """Config-time checks of a reward_functions / reward_weights pair (imports happen in the stage)."""
+    problems = []
+    if not names:
+        problems.append(("reward_functions", "= []: name at least one (" + ", ".join(REWARD_BUILTINS)
+                         + ", or a dotted path module:function)"))
+    for i, name in enumerate(names):
+        if name not in REWARD_BUILTINS and (":" not in name or not all(name.partition(":")[::2])):
+            problems.append((f"reward_functions[{i}]", f"= {name!r}: neither a built-in ("
+                             f"{', '.join(REWARD_BUILTINS)}) nor a dotted path module:function"))
+    if weights is not None and len(weights) != len(names):
+        problems.append(("reward_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} reward "
+                         "function(s); give one weight per function or null for all 1.0"))
+    return problems
+
+
+@dataclass
+class GenerationParams:
+    """How completions are sampled (`stages.generation`): backend and decoding settings."""
+
+    backend: Literal["hf", "vllm"] = param("hf", help="hf: batched transformers generate; vllm: a vLLM server "
+                                           "(OpenAI API) started in its own environment, see README")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    temperature: float = positive(1.0, "sampling temperature")
+    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
+    batch_size: int = positive(64, "prompts per generate call")
+    vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
+    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
+
+
+@dataclass
+class RewardParams(TrainingParams):
+    """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs."""
+
+    learning_rate: float = positive(3e-4, "peak learning rate")
+    num_train_epochs: float = positive(7.0, "passes over the training pairs (the +-1 / +-10 wrong answers of the "
+                                       "built-in task need ~7 to pass the 0.9 gate)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    center_rewards_coefficient: float | None = param(None, help="weight of mean((r_c + r_r)^2), keeps rewards "
+                                                     "centred at 0 (null: off; 0.01 is typical)")
+    eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
+                                 check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
+    min_accuracy: float = fraction(0.9, "quality gate: held-out pair accuracy below this fails the stage and "
+                                   "stops everything downstream (0: no gate)", open_right=False)
+    calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
+                                     "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
+
+
+@dataclass
+class ScoreParams:
+    """Sample completions from the SFT model, score them with reward functions, build preference pairs."""
+
+    enabled: bool = param(True, help="false: skip (no scored pairs; policy.data must then be preprocess)")
+    source: Literal["generate", "dataset"] = param("generate", help="generate: sample n completions per prompt "
+                                                   "from the SFT model; dataset: score existing completions "
+                                                   "(score.dataset) without generating")
+    dataset: str | None = param(None, help="offline mode: .jsonl with prompt + completions (a list) per row")
+    num_prompts: int = param(-1, help="score at most N prompts (-1: all)", check=lambda v: v == -1 or v > 0,
+                             rule="must be -1 or > 0")
+    n: int = positive(4, "completions sampled per prompt (>= 2 to form pairs)")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling settings")
+    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
+                                        help="built-ins or module:function dotted paths")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    pairing: Literal["best_worst", "all_pairs"] = param("best_worst", help="best_worst: one pair per prompt; "
+                                                         "all_pairs: every pair whose scores differ by > min_margin")
+    min_score: float | None = param(None, help="drop pairs whose chosen score is below this (null: off)")
+    min_margin: float = non_negative(0.0, "drop pairs whose score difference is <= this (ties always dropped)")
+    max_length: int = positive(512, "drop completions whose prompt + completion is longer (tokens)")
+    dedup: bool = param(True, help="collapse identical completions of one prompt before pairing")
+    histogram_bins: int = positive(20, "bins of the score histogram in the manifest")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_reward_functions(self.reward_functions, self.reward_weights)
+        if self.enabled and self.source == "generate" and self.n < 2:
+            problems.append(("n", f"= {self.n}: pairs need at least 2 completions per prompt"))
+        if self.enabled and self.source == "dataset" and not self.dataset:
+            problems.append(("dataset", "= null: source dataset needs a .jsonl path with prompt + completions"))
+        return problems
+
+
+@dataclass
+class DPOParams:
+    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
+                                        check=lambda v: v > 0, rule="must be > 0 or null")
     beta: float = positive(0.1, "KL strength to the reference (the SFT model)")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "kto_pair", "bco_pair", "sppo_hard", "nca_pair",
-                       "apo_zero", "apo_down"] = param("sigmoid", help="DPO loss variant (stages.losses.dpo_loss)")
+    loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
+                                       "module:function objective, or a list of them combined with loss_weights")
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
     label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
                                    rule="must be in [0, 0.5)")
     reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
+    precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once in stage `reference` "
+                                           "(cached: a rerun with another beta or loss_type skips them)")
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
+                                                  "(multi-task mixtures; tasks not listed: 1.0)")
+    balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        types = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
+        if not types:
+            return [("loss_type", "= []: name at least one loss")]
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            return [("loss_weights", f"= {self.loss_weights}: {len(self.loss_weights)} weight(s) for "
+                     f"{len(types)} loss type(s)")]
+        return []
+
+
+@dataclass
+class KTOParams:
+    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
+                                        check=lambda v: v > 0, rule="must be > 0 or null")
+    beta: float = positive(0.1, "KL strength to the reference")
+    desirable_weight: float = positive(1.0, "loss weight of desirable rows")
+    undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+
+
+@dataclass
+class OnlineDPOParams:
+    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
+                                        check=lambda v: v > 0, rule="must be > 0 or null")
+    beta: float = positive(0.1, "KL strength to the reference")
+    loss_type: str = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES)")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the two completions")
+    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
+                                        help="rank the two completions with these")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return check_reward_functions(self.reward_functions, self.reward_weights)
+
+
+@dataclass
+class GRPOParams:
+    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
+                                        check=lambda v: v > 0, rule="must be > 0 or null")
+    num_generations: int = param(8, help="completions per prompt (the group)", check=lambda v: v >= 2,
+                                 rule="must be >= 2 (advantages compare completions within a group)")
+    beta: float = non_negative(0.0, "KL strength to the reference (0: no reference model)")
+    epsilon: float = positive(0.2, "lower clip of the importance ratio")
+    epsilon_high: float | None = param(None, help="upper clip (null: epsilon; DAPO uses 0.28)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = param("grpo", help="token aggregation of the loss")
+    scale_rewards: Literal["group", "batch", "none"] = param("group", help="divide advantages by this std")
+    num_iterations: int = positive(1, "updates per generation (importance ratio to the sampling policy)")
+    mask_truncated_completions: bool = param(False, help="no loss on completions cut at max_new_tokens")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the groups")
+    reward_functions: list[str] = param(default_factory=lambda: ["exact_match"],
+                                        help="built-ins or module:function dotted paths")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    reward_head: Literal["separate", "shared"] = param("separate", help="shared: the policy trains its own reward "
+                                                       "head on preference pairs in the same update (self-rewarding)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_reward_functions(self.reward_functions, self.reward_weights)
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            problems.append(("epsilon_high", f"= {self.epsilon_high}: must be >= epsilon ({self.epsilon})"))
+        return problems
+
+
+@dataclass
+class PPOParams:
+    learning_rate: float | None = param(3e-05, help="this method's learning rate (null: policy.learning_rate)",
+                                        check=lambda v: v > 0, rule="must be > 0 or null")
+    num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")
+    num_mini_batches: int = positive(1, "minibatches per PPO epoch")
+    kl_coef: float = non_negative(0.05, "per-token KL penalty to the reference")
+    kl_estimator: Literal["k1", "k3"] = param("k1", help="per-token KL estimator")
+    cliprange: float = positive(0.2, "policy ratio clip")
+    cliprange_value: float = positive(0.2, "value clip")
+    vf_coef: float = positive(0.1, "value loss weight")
+    gamma: float = fraction(1.0, "discount", open_right=False)
+    lam: float = fraction(0.95, "GAE lambda", open_right=False)
+    whiten_rewards: bool = param(False, help="whiten the per-token rewards of each batch")
+    missing_eos_penalty: float | None = param(1.0, help="subtracted from the score of completions without EOS",
+                                              check=lambda v: v >= 0, rule="must be >= 0 or null")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="rollout sampling")
+    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
+                                        help="score of each rollout (the reward model by default)")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return check_reward_functions(self.reward_functions, self.reward_weights)
+
+
+POLICY_METHODS = ("dpo", "kto", "online_dpo", "grpo", "ppo", "none")
+
+
+@dataclass
+class PolicyParams(TrainingParams):
+    """Policy optimisation after SFT: one method, its own subsection; the training settings are shared."""
+
+    learning_rate: float = positive(1e-4, "peak learning rate (DPO wants ~10-50x less than SFT)")
+    num_train_epochs: float = positive(1.0, "passes over the training rows")
+    method: Literal["dpo", "kto", "online_dpo", "grpo", "ppo", "none"] = param(
+        "dpo", help="dpo | kto | online_dpo | grpo | ppo | none (evaluate then reports base and SFT only)")
+    data: Literal["score", "preprocess"] = param("score", help="dpo/kto pairs: score (sampled from SFT and "
+                                                 "scored) or preprocess (the preference data of data.source)")
+    num_prompts: int = param(-1, help="online methods: train on at most N prompts (-1: all)",
+                             check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
+    dpo: DPOParams = param(default_factory=DPOParams, help="policy.method: dpo")
+    kto: KTOParams = param(default_factory=KTOParams, help="policy.method: kto")
+    online_dpo: OnlineDPOParams = param(default_factory=OnlineDPOParams, help="policy.method: online_dpo")
+    grpo: GRPOParams = param(default_factory=GRPOParams, help="policy.method: grpo")
+    ppo: PPOParams = param(default_factory=PPOParams, help="policy.method: ppo")
 
 
 @dataclass
@@ -252,8 +448,18 @@ class Params:
     run: RunConfig = field(default_factory=RunConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     sft: SFTParams = field(default_factory=SFTParams)
+    reward: RewardParams = field(default_factory=RewardParams)
+    score: ScoreParams = field(default_factory=ScoreParams)
     policy: PolicyParams = field(default_factory=PolicyParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Rules across sections."""
+        problems = []
+        if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
+            problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
+                             f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
+        return problems
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -373,9 +579,21 @@ def coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return True, None, "null"
-        inner = [a for a in args if a is not type(None)]
-        ok, value, expected = coerce(value, inner[0])
-        return ok, value, expected + " or null"
+        expected = []
+        for alternative in (a for a in args if a is not type(None)):
+            ok, coerced, what = coerce(value, alternative)
+            if ok:
+                return True, coerced, what
+            expected.append(what)
+        return False, value, " or ".join(expected + (["null"] if type(None) in args else []))
+    if origin is dict:
+        key_type, value_type = args
+        expected = f"a mapping of {key_type.__name__} to {value_type.__name__}"
+        if not isinstance(value, dict):
+            return False, value, expected
+        results = {k: coerce(v, value_type) for k, v in value.items()}
+        ok = all(isinstance(k, key_type) for k in value) and all(r[0] for r in results.values())
+        return ok, {k: r[1] for k, r in results.items()}, expected
     if origin is list:
         (item,) = args
         if not isinstance(value, list):

@@ -18,7 +18,7 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
     for spec in STAGES.values():
         out[spec.name] = {
             "cmd": f"python -m stages {spec.name}",
-            "deps": [*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)],
+            "deps": list(dict.fromkeys([*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)])),
             "params": list(spec.params),
             "outs": [f"{output_dir}/{spec.name}"],
             "metrics": [{f"{output_dir}/metrics/{spec.name}.json": {"cache": False}}],

@@ -245,16 +245,26 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tens
 
 _GRPO_EPS = 1e-4
 
+
+def _masked_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Unbiased (n - 1) std along dim 1 over the entries where `valid`, keepdim; 0 with fewer than 2."""
+    n = valid.sum(dim=1, keepdim=True)
+    mean = torch.where(valid, x, 0).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(valid, (x - mean) ** 2, 0).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+    return var.sqrt()
+
+
 GRPO_REWARD_SCALES = {
-    # rewards: (G_count, G) grouped; returns the divisor broadcastable to that shape.
-    "group": lambda grouped: grouped.std(dim=1, keepdim=True) + _GRPO_EPS,
-    "batch": lambda grouped: grouped.std() + _GRPO_EPS,
-    "none": lambda grouped: torch.ones((), dtype=grouped.dtype, device=grouped.device),
+    # (rewards (G_count, G) grouped, valid (G_count, G) bool) -> divisor broadcastable to that shape.
+    "group": lambda grouped, valid: _masked_std(grouped, valid) + _GRPO_EPS,
+    "batch": lambda grouped, valid: _masked_std(grouped.reshape(1, -1), valid.reshape(1, -1)) + _GRPO_EPS,
+    "none": lambda grouped, valid: torch.ones((), dtype=grouped.dtype, device=grouped.device),
 }
 
 
 @torch.no_grad()
-def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group") -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group",
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantages: each reward minus the mean of its group, optionally scaled.
 
     rewards: (B·G,), where each consecutive run of G = num_generations entries holds the
@@ -265,7 +275,11 @@ def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_reward
       none   1                         Dr. GRPO (no difficulty bias from the std)
 
     std is the unbiased (n - 1) sample standard deviation, as torch.std by default; a group
-    of equal rewards gets advantage 0. Returns advantages (B·G,), detached.
+    of equal rewards gets advantage 0. valid: (B·G,) bool, False for unscored completions
+    (a reward function returned None; their `rewards` entry is ignored, NaN allowed): they
+    get advantage 0 and are left out of every mean and std, so a group's baseline is the
+    mean of its scored completions (a group with one scored completion: advantage 0).
+    Returns advantages (B·G,), detached.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}: expected (B·G,), one reward per completion")
@@ -274,9 +288,14 @@ def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_reward
     if rewards.numel() % num_generations:
         raise ValueError(f"rewards has {rewards.numel()} entries, not divisible by num_generations = "
                          f"{num_generations}: expected B·G, G completions for each prompt")
+    if valid is not None:
+        _check_shapes(rewards.shape, "rewards", valid=valid)
     scale = _pick(GRPO_REWARD_SCALES, scale_rewards, "scale_rewards")
     grouped = _upcast(rewards).view(-1, num_generations)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / scale(grouped)
+    ok = torch.ones_like(grouped, dtype=torch.bool) if valid is None else valid.bool().view(-1, num_generations)
+    grouped = torch.where(ok, grouped, 0)  # NaN placeholders must not leak through 0 * NaN
+    mean = grouped.sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp(min=1)
+    advantages = torch.where(ok, (grouped - mean) / scale(grouped, ok), 0)
     return advantages.reshape(-1)
 
 
@@ -430,3 +449,42 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
             "approx_kl": _masked_mean(0.5 * log_ratio ** 2, mask),
         }
     return policy + vf_coef * value, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward model (Bradley–Terry)
+# ---------------------------------------------------------------------------------------------
+
+def reward_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *, margin: torch.Tensor | None = None,
+                center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley–Terry pairwise loss of a scalar reward model, averaged over the B pairs.
+
+    chosen_rewards, rejected_rewards: (B,) rewards r_c, r_r of the preferred and the other
+    completion; margin: (B,) per-pair margin m (how much better the chosen is, Llama 2's
+    reward margin) or None (m = 0); center_rewards_coefficient: c, or None / 0 for none.
+
+      loss = mean(-log σ(r_c - r_r - m)) + c · mean((r_c + r_r)²)
+
+    The second term (Eisenstein et al. 2023, "Helping or herding?") pulls the rewards
+    towards zero mean; Bradley–Terry alone only fixes their differences.
+
+    Returns (loss, metrics), metrics detached: "accuracy" (share of pairs with r_c > r_r;
+    ties count as wrong), "margin" (mean r_c - r_r), "reward_min" / "reward_mean" /
+    "reward_max" over all 2B rewards.
+    """
+    if chosen_rewards.dim() != 1:
+        raise ValueError(f"chosen_rewards has shape {tuple(chosen_rewards.shape)}: expected (B,)")
+    _check_shapes(chosen_rewards.shape, "chosen_rewards", rejected_rewards=rejected_rewards, margin=margin)
+    if center_rewards_coefficient is not None and center_rewards_coefficient < 0:
+        raise ValueError(f"center_rewards_coefficient = {center_rewards_coefficient}: must be >= 0 (or None)")
+    chosen, rejected = _upcast(chosen_rewards), _upcast(rejected_rewards)
+    diff = chosen - rejected
+    logits = diff - margin.to(diff.dtype) if margin is not None else diff
+    loss = -F.logsigmoid(logits).mean()
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
+    with torch.no_grad():
+        both = torch.cat([chosen, rejected])
+        metrics = {"accuracy": (diff > 0).to(diff.dtype).mean(), "margin": diff.mean(),
+                   "reward_min": both.min(), "reward_mean": both.mean(), "reward_max": both.max()}
+    return loss, metrics

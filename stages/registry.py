@@ -26,6 +26,10 @@ class StageSpec:
 # Everything a stage's outputs depend on; a change in any of these files makes it stale.
 MODEL_CODE = ("stages/models.py", "stages/builtin")
 DATA_CODE = ("stages/data",)
+TRAINING_CODE = ("stages/pipeline/training.py", "stages/trainers", "stages/losses.py", "stages/kernels.py",
+                 "stages/utils.py")
+GENERATION_CODE = ("stages/generation", "stages/rewards.py", "stages/trainers/reward.py")
+MODEL_LOADING = ("model.dtype", "model.trust_remote_code")
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -42,16 +46,39 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
             params=("model", "sft", "run.seed"),
-            code=("stages/pipeline/sft.py", "stages/pipeline/training.py", "stages/trainers", "stages/losses.py",
-                  "stages/kernels.py", *DATA_CODE, *MODEL_CODE),
+            code=("stages/pipeline/sft.py", *TRAINING_CODE, *DATA_CODE, *MODEL_CODE),
+        ),
+        StageSpec(
+            name="reward",
+            entry="stages.pipeline.reward:run",
+            upstream=("preprocess", "sft"),
+            params=(*MODEL_LOADING, "reward", "run.seed"),
+            code=("stages/pipeline/reward.py", *TRAINING_CODE, *DATA_CODE, *MODEL_CODE),
+        ),
+        StageSpec(
+            name="score",
+            entry="stages.pipeline.score:run",
+            upstream=("preprocess", "sft", "reward"),
+            params=(*MODEL_LOADING, "score", "run.seed"),
+            code=("stages/pipeline/score.py", "stages/pipeline/prompts.py", "stages/utils.py", *GENERATION_CODE,
+                  *DATA_CODE, *MODEL_CODE),
+        ),
+        StageSpec(
+            name="reference",
+            entry="stages.pipeline.reference:run",
+            upstream=("preprocess", "sft", "score"),
+            params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
+                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length"),
+            code=("stages/pipeline/reference.py", "stages/pipeline/prompts.py", "stages/trainers/dpo.py",
+                  "stages/trainers/logprobs.py", "stages/kernels.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="policy",
             entry="stages.pipeline.policy:run",
-            upstream=("preprocess", "sft"),
-            params=("model.dtype", "model.trust_remote_code", "policy", "run.seed"),
-            code=("stages/pipeline/policy.py", "stages/pipeline/training.py", "stages/trainers", "stages/losses.py",
-                  "stages/kernels.py", "stages/utils.py", *DATA_CODE, *MODEL_CODE),
+            upstream=("preprocess", "sft", "reward", "score", "reference"),
+            params=(*MODEL_LOADING, "policy", "run.seed"),
+            code=("stages/pipeline/policy.py", "stages/pipeline/prompts.py", *TRAINING_CODE, "stages/generation",
+                  "stages/rewards.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="evaluate",

@@ -32,6 +32,10 @@ class UpstreamMissing(RuntimeError):
     pass
 
 
+class QualityGateFailed(RuntimeError):
+    """A stage's output is not good enough to build on (e.g. a reward model below reward.min_accuracy)."""
+
+
 @dataclass
 class StageContext:
     """What a stage's `run` receives: its params, where to write, where its inputs are."""

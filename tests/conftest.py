@@ -21,11 +21,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 # Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
+STAGE_ORDER = ("preprocess", "sft", "reward", "score", "reference", "policy", "evaluate")
+
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},
     "sft": {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1},
-    "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1},
+    "reward": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "min_accuracy": 0.0},
+    "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6}},
+    "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "num_prompts": 16,
+               "grpo": {"num_generations": 2, "generation": {"max_new_tokens": 6}},
+               "online_dpo": {"generation": {"max_new_tokens": 6}},
+               "ppo": {"generation": {"max_new_tokens": 6}}},
     "evaluate": {"max_new_tokens": 4},
 }
 
@@ -58,11 +65,11 @@ def small_params(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def built_pipeline(tmp_path_factory):
-    """preprocess + sft + evaluate built once on small settings (for tests that only read outputs)."""
+    """Every stage built once on small settings (for tests that only read outputs)."""
     from stages.config import load_params
     from stages.runner import run_stage
 
     folder = tmp_path_factory.mktemp("pipeline")
     params = load_params(write_params(folder))
-    manifests = {name: run_stage(name, params) for name in ("preprocess", "sft", "policy", "evaluate")}
+    manifests = {name: run_stage(name, params) for name in STAGE_ORDER}
     return params, manifests

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from stages.dvcgen import render_dvc_yaml
-from tests.conftest import ROOT, write_params
+from tests.conftest import ROOT, STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +52,11 @@ def set_param(repo, old, new):
 
 
 def ran(output: str) -> list[str]:
-    return [s for s in ("preprocess", "sft", "policy", "evaluate") if f"Running stage '{s}'" in output]
+    return [s for s in STAGE_ORDER if f"Running stage '{s}'" in output]
 
 
 def test_repro_noop_partial_rerun_and_agreement_with_prefect(dvc_repo):
-    assert ran(sh("dvc", "repro", cwd=dvc_repo).stdout) == ["preprocess", "sft", "policy", "evaluate"]
+    assert ran(sh("dvc", "repro", cwd=dvc_repo).stdout) == list(STAGE_ORDER)
     metrics = json.loads((dvc_repo / "artifacts" / "metrics" / "evaluate.json").read_text())
     assert 0 <= metrics["accuracy"] <= 1
 
@@ -65,23 +65,23 @@ def test_repro_noop_partial_rerun_and_agreement_with_prefect(dvc_repo):
     print(f"dvc repro no-op: {time.perf_counter() - t0:.2f}s")
     assert ran(again) == [], again
     status = sh(sys.executable, "-m", "stages", "status", cwd=dvc_repo).stdout
-    assert status.count("current") == 4, status  # the manifests agree with DVC
+    assert status.count("current") == len(STAGE_ORDER), status  # the manifests agree with DVC
 
     set_param(dvc_repo, "max_new_tokens: 4", "max_new_tokens: 5")
     assert ran(sh("dvc", "repro", cwd=dvc_repo).stdout) == ["evaluate"]
     set_param(dvc_repo, "max_new_tokens: 5", "max_new_tokens: 4")
     assert ran(sh("dvc", "repro", cwd=dvc_repo).stdout) == []  # restored from DVC's run-cache
     status = sh(sys.executable, "-m", "stages", "status", cwd=dvc_repo).stdout
-    assert status.count("current") == 4, status  # ... and the restored files verify against their manifest
+    assert status.count("current") == len(STAGE_ORDER), status  # ... and the restored files verify against their manifest
 
     # the Prefect path sees the same state: everything cached
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=dvc_repo).stdout
-    assert flow.count(" cached ") == 4, flow
+    assert flow.count(" cached ") == len(STAGE_ORDER), flow
     # a param change through the flow: sft and evaluate execute, and dvc.lock records them
     set_param(dvc_repo, "learning_rate: 0.003", "learning_rate: 0.004")
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=dvc_repo).stdout
     rows = [line.split()[:2] for line in flow.splitlines()]
     assert [r for r in rows if len(r) == 2 and r[1] in ("cached", "executed")] == [
-        ["preprocess", "cached"], ["sft", "executed"], ["policy", "executed"], ["evaluate", "executed"]], flow
+        ["preprocess", "cached"], *([s, "executed"] for s in STAGE_ORDER[1:])], flow
     assert "changed" not in sh("dvc", "status", cwd=dvc_repo).stdout
     assert ran(sh("dvc", "repro", cwd=dvc_repo).stdout) == []

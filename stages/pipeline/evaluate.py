@@ -13,12 +13,11 @@ import json
 import re
 from typing import Any
 
-import torch
-
+from stages import generation
 from stages.data import read_jsonl, write_jsonl
-from stages.data.tokenize import render_prompt
+from stages.generation import SamplingParams
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
-from stages.utils import answer_after_reasoning, decode_and_strip_padding
+from stages.utils import answer_after_reasoning
 
 
 def run(ctx) -> dict[str, Any]:
@@ -62,29 +61,12 @@ def run(ctx) -> dict[str, Any]:
             "n": len(rows), "table": table}
 
 
-@torch.no_grad()
 def generate(model, tokenizer, prompts: list, *, batch_size: int, max_new_tokens: int, seed: int
              ) -> tuple[list[str], list[int]]:
-    """Greedy completions (stripped of padding, EOS and reasoning blocks) and their token lengths."""
-    torch.manual_seed(seed)
-    model.eval()
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
-    texts, lengths = [], []
-    try:
-        for i in range(0, len(prompts), batch_size):
-            batch = [render_prompt(tokenizer, pr) for pr in prompts[i: i + batch_size]]
-            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            new = out[:, enc["input_ids"].shape[1]:].cpu()
-            texts += decode_and_strip_padding(new, tokenizer)
-            is_eos = new == tokenizer.eos_token_id
-            first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full((len(new),), new.shape[1]))
-            lengths += first.tolist()
-    finally:
-        tokenizer.padding_side = side
-    return texts, lengths
+    """Greedy completions (stripped of padding, EOS and reasoning blocks) and their token lengths (EOS included)."""
+    gens = generation.generate(model, tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens, seed=seed),
+                               batch_size=batch_size)
+    return gens.completions, [len(ids) for ids in gens.completion_ids]
 
 
 def reference_text(completion: Any) -> str:

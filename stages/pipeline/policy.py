@@ -1,55 +1,178 @@
-"""Stage `policy`: preference optimisation of the SFT model (`policy.method: dpo`).
+"""Stage `policy`: optimise the SFT model with one method (`policy.method`).
 
-DPO on the preference pairs of `preprocess` (`preference.jsonl`: prompt/chosen/rejected),
-starting from the SFT model, which is also the frozen reference (or, with `policy.lora`,
-the same weights with the adapter disabled). Checkpoints and crash-resume as in `sft`.
-Writes `model/`, `tensorboard/` and `log_history.json`.
+    dpo         offline pairs (score's sampled-and-scored pairs, or preprocess's preference data),
+                reference log-probs from stage `reference` when precomputed
+    kto         unpaired desirable/undesirable rows (preprocess's unpaired data, or the pairs split)
+    online_dpo  two completions per prompt sampled during training, ranked by the reward functions
+    grpo        groups of completions per prompt, group-relative advantages from the reward functions
+    ppo         rollouts scored by the reward model/functions, a value head, GAE and clipped updates
+    none        skip (evaluate then reports base and SFT only)
 
-    python -m stages policy [--set policy.beta=0.2] [--set policy.loss_type=ipo]
+Every method starts from the SFT model, which is also the frozen reference (or, with
+`policy.lora`, the same weights with the adapter disabled). Checkpoints and crash-resume as
+in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
+
+    python -m stages policy [--set policy.dpo.beta=0.2] [--set policy.method=grpo]
 """
 from __future__ import annotations
 
 from typing import Any
 
-from stages.data import DataError, read_jsonl
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.pipeline.prompts import (backend_options, preference_pairs, prompt_rows, reward_model_path,
+                                     unpaired_rows)
+from stages.rewards import build_reward_functions
 
 
 def run(ctx) -> dict[str, Any]:
-    p, s = ctx.params, ctx.params.policy
-    if s.method == "none":
-        ctx.log.info("policy: method none, no preference optimisation; evaluate reports base and SFT only")
+    p, pol = ctx.params, ctx.params.policy
+    if pol.method == "none":
+        ctx.log.info("policy: method none, no policy optimisation; evaluate reports base and SFT only")
         return {"method": "none"}
     device = pick_device(p.run.device)
     start = str(ctx.inputs["sft"] / "model")
-    pairs_path = ctx.inputs["preprocess"] / "preference.jsonl"
-    pairs = read_jsonl(pairs_path) if pairs_path.exists() else []
-    if not pairs:
-        raise DataError(f"{pairs_path}: no preference pairs; policy.method = dpo needs prompt/chosen/rejected rows "
-                        "(data.source in preference format, or builtin:arithmetic)")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
-    model, trainable, total = training.load_trainable_model(start, p, s, device=device)
-    args = DPOConfig(**training.trainer_args(ctx, s, device=device, section="policy"), beta=s.beta,
-                     loss_type=s.loss_type, label_smoothing=s.label_smoothing, reference_free=s.reference_free,
-                     max_length=s.max_length)
-    logger, callbacks = training.callbacks(ctx, s.report_to)
-    trainer = DPOTrainer(model, args=args, processing_class=tokenizer, train_dataset=pairs, callbacks=callbacks)
-    ctx.log.info("policy: dpo on %d pairs from %s, beta %.3g, %s loss, %d/%d trainable parameters", len(pairs), start,
-                 s.beta, s.loss_type, trainable, total)
+    setup = METHODS[pol.method]
+    rows, extra = setup.data(ctx)  # data and reward functions checked before any model is loaded
+    model, trainable, total = training.load_trainable_model(start, p, pol, device=device)
+    args = training.trainer_args(ctx, pol, device=device, section="policy")
+    own = getattr(pol, pol.method).learning_rate
+    args["learning_rate"] = own if own is not None else pol.learning_rate  # a method may need its own
+    logger, callbacks = training.callbacks(ctx, pol.report_to)
+    trainer = setup.trainer(ctx, model, tokenizer, args, rows, extra, callbacks)
+    ctx.log.info("policy: %s on %d rows from %s, %d/%d trainable parameters", pol.method, len(rows), start,
+                 trainable, total)
     result, resume = training.train(trainer, ctx)
     training.save_outputs(trainer, tokenizer, ctx)
-    last = next((h for h in reversed(logger.history) if "rewards/accuracies" in h), {})
+    last = {}
+    for h in logger.history:  # the last logged value of every metric
+        last.update({k: v for k, v in h.items() if isinstance(v, (int, float))})
     return {
-        "method": s.method,
+        "method": pol.method,
         "train_loss": round(result.training_loss, 5),
         "steps": trainer.state.global_step,
-        "pairs": len(pairs),
+        "rows": len(rows),
         "resumed_from": resume,
-        "last_reward_accuracy": last.get("rewards/accuracies"),
-        "last_reward_margin": last.get("rewards/margins"),
         "trainable_parameters": trainable,
-        "adapter": s.lora.enabled,
+        "adapter": pol.lora.enabled,
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
+        "last": {k: round(v, 5) for k, v in last.items() if not k.startswith("train_") and k != "total_flos"},
     }
+
+
+# --------------------------------------------------------------------------- data per method
+
+
+def dpo_data(ctx):
+    pol = ctx.params.policy
+    if pol.dpo.precompute_ref_log_probs and not pol.dpo.reference_free:
+        from stages.data import read_jsonl
+
+        rows = read_jsonl(ctx.inputs["reference"] / "pairs.jsonl")  # pairs with the reference log-probs
+        ctx.log.info("policy: reference log-probs of %d pairs from stage reference (no reference forward)",
+                     len(rows))
+        return rows, None
+    return preference_pairs(ctx, pol.data)[1], None
+
+
+def kto_data(ctx):
+    return unpaired_rows(ctx, ctx.params.policy.data), None
+
+
+def online_data(section: str):
+    def data(ctx):
+        p = ctx.params
+        s = getattr(p.policy, section)
+        rewards = build_reward_functions(s.reward_functions, s.reward_weights,
+                                         key=f"policy.{section}.reward_functions",
+                                         reward_model_path=reward_model_path(ctx), device=pick_device(p.run.device))
+        return prompt_rows(ctx, p.policy.num_prompts), rewards
+    return data
+
+
+# --------------------------------------------------------------------------- trainer per method
+
+
+def dpo_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
+    from stages.trainers.dpo import DPOConfig, DPOTrainer
+
+    d = ctx.params.policy.dpo
+    config = DPOConfig(**args, beta=d.beta, loss_type=d.loss_type, loss_weights=d.loss_weights,
+                       label_smoothing=d.label_smoothing, reference_free=d.reference_free, max_length=d.max_length,
+                       task_weights=d.task_weights, balance_column=d.balance_column)
+    return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
+
+
+def kto_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
+    from stages.trainers.kto import KTOConfig, KTOTrainer
+
+    k = ctx.params.policy.kto
+    config = KTOConfig(**args, beta=k.beta, desirable_weight=k.desirable_weight,
+                       undesirable_weight=k.undesirable_weight, max_length=k.max_length)
+    return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
+
+
+def generation_kwargs(ctx, g) -> dict[str, Any]:
+    return backend_options(g, str(ctx.inputs["sft"] / "model"))
+
+
+def online_dpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
+    from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    o = ctx.params.policy.online_dpo
+    g = o.generation
+    config = OnlineDPOConfig(**args, beta=o.beta, loss_type=o.loss_type, max_length=o.max_length,
+                             max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                             generation_backend=g.backend, generation_batch_size=g.batch_size,
+                             generation_kwargs=generation_kwargs(ctx, g))
+    return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
+                            callbacks=callbacks)
+
+
+def grpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
+    from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    s = ctx.params.policy.grpo
+    g = s.generation
+    config = GRPOConfig(**args, num_generations=s.num_generations, max_completion_length=g.max_new_tokens,
+                        beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high, temperature=g.temperature,
+                        top_p=g.top_p, top_k=g.top_k, loss_type=s.loss_type, scale_rewards=s.scale_rewards,
+                        num_iterations=s.num_iterations, mask_truncated_completions=s.mask_truncated_completions,
+                        generation_backend=g.backend, generation_batch_size=g.batch_size,
+                        generation_kwargs=generation_kwargs(ctx, g), reward_head=s.reward_head)
+    preference = None
+    if s.reward_head == "shared":
+        preference = preference_pairs(ctx, "preprocess", key="policy.grpo.reward_head")[1]
+    return GRPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
+                       preference_dataset=preference, callbacks=callbacks)
+
+
+def ppo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
+    from stages.trainers.ppo import PPOConfig, PPOTrainer
+
+    s = ctx.params.policy.ppo
+    g = s.generation
+    config = PPOConfig(**args, num_ppo_epochs=s.num_ppo_epochs, num_mini_batches=s.num_mini_batches,
+                       kl_coef=s.kl_coef, kl_estimator=s.kl_estimator, cliprange=s.cliprange,
+                       cliprange_value=s.cliprange_value, vf_coef=s.vf_coef, gamma=s.gamma, lam=s.lam,
+                       whiten_rewards=s.whiten_rewards, missing_eos_penalty=s.missing_eos_penalty,
+                       max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                       generation_backend=g.backend, generation_batch_size=g.batch_size,
+                       generation_kwargs=generation_kwargs(ctx, g))
+    return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
+                      callbacks=callbacks)
+
+
+class Method:
+    def __init__(self, data, trainer):
+        self.data, self.trainer = data, trainer
+
+
+METHODS = {
+    "dpo": Method(dpo_data, dpo_trainer),
+    "kto": Method(kto_data, kto_trainer),
+    "online_dpo": Method(online_data("online_dpo"), online_dpo_trainer),
+    "grpo": Method(online_data("grpo"), grpo_trainer),
+    "ppo": Method(online_data("ppo"), ppo_trainer),
+}

@@ -37,8 +37,12 @@ def linear_module_names(model) -> list[str]:
     return sorted(names)
 
 
-def apply_lora(model, lora):
-    """Wrap `model` with LoRA adapters; unknown target modules fail with the names that exist."""
+def apply_lora(model, lora, *, task_type: str = "CAUSAL_LM"):
+    """Wrap `model` with LoRA adapters; unknown target modules fail with the names that exist.
+
+    task_type: PEFT's task type; "SEQ_CLS" for reward models, whose classifier head
+    (`score` / `classifier`) PEFT then trains in full and saves with the adapter.
+    """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     available = linear_module_names(model)
@@ -54,9 +58,9 @@ def apply_lora(model, lora):
         raise ValueError(f"lora.modules_to_save = {lora.modules_to_save}: {missing} not in the model")
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=task_type,
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
-                        modules_to_save=lora.modules_to_save or None)
+                        modules_to_save=list(lora.modules_to_save) or None)  # PEFT extends it in place
     return get_peft_model(model, config)
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from stages.config import ParamsError
-from tests.conftest import write_params
+from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -19,18 +19,22 @@ def run(params_file, overrides=None):
 def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect_server):
     params = write_params(tmp_path)
     first, summary = run(params)
-    everything = {"preprocess": "executed", "sft": "executed", "policy": "executed", "evaluate": "executed"}
+    everything = dict.fromkeys(STAGE_ORDER, "executed")
     assert first == everything
     assert [r["model"] for r in summary["evaluation"]] == ["base", "sft", "policy"]
 
-    assert run(params)[0] == dict.fromkeys(everything, "cached")
-    assert run(params, ["evaluate.max_new_tokens=5"])[0] == {
-        "preprocess": "cached", "sft": "cached", "policy": "cached", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2"])[0] == {
-        "preprocess": "cached", "sft": "cached", "policy": "executed", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2", "sft.learning_rate=0.004"])[0] == {
-        "preprocess": "cached", "sft": "executed", "policy": "executed", "evaluate": "executed"}
-    assert run(params, ["evaluate.max_new_tokens=5", "policy.beta=0.2", "data.builtin.seed=3"])[0] == everything
+    def only(*executed):
+        return {s: "executed" if s in executed else "cached" for s in STAGE_ORDER}
+
+    assert run(params)[0] == only()
+    assert run(params, ["evaluate.max_new_tokens=5"])[0] == only("evaluate")
+    # beta is not an input of the reference log-probs: stage `reference` stays cached
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2"])[0] == only("policy", "evaluate")
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "score.n=2"])[0] == only(
+        "score", "reference", "policy", "evaluate")
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "sft.learning_rate=0.004"])[0] == only(
+        *STAGE_ORDER[1:])
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "data.builtin.seed=3"])[0] == everything
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])

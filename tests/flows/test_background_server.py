@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_params
+from tests.conftest import STAGE_ORDER, write_params
 from tests.flows.test_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -30,8 +30,8 @@ def test_start_reuse_stop(tmp_path):
         assert f"http://127.0.0.1:{port}" in align("server", "start")  # idempotent: finds the running one
         out = align("run")
         assert "Starting temporary server" not in out  # no ephemeral server: the background one was used
-        assert out.count(" executed ") == 4
+        assert out.count(" executed ") == len(STAGE_ORDER)
     finally:
         align("server", "stop")
     out = align("run")
-    assert "Starting temporary server" in out and out.count(" cached ") == 4
+    assert "Starting temporary server" in out and out.count(" cached ") == len(STAGE_ORDER)

@@ -61,6 +61,32 @@ def test_grpo_advantages_equal_rewards_give_zero():
     assert adv[:3].abs().max().item() == 0.0 and adv[3:].abs().max().item() > 0.5
 
 
+def test_grpo_advantages_unscored_rows_are_left_out():
+    """Row 1 unscored (NaN, valid False). Group 0's scored rewards [1, 3]: mean 2, deviations [-1, 1],
+    unbiased std √(2/1) = √2; the unscored row gets 0. Group 1 is untouched: [-2, -2, 4] / (√12 + 1e-4).
+    Batch scaling uses the five scored rewards [1, 3, 4, 4, 10]: mean 4.4, squared deviations
+    11.56 + 1.96 + 0.16 + 0.16 + 31.36 = 45.2, unbiased std √(45.2/4) = √11.3.
+    """
+    rewards = torch.tensor([1.0, float("nan"), 3.0, 4.0, 4.0, 10.0], dtype=F64)
+    valid = torch.tensor([True, False, True, True, True, True])
+    s0, s1 = math.sqrt(2) + 1e-4, math.sqrt(12) + 1e-4
+    _close(grpo_advantages(rewards, 3, valid=valid), [-1 / s0, 0.0, 1 / s0, -2 / s1, -2 / s1, 4 / s1])
+    sb = math.sqrt(11.3) + 1e-4
+    _close(grpo_advantages(rewards, 3, valid=valid, scale_rewards="batch"),
+           [-1 / sb, 0.0, 1 / sb, -2 / sb, -2 / sb, 4 / sb])
+    # The placeholder value of an unscored row is irrelevant.
+    other = rewards.clone()
+    other[1] = 1000.0
+    assert torch.equal(grpo_advantages(other, 3, valid=valid), grpo_advantages(rewards, 3, valid=valid))
+
+
+def test_grpo_advantages_group_with_one_scored_row_is_zero():
+    """One scored completion has no baseline to compare against: advantage 0 (no NaN from a 0/0 std)."""
+    adv = grpo_advantages(torch.tensor([5.0, 0.0, 0.0, 1.0, 2.0, 3.0]), 3,
+                          valid=torch.tensor([True, False, False, True, True, True]))
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0] and not adv.isnan().any() and adv[3:].abs().max() > 0.5
+
+
 def test_grpo_advantages_bad_inputs():
     with pytest.raises(ValueError, match="not divisible by num_generations = 4"):
         grpo_advantages(REWARDS, 4)
@@ -68,6 +94,8 @@ def test_grpo_advantages_bad_inputs():
         grpo_advantages(REWARDS, 1)
     with pytest.raises(ValueError, match=r"\['batch', 'group', 'none'\]"):
         grpo_advantages(REWARDS, 3, scale_rewards="std")
+    with pytest.raises(ValueError, match=r"valid has shape \(5,\): expected \(6,\)"):
+        grpo_advantages(REWARDS, 3, valid=torch.ones(5, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------------------------------------

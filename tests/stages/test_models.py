@@ -7,7 +7,7 @@ from stages import runner
 from stages.builtin import tiny
 from stages.config import ModelConfig, load_params
 from stages.models import resolve_model
-from tests.conftest import write_params
+from tests.conftest import STAGE_ORDER, write_params
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def test_local_model_with_text_data_trains(tmp_path, plain_model_dir):
                                               for i in range(60)))
     params = load_params(write_params(tmp_path, {"model": {"name_or_path": str(plain_model_dir)},
                                                  "data": {"source": str(tmp_path / "d.jsonl")},
-                                                 "policy": {"method": "none"}}))
-    for stage in ("preprocess", "sft", "policy", "evaluate"):
+                                                 "score": {"enabled": False}, "policy": {"method": "none"}}))
+    for stage in STAGE_ORDER:
         runner.run_stage(stage, params)
     table = json.loads((tmp_path / "artifacts" / "evaluate" / "metrics.json").read_text())
     assert [r["model"] for r in table] == ["base", "sft"]  # no preference data, no policy row

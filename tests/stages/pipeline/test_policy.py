@@ -1,27 +1,58 @@
-"""Stage `policy` (DPO) on the built-in pairs: starts from the SFT model, saves a loadable model."""
+"""Stage `policy`: every method runs from the SFT model on the built-in task and saves a loadable model."""
 import json
+import shutil
 
 import pytest
 
 from stages import runner
 from stages.config import load_params
+from stages.data import DataError
 from tests.conftest import write_params
 
 
 def test_dpo_stage_outputs(built_pipeline):
     params, manifests = built_pipeline
     m = manifests["policy"]["metrics"]
-    assert m["method"] == "dpo" and m["steps"] == 3 and m["pairs"] > 0
-    assert m["last_reward_accuracy"] is not None
+    assert m["method"] == "dpo" and m["steps"] == 3 and m["rows"] == manifests["score"]["metrics"]["pairs"]
+    assert "rewards/accuracies" in m["last"]
     assert "model/model.safetensors" in manifests["policy"]["outputs"]["files"]
     assert manifests["policy"]["inputs"]["sft"]["outputs_hash"] == manifests["sft"]["outputs"]["hash"]
+    assert manifests["policy"]["inputs"]["reference"]["outputs_hash"] == manifests["reference"]["outputs"]["hash"]
+
+
+@pytest.mark.parametrize("method, logged", [
+    ("kto", "kl"), ("online_dpo", "win_rate"), ("grpo", "frac_reward_zero_std"), ("ppo", "explained_variance")])
+def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
+    from transformers import AutoModelForCausalLM
+
+    params, _ = built_pipeline
+    shutil.copytree(params.run.output_dir, tmp_path / "artifacts")  # its own copy: other tests read the original
+    extra = {"policy": {"method": method, "per_device_train_batch_size": 4}}
+    if method in ("online_dpo", "ppo"):  # the tiny reward model of the small settings, and a rule reward
+        extra["policy"][method] = {"reward_functions": ["reward_model", "exact_match"], "reward_weights": [1.0, 1.0]}
+    if method == "grpo":  # the small SFT model is never right: a reward that varies within a group
+        extra["policy"][method] = {"reward_functions": ["exact_match",
+                                                        "tests.stages.pipeline.user_rewards:distinct_tokens"]}
+    p = load_params(write_params(tmp_path, extra))
+    assert runner.run_stage("reference", p)["metrics"] == {"computed": False, "reason": f"policy.method = {method}"}
+    m = runner.run_stage("policy", p)["metrics"]
+    assert m["method"] == method and m["steps"] == 3 and m["train_loss"] == m["train_loss"]  # not NaN
+    assert any(k.endswith(logged) for k in m["last"]), m["last"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "artifacts" / "policy" / "model")
+    sft = AutoModelForCausalLM.from_pretrained(tmp_path / "artifacts" / "sft" / "model")
+    changed = [n for n, w in model.state_dict().items() if not (w == sft.state_dict()[n]).all()]
+    assert changed, "the policy's weights equal the SFT model's"
+    if method == "ppo":
+        assert (tmp_path / "artifacts" / "policy" / "model" / "value_head.safetensors").exists()
 
 
 def test_no_preference_pairs_is_a_clear_error(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
                                               for i in range(60)))
-    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")}}))
-    for stage in ("preprocess", "sft"):
+    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")},
+                                                 "score": {"enabled": False}, "policy": {"data": "preprocess"}}))
+    for stage in ("preprocess", "sft", "reward", "score"):
         runner.run_stage(stage, params)
-    with pytest.raises(ValueError, match="no preference pairs; policy.method = dpo needs prompt/chosen/rejected"):
-        runner.run_stage("policy", params)
+    with pytest.raises(DataError, match="no preference pairs; policy.data = preprocess: data.source has no "
+                                        "prompt/chosen/rejected rows"):
+        runner.run_stage("reference", params)

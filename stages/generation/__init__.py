@@ -1,0 +1,51 @@
+"""Generating completions for a list of prompts: one entry point, two backends.
+
+    from stages.generation import SamplingParams, generate
+    gens = generate(model, tokenizer, prompts, SamplingParams(n=4, do_sample=True, max_new_tokens=64, seed=1))
+    gens.completions[k], gens.prompt_index[k]       # completion k and the prompt it answers
+
+Backends (``BACKENDS``):
+- ``"hf"``: batched ``model.generate`` of a loaded Hugging Face model, in this process
+  (``stages.generation.hf``); what trainers use mid-training.
+- ``"vllm"``: a client of a vLLM OpenAI-compatible server started separately in its own
+  environment (``stages.generation.vllm``; ``serve_command`` builds its command line).
+
+Both render prompts with the tokenizer's chat template, return completions in prompt-major
+order and apply the same EOS trimming and reasoning-block policy (``stages.utils.parse_completions``).
+"""
+from __future__ import annotations
+
+from stages.generation import hf, vllm
+from stages.generation.common import Generations, SamplingParams
+
+__all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
+
+BACKENDS = {"hf": hf.generate, "vllm": vllm.generate}
+
+
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str = "hf",
+             batch_size: int = 64, progress: bool = False, **backend_options) -> Generations:
+    """``sampling.n`` completions for each of ``prompts`` (strings or chat message lists).
+
+    Args:
+        model: "hf": a loaded causal LM (or a model folder); "vllm": the model path (or
+            served name) of the running server.
+        tokenizer: the model's tokenizer; it renders prompts (chat template + generation
+            prompt) and decodes completions.
+        prompts: P prompts.
+        sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt).
+        backend: a ``BACKENDS`` key.
+        batch_size: prompts per ``generate`` call ("hf"), requests in flight ("vllm").
+        progress: show a tqdm progress bar.
+        **backend_options: passed to the backend, e.g. ``base_url=`` for "vllm".
+
+    Returns:
+        Generations with P*n completions, all n of prompt 0 first, then prompt 1, ...
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"generation backend = {backend!r}: unknown; supported: {', '.join(BACKENDS)}")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a stages.generation.SamplingParams; got {type(sampling).__name__} "
+                         "(build one: SamplingParams(max_new_tokens=..., n=..., do_sample=...))")
+    return BACKENDS[backend](model, tokenizer, list(prompts), sampling, batch_size=batch_size, progress=progress,
+                             **backend_options)

@@ -1,0 +1,166 @@
+"""What every generation backend shares: the sampling parameters, the result record, and
+turning generated token ids into it (EOS trimming, decoding, the reasoning-block policy).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.utils import parse_completions, pad
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+@dataclass
+class SamplingParams:
+    """How to decode. ``do_sample=False`` and ``num_beams == 1``: greedy.
+
+    Attributes:
+        max_new_tokens: generated tokens per completion at most (EOS included).
+        n: completions per prompt (samples, or the n best beams).
+        do_sample: sample from the (temperature, top-p, top-k filtered) distribution.
+        temperature: divides the logits before sampling; > 0.
+        top_p: nucleus sampling mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        num_beams: beam search when > 1; returns the ``n`` best beams (``n <= num_beams``).
+        seed: seeds the sampler; the same seed, prompts and batch size give the same samples.
+    """
+
+    max_new_tokens: int = 64
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_beams: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        problems = []
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            problems.append(f"SamplingParams.max_new_tokens = {self.max_new_tokens!r}: must be an int >= 1 "
+                            "(the most tokens generated per completion)")
+        if not _is_int(self.n) or self.n < 1:
+            problems.append(f"SamplingParams.n = {self.n!r}: must be an int >= 1 (completions per prompt)")
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            problems.append(f"SamplingParams.num_beams = {self.num_beams!r}: must be an int >= 1 (1 = no beam search)")
+        elif _is_int(self.n) and self.num_beams > 1 and self.n > self.num_beams:
+            problems.append(f"SamplingParams.n = {self.n} > num_beams = {self.num_beams}: beam search returns at "
+                            f"most num_beams completions; set num_beams >= {self.n} or n <= {self.num_beams}")
+        if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            problems.append(f"SamplingParams.temperature = {self.temperature!r}: must be > 0 when do_sample = True "
+                            "(1.0 samples from the model's distribution); for greedy decoding set do_sample = False")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            problems.append(f"SamplingParams.top_p = {self.top_p!r}: must be in (0, 1] (1.0 = off; 0.9 keeps the "
+                            "most likely tokens holding 90% of the mass)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            problems.append(f"SamplingParams.top_k = {self.top_k!r}: must be an int >= 0 (0 = off)")
+        if not _is_int(self.seed):
+            problems.append(f"SamplingParams.seed = {self.seed!r}: must be an int")
+        greedy = not self.do_sample and self.num_beams == 1
+        if greedy and _is_int(self.n) and self.n > 1:
+            problems.append(f"SamplingParams.n = {self.n} with greedy decoding would give {self.n} identical "
+                            "completions per prompt; set do_sample = True (or num_beams >= n), or n = 1")
+        if problems:
+            raise ValueError("invalid sampling parameters:\n  " + "\n  ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample and self.num_beams == 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class Generations:
+    """Completions of P prompts, n per prompt, in prompt-major order.
+
+    Attributes:
+        prompts: the P input prompts (strings or chat message lists), as given.
+        prompt_index: len P*n: which prompt each completion belongs to
+            (all n completions of prompt 0, then prompt 1, ...).
+        prompt_ids: len P: the tokenised rendered prompt (chat template + generation prompt), no padding.
+        completion_ids: len P*n: generated tokens up to and including the first EOS; no padding.
+        completions: len P*n: the text reward functions score (``stages.utils.decode_and_strip_padding``).
+        reasoning: len P*n: the ``<think>`` block text, or None.
+        finished: len P*n: ended with EOS and no open reasoning block (False: cut at max_new_tokens).
+        seed: the sampling seed.
+        backend: the backend that produced them.
+    """
+
+    prompts: list
+    prompt_index: list[int]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list[str]
+    reasoning: list[str | None]
+    finished: list[bool]
+    seed: int
+    backend: str
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """The stop ids: the tokenizer's EOS plus any the model's generation config lists (in that order)."""
+    ids: list[int] = []
+    sources = [getattr(tokenizer, "eos_token_id", None)]
+    gen_config = getattr(model, "generation_config", None)
+    sources.append(getattr(gen_config, "eos_token_id", None))
+    for src in sources:
+        for i in [src] if isinstance(src, int) else list(src or []):
+            if i not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos_token and the model's "
+                         "generation config lists no eos_token_id: generation could not stop; set tokenizer.eos_token")
+    return ids
+
+
+def trim_at_eos(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
+    """``ids`` up to and including the first EOS (all of it when there is none)."""
+    stop = set(eos)
+    for i, t in enumerate(ids):
+        if t in stop:
+            return list(ids[: i + 1])
+    return list(ids)
+
+
+def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids: list[list[int]],
+                      completion_ids: list[list[list[int]]], eos: list[int], *, seed: int, backend: str
+                      ) -> Generations:
+    """Assemble Generations from per-prompt lists of completions (``completion_ids[p][k]``, already EOS-trimmed).
+
+    Prompts whose rendered text ends with ``<think>`` (templates that open the reasoning
+    block themselves) are parsed with ``thinking_in_prompt=True``.
+    """
+    index = [p for p, comps in enumerate(completion_ids) for _ in comps]
+    flat = [c for comps in completion_ids for c in comps]
+    opens = [rendered[p].rstrip().endswith(THINK_TAGS[0]) for p in index]
+    parsed: list = [None] * len(flat)
+    for flag in (False, True):
+        rows = [i for i, o in enumerate(opens) if o == flag]
+        if rows:
+            for i, c in zip(rows, _parse(tokenizer, [flat[i] for i in rows], eos, flag)):
+                parsed[i] = c
+    return Generations(
+        prompts=list(prompts), prompt_index=index, prompt_ids=[list(p) for p in prompt_ids], completion_ids=flat,
+        completions=[c.answer for c in parsed], reasoning=[c.reasoning for c in parsed],
+        finished=[c.finished for c in parsed], seed=seed, backend=backend,
+    )
+
+
+def _parse(tokenizer, rows: list[list[int]], eos: list[int], thinking_in_prompt: bool):
+    tensors = [torch.tensor(r, dtype=torch.long) for r in rows]
+    ids = pad(tensors, 0, "right")
+    mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], 0, "right")
+    if ids.shape[1] == 0:  # every completion empty: give the parser one masked-out column
+        ids, mask = torch.zeros(len(rows), 1, dtype=torch.long), torch.zeros(len(rows), 1, dtype=torch.long)
+    return parse_completions(ids, tokenizer, mask=mask, think_tags=THINK_TAGS, thinking_in_prompt=thinking_in_prompt,
+                             eos_token_id=eos)

@@ -1,0 +1,96 @@
+"""Generation backend "hf": batched ``model.generate`` of a loaded Hugging Face model, in-process.
+
+Prompts are rendered with the chat template (``stages.data.tokenize.render_prompt``),
+tokenised once without padding, sorted by length (less left padding per batch), cut into
+batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each
+prompt's ``n`` completions come back in the original, prompt-major order.
+
+The sampler is seeded inside ``torch.random.fork_rng``, so a call is deterministic for a
+given seed, prompts and batch size, and the caller's RNG state (a trainer's dropout,
+shuffling) is left exactly as it was.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from stages.data.tokenize import render_prompt
+from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+from stages.utils import pad
+
+
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
+             progress: bool = False) -> Generations:
+    """Completions of ``prompts`` from an HF causal LM (see :func:`stages.generation.generate`).
+
+    ``model`` may also be a model folder / hub id (loaded on CPU in float32, with its tokenizer
+    when ``tokenizer`` is None). The model is put in eval mode for the call and its previous
+    train/eval mode is restored afterwards; no gradients are computed.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from stages.models import load_causal_lm, load_tokenizer
+
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(str(model))
+        model = load_causal_lm(str(model))
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (prompts per generate call)")
+    eos = eos_token_ids(tokenizer, model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
+
+    kwargs = _generate_kwargs(sampling, eos, pad_id)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
+    per_prompt: list[list[list[int]]] = [[] for _ in prompts]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices()):
+            torch.manual_seed(sampling.seed)
+            bar = _progress_bar(len(prompts), progress)
+            for start in range(0, len(order), batch_size):
+                batch = order[start: start + batch_size]
+                rows = [torch.tensor(prompt_ids[i], dtype=torch.long) for i in batch]
+                input_ids = pad(rows, pad_id, "left").to(device)
+                attention_mask = pad([torch.ones_like(r) for r in rows], 0, "left").to(device)
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                new = out[:, input_ids.shape[1]:].tolist()
+                # HF expands each input into n consecutive rows (num_return_sequences), best beam first.
+                n = sampling.n
+                for j, i in enumerate(batch):
+                    per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
+                if bar is not None:
+                    bar.update(len(batch))
+            if bar is not None:
+                bar.close()
+    finally:
+        model.train(was_training)
+    return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
+                             backend="hf")
+
+
+def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int) -> dict:
+    """``model.generate`` arguments. Unset knobs fall back to the model's generation_config, so the
+    ones SamplingParams owns are always passed explicitly (top_k=0 overrides HF's default of 50)."""
+    kw = dict(max_new_tokens=s.max_new_tokens, do_sample=s.do_sample, num_beams=s.num_beams,
+              num_return_sequences=s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id)
+    if s.do_sample:
+        kw.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k)
+    return kw
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="prompt", desc="generate")

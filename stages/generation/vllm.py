@@ -1,0 +1,228 @@
+"""Generation backend "vllm": a client of a vLLM OpenAI-compatible server.
+
+vLLM pins its own torch and transformers, so it cannot live in align's environment; it
+runs as a separate server (in its own virtual environment, usually on the GPU machine)
+and this module talks to it over HTTP with the standard library only::
+
+    # in vLLM's own venv
+    vllm serve /path/to/model --host 127.0.0.1 --port 8000     # serve_command() builds this line
+
+    # in align
+    generate("/path/to/model", tokenizer, prompts, sampling, backend="vllm",
+             base_url="http://127.0.0.1:8000/v1")
+
+Prompts are rendered with *our* tokenizer's chat template and sent as token ids
+(``POST /v1/completions`` with ``prompt: [ids]``), so the server sees exactly the tokens
+the "hf" backend would feed the model (no second BOS, no template drift between the two
+environments). Completion token ids come back with ``return_token_ids`` (vLLM >= 0.10.2);
+older servers' answers fall back to ``logprobs`` tokens written as ``token_id:N``, else
+the text is re-tokenised with our tokenizer.
+
+One request per prompt, ``batch_size`` in flight at once (the server batches them
+continuously); prompt ``i`` is sampled with seed ``seed + i``, so results do not depend
+on the batch size or the order requests arrive in.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+import json
+import os
+from pathlib import Path
+import shlex
+import urllib.error
+import urllib.request
+
+from stages.data.tokenize import render_prompt
+from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+URL_ENV, API_KEY_ENV = "ALIGN_VLLM_URL", "VLLM_API_KEY"
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server is unreachable or answered with an error."""
+
+
+def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+                  dtype: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``vllm serve`` command line for ``model_path`` (run it in vLLM's own environment).
+
+    Binds to ``host`` (loopback by default: the server has no authentication unless
+    ``--api-key``/``VLLM_API_KEY`` is set). ``shlex.join(serve_command(...))`` gives the shell form.
+    """
+    cmd = ["vllm", "serve", str(model_path), "--host", host, "--port", str(int(port))]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    return cmd + list(extra_args)
+
+
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
+             progress: bool = False, base_url: str | None = None, api_key: str | None = None,
+             served_model_name: str | None = None, timeout: float = 600.0) -> Generations:
+    """Completions of ``prompts`` from a running vLLM server (see :func:`stages.generation.generate`).
+
+    Args:
+        model: the model path the server was started with (its default served name).
+        tokenizer: that model's tokenizer (renders and tokenises prompts, decodes completions);
+            None: loaded from ``model``.
+        base_url: the server's ``.../v1`` URL; default ``$ALIGN_VLLM_URL`` or ``http://127.0.0.1:8000/v1``.
+        api_key: sent as a bearer token; default ``$VLLM_API_KEY`` (unset: no header).
+        served_model_name: the name in requests, when the server was started with ``--served-model-name``.
+        timeout: seconds to wait for one prompt's answer.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError("backend 'vllm' takes the model path (or served model name) the server was started with, "
+                         f"not a loaded {type(model).__name__}; pass the model folder as `model`")
+    if tokenizer is None:
+        from stages.models import load_tokenizer
+
+        tokenizer = load_tokenizer(str(model))
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (requests in flight at once)")
+    client = _Client(base_url or os.environ.get(URL_ENV) or DEFAULT_BASE_URL,
+                     api_key if api_key is not None else os.environ.get(API_KEY_ENV), timeout, str(model))
+    name = served_model_name or str(model)
+    eos = eos_token_ids(tokenizer, _LocalModel(model))
+    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
+
+    bodies = [request_body(name, ids, sampling, eos, seed=sampling.seed + i) for i, ids in enumerate(prompt_ids)]
+    if bodies:
+        client.check_model(name)  # fail fast with one clear error, before spawning threads
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(bodies), unit="prompt", desc="generate (vllm)")
+
+    def one(body: dict) -> list[list[int]]:
+        out = parse_response(client.post("/completions", body), tokenizer, eos, sampling.n)
+        if bar is not None:
+            bar.update(1)
+        return out
+
+    with ThreadPoolExecutor(max_workers=max(1, min(batch_size, len(bodies)))) as pool:
+        per_prompt = list(pool.map(one, bodies))
+    if bar is not None:
+        bar.close()
+    return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
+                             backend="vllm")
+
+
+class _LocalModel:
+    """The generation config of a local model folder, so both backends stop on the same ids."""
+
+    def __init__(self, model):
+        self.generation_config = None
+        if (Path(model) / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            self.generation_config = GenerationConfig.from_pretrained(str(model))
+
+
+def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos: list[int], *, seed: int) -> dict:
+    """The ``/v1/completions`` JSON for one prompt (vLLM's extensions: top_k, stop_token_ids, return_token_ids...)."""
+    body = {
+        "model": model_name,
+        "prompt": list(prompt_ids),
+        "n": s.num_beams if s.num_beams > 1 else s.n,  # beam search returns all beams; we keep the n best
+        "max_tokens": s.max_new_tokens,
+        "temperature": float(s.temperature) if s.do_sample else 0.0,  # 0 = greedy in vLLM
+        "top_p": float(s.top_p) if s.do_sample else 1.0,
+        "top_k": s.top_k if s.do_sample and s.top_k > 0 else -1,  # -1 = off
+        "seed": seed,
+        "stop_token_ids": list(eos),
+        "skip_special_tokens": False,  # keep <think> tags and EOS visible for the fallback path
+        "spaces_between_special_tokens": False,
+        "return_token_ids": True,
+    }
+    if s.num_beams > 1:
+        body["use_beam_search"] = True
+    return body
+
+
+def parse_response(response: dict, tokenizer, eos: list[int], n: int) -> list[list[int]]:
+    """The ``n`` completions' token ids (EOS-trimmed, EOS appended when the server stopped on one) in choice order."""
+    choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) < n:
+        raise VLLMServerError(f"the vLLM server returned {len(choices)} choices for a request with n = {n}")
+    out = []
+    for c in choices[:n]:
+        ids = _choice_token_ids(c, tokenizer)
+        reason, stop = c.get("finish_reason"), c.get("stop_reason")
+        if reason == "stop" and not (ids and ids[-1] in eos) and (stop is None or stop in eos):
+            ids.append(stop if stop is not None else eos[0])  # the server dropped the EOS it stopped on
+        out.append(trim_at_eos(ids, eos))
+    return out
+
+
+def _choice_token_ids(choice: dict, tokenizer) -> list[int]:
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+    if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        return [int(t.split(":", 1)[1]) for t in tokens]
+    return list(tokenizer(choice.get("text", ""), add_special_tokens=False)["input_ids"])
+
+
+class _Client:
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, model: str):
+        self.base_url, self.api_key, self.timeout, self.model = base_url.rstrip("/"), api_key, timeout, model
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def post(self, path: str, body: dict) -> dict:
+        return self._send(urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                                 headers=self._headers(), method="POST"))
+
+    def get(self, path: str) -> dict:
+        return self._send(urllib.request.Request(self.base_url + path, headers=self._headers(), method="GET"))
+
+    def _send(self, request: urllib.request.Request) -> dict:
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = _error_message(e.read())
+            hint = ""
+            if e.code == 404 and "model" in detail.lower():
+                hint = f"; the server serves {self._served_models()}: pass one as served_model_name"
+            elif e.code == 401:
+                hint = f"; set {API_KEY_ENV} (or api_key=) to the key the server was started with"
+            raise VLLMServerError(f"vLLM server {request.full_url} answered HTTP {e.code}: {detail}{hint}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise VLLMServerError(
+                f"cannot reach the vLLM server at {self.base_url} ({reason}); start it with: "
+                f"{shlex.join(serve_command(self.model))} in its own environment (vLLM pins its own torch and "
+                f"transformers; see README, 'Generation with vLLM'), or point base_url / ${URL_ENV} at a running one"
+            ) from None
+
+    def check_model(self, name: str) -> None:
+        served = [m.get("id") for m in self.get("/models").get("data", [])]
+        if served and name not in served:
+            raise VLLMServerError(f"the vLLM server at {self.base_url} serves {served}, not {name!r}; pass "
+                                  "served_model_name= (or the model path it was started with)")
+
+    def _served_models(self) -> list[str]:
+        try:
+            return [m.get("id") for m in self.get("/models").get("data", [])]
+        except VLLMServerError:
+            return []
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")[:500]
+    err = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err)[:500]

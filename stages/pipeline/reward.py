@@ -1,0 +1,89 @@
+"""Stage `reward`: a reward model trained on preference pairs, with a quality gate.
+
+A one-output sequence classifier initialised from the SFT model (its trunk; a fresh
+scalar head) learns `r(prompt, completion)` with the Bradley-Terry loss
+(`stages.losses.reward_loss`) on preprocess's preference pairs, minus a held-out share
+(`reward.eval_fraction`) on which it reports pair accuracy and a reliability table (the
+model's confidence in the side it prefers, σ(|r_c − r_r|), binned, against how often that
+side is the chosen one) with its expected calibration error. Below
+`reward.min_accuracy` the stage fails and nothing downstream runs: a reward model no
+better than that must not steer sampling or RL. Writes `model/` (loadable with
+`AutoModelForSequenceClassification`), `calibration.json`, `log_history.json`, `tensorboard/`.
+
+    python -m stages reward [--set reward.learning_rate=3e-4] [--set reward.min_accuracy=0]
+"""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from stages.data import read_jsonl
+from stages.models import load_tokenizer, pick_device
+from stages.pipeline import training
+from stages.runner import QualityGateFailed
+from stages.trainers.adapters import apply_lora, trainable_fraction
+from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model
+
+
+def run(ctx) -> dict[str, Any]:
+    p, r = ctx.params, ctx.params.reward
+    pairs_path = ctx.inputs["preprocess"] / "preference.jsonl"
+    pairs = read_jsonl(pairs_path) if pairs_path.exists() else []
+    if not pairs:
+        ctx.log.info("reward: %s has no preference pairs; no reward model trained (reward functions named "
+                     "reward_model will fail; use rule rewards)", pairs_path)
+        return {"trained": False, "reason": f"no preference pairs in {pairs_path.name}"}
+    train_pairs, held_out = split_pairs(pairs, r.eval_fraction, p.run.seed)
+    device = pick_device(p.run.device)
+    start = str(ctx.inputs["sft"] / "model")
+    tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
+    model = load_reward_model(start, tokenizer=tokenizer, dtype=p.model.dtype, device=device,
+                              trust_remote_code=p.model.trust_remote_code)
+    if r.lora.enabled:
+        model = apply_lora(model, r.lora, task_type="SEQ_CLS")
+    trainable, total = trainable_fraction(model)
+    args = RewardConfig(**training.trainer_args(ctx, r, device=device, section="reward"), max_length=r.max_length,
+                        center_rewards_coefficient=r.center_rewards_coefficient)
+    logger, callbacks = training.callbacks(ctx, r.report_to)
+    trainer = RewardTrainer(model, args=args, processing_class=tokenizer, train_dataset=train_pairs,
+                            callbacks=callbacks)
+    ctx.log.info("reward: %d training pairs, %d held out, from %s; %d/%d trainable parameters", len(train_pairs),
+                 len(held_out), start, trainable, total)
+    result, resume = training.train(trainer, ctx)
+    quality = evaluate_reward_model(trainer.model, tokenizer, held_out, batch_size=args.per_device_eval_batch_size,
+                                    max_length=r.max_length, bins=r.calibration_bins)
+    ctx.log.info("reward: held-out pair accuracy %.3f (gate %.2f), ECE %.3f", quality["accuracy"], r.min_accuracy,
+                 quality["ece"])
+    if quality["accuracy"] < r.min_accuracy:
+        raise QualityGateFailed(
+            f"reward: held-out pair accuracy {quality['accuracy']:.3f} on {len(held_out)} pairs is below "
+            f"reward.min_accuracy = {r.min_accuracy}; nothing downstream runs. Train longer or with another "
+            "learning rate (reward.num_train_epochs, reward.learning_rate), add pairs, or lower the gate "
+            "(reward.min_accuracy) if you accept a weaker reward model")
+    training.save_outputs(trainer, tokenizer, ctx)
+    (ctx.out / "calibration.json").write_text(json.dumps(quality, indent=2))
+    return {
+        "trained": True,
+        "accuracy": round(quality["accuracy"], 4),
+        "mean_margin": round(quality["mean_margin"], 4),
+        "ece": round(quality["ece"], 4),
+        "train_pairs": len(train_pairs),
+        "held_out_pairs": len(held_out),
+        "train_loss": round(result.training_loss, 5),
+        "steps": trainer.state.global_step,
+        "resumed_from": resume,
+        "trainable_parameters": trainable,
+        "adapter": r.lora.enabled,
+        "table": quality["calibration"],
+    }
+
+
+def split_pairs(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Deterministic held-out split; at least one pair on each side."""
+    if len(pairs) < 2:
+        raise ValueError(f"reward: {len(pairs)} preference pair(s); need at least 2 (one to train, one to check)")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(len(pairs) * fraction)), len(pairs) - 1)
+    return [pairs[i] for i in order[n_eval:]], [pairs[i] for i in order[:n_eval]]

@@ -1,0 +1,202 @@
+"""Stage `score`: sample completions from the SFT model, score them, turn the scores into pairs.
+
+For every prompt (preprocess's prompts, see `stages.pipeline.prompts`), `score.n`
+completions are sampled through `stages.generation` (HF or vLLM) and scored by the
+weighted reward functions of `score.reward_functions` (`stages.rewards`: the reward model,
+rule rewards, or your own `module:function`). Each prompt's scored completions become
+preference pairs (best vs worst, or all pairs apart by more than `score.min_margin`),
+filtered by minimum score, margin, length and duplicates; every filter's count is kept.
+With `score.source: dataset` nothing is generated: the rows of `score.dataset` (prompt +
+a list of `completions`) are scored and paired (DPO data from pre-computed generations).
+
+Writes `pairs.jsonl` (prompt, chosen, rejected, chosen_score, rejected_score + the
+prompt's columns), `scores.jsonl` (every completion with its total and per-function
+scores) and `histogram.json`; the filter counts and the score distribution are in the manifest.
+
+    python -m stages score [--set score.n=8] [--set score.reward_functions=[exact_match]]
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from stages.data import DataError, read_jsonl, write_jsonl
+from stages.data.tokenize import render_prompt
+from stages.generation import Generations, SamplingParams, generate
+from stages.generation.common import build_generations, eos_token_ids
+from stages.models import load_causal_lm, load_tokenizer, pick_device
+from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
+from stages.rewards import build_reward_functions, exact_match
+from stages.utils import answer_after_reasoning
+
+COLUMNS_NOT_PASSED = ("prompt", "completions")
+PAIR_KEYS = ("prompt", "completions", "completion", "chosen", "rejected")  # a pair row keeps the prompt's other columns
+
+
+def run(ctx) -> dict[str, Any]:
+    p, s = ctx.params, ctx.params.score
+    if not s.enabled:
+        ctx.log.info("score: disabled (score.enabled false); no pairs")
+        return {"enabled": False}
+    device = pick_device(p.run.device)
+    sft = str(ctx.inputs["sft"] / "model")
+    tokenizer = load_tokenizer(sft, trust_remote_code=p.model.trust_remote_code)
+    # every reward function imported and checked before any sampling
+    rewards = build_reward_functions(s.reward_functions, s.reward_weights, key="score.reward_functions",
+                                     reward_model_path=reward_model_path(ctx), device=device)
+    if s.source == "dataset":
+        rows, gens = load_generations(s.dataset, tokenizer, s.num_prompts)
+    else:
+        rows = prompt_rows(ctx, s.num_prompts)
+        model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code)
+        g = s.generation
+        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
+                                  top_p=g.top_p, top_k=g.top_k, seed=p.run.seed)
+        ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
+        gens = generate(model if g.backend == "hf" else sft, tokenizer, [r["prompt"] for r in rows], sampling,
+                        backend=g.backend, batch_size=g.batch_size, progress=True,
+                        **backend_options(g, sft))
+        del model
+    columns = completion_columns(rows, gens)
+    prompts = [rows[i]["prompt"] for i in gens.prompt_index]
+    totals, per_function = rewards(prompts, gens.completions, **columns)
+    texts = completion_texts(tokenizer, gens.completion_ids)
+    lengths = [len(gens.prompt_ids[i]) + len(c) for i, c in zip(gens.prompt_index, gens.completion_ids)]
+
+    pairs, counts = build_pairs(rows, gens.prompt_index, texts, totals, lengths, s)
+    scored = [{"prompt_index": i, "completion": t, "answer": a, "score": sc, "finished": f,
+               **{f"score/{name}": v[k] for name, v in per_function.items()}}
+              for k, (i, t, a, sc, f) in enumerate(zip(gens.prompt_index, texts, gens.completions, totals,
+                                                       gens.finished))]
+    write_jsonl(ctx.out / "pairs.jsonl", pairs)
+    write_jsonl(ctx.out / "scores.jsonl", scored)
+    hist = histogram([t for t in totals if t is not None], s.histogram_bins)
+    (ctx.out / "histogram.json").write_text(json.dumps(hist, indent=2))
+    quality = pair_quality(pairs) if "answer" in columns else None
+    ctx.log.info("score: %d pairs from %d prompts; filtered %s", len(pairs), len(rows), dict(counts))
+    if quality is not None:
+        ctx.log.info("score: chosen answer correct in %.3f of pairs, rejected in %.3f", quality["chosen_correct"],
+                     quality["rejected_correct"])
+    scored_values = [t for t in totals if t is not None]
+    return {
+        "prompts": len(rows),
+        "completions": len(totals),
+        "unscored": sum(t is None for t in totals),
+        "pairs": len(pairs),
+        "mean_score": round(float(np.mean(scored_values)), 4) if scored_values else None,
+        "mean_margin": round(float(np.mean([r["chosen_score"] - r["rejected_score"] for r in pairs])), 4)
+        if pairs else None,
+        "filtered": dict(counts),
+        "source": s.source,
+        "backend": gens.backend,
+        "seed": gens.seed,
+        **({"chosen_correct": quality["chosen_correct"], "rejected_correct": quality["rejected_correct"]}
+           if quality else {}),
+        "histogram": hist,
+    }
+
+
+def completion_columns(rows: list[dict], gens: Generations) -> dict[str, list]:
+    """The prompt rows' extra columns repeated per completion, plus the generation's own columns."""
+    names = sorted({k for r in rows for k in r if k not in COLUMNS_NOT_PASSED})
+    columns = {k: [rows[i].get(k) for i in gens.prompt_index] for k in names}
+    columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
+    return columns
+
+
+def completion_texts(tokenizer, completion_ids: list[list[int]]) -> list[str]:
+    """The assistant message as the chat template would hold it: reasoning block kept, EOS and padding dropped."""
+    drop = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return [tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False).strip()
+            for ids in completion_ids]
+
+
+def build_pairs(rows, prompt_index, texts, scores, lengths, s) -> tuple[list[dict], Counter]:
+    """Per prompt: drop unscored, over-long and duplicate completions, then pair by score; count every drop."""
+    counts: Counter = Counter()
+    groups: dict[int, list[tuple[str, float]]] = {}
+    for i, text, score, length in zip(prompt_index, texts, scores, lengths):
+        group = groups.setdefault(i, [])
+        if score is None:
+            counts["unscored_completions"] += 1
+        elif length > s.max_length:
+            counts["too_long_completions"] += 1
+        elif s.dedup and any(text == t for t, _ in group):
+            counts["duplicate_completions"] += 1
+        else:
+            group.append((text, float(score)))
+    pairs = []
+    for i, group in groups.items():
+        candidates = pair_candidates(group, s.pairing)
+        if not candidates:
+            counts["prompts_without_two_completions" if len(group) < 2 else "prompts_all_tied"] += 1
+            continue
+        kept = [(c, r) for c, r in candidates if c[1] - r[1] > s.min_margin]
+        counts["pairs_below_min_margin"] += len(candidates) - len(kept)
+        if s.min_score is not None:
+            before = len(kept)
+            kept = [(c, r) for c, r in kept if c[1] >= s.min_score]
+            counts["pairs_below_min_score"] += before - len(kept)
+        extra = {k: v for k, v in rows[i].items() if k not in PAIR_KEYS}
+        for (chosen, cs), (rejected, rs) in kept:
+            pairs.append({"prompt": rows[i]["prompt"], "chosen": [{"role": "assistant", "content": chosen}],
+                          "rejected": [{"role": "assistant", "content": rejected}], "chosen_score": cs,
+                          "rejected_score": rs, **extra})
+        if not kept:
+            counts["prompts_without_pairs"] += 1
+    return pairs, +counts
+
+
+def pair_candidates(group: list[tuple[str, float]], pairing: str) -> list[tuple[tuple, tuple]]:
+    """(chosen, rejected) candidates of one prompt, higher score first; ties are never pairs."""
+    if len(group) < 2:
+        return []
+    if pairing == "best_worst":
+        best, worst = max(group, key=lambda c: c[1]), min(group, key=lambda c: c[1])
+        return [(best, worst)] if best[1] > worst[1] else []
+    return [(a, b) if a[1] > b[1] else (b, a) for a, b in itertools.combinations(group, 2) if a[1] != b[1]]
+
+
+def histogram(values: list[float], bins: int) -> dict[str, list]:
+    if not values:
+        return {"counts": [], "edges": []}
+    counts, edges = np.histogram(np.asarray(values, dtype=float), bins=bins)
+    return {"counts": counts.tolist(), "edges": [round(float(e), 6) for e in edges]}
+
+
+def pair_quality(pairs: list[dict]) -> dict[str, float] | None:
+    """With ground-truth answers (the built-in task): how often chosen / rejected are actually right."""
+    if not pairs:
+        return None
+
+    def correct(side: str) -> float:
+        answers = [answer_after_reasoning(r[side][0]["content"]) for r in pairs]
+        scores = exact_match([r["prompt"] for r in pairs], answers, answer=[r.get("answer") for r in pairs])
+        return round(sum(x or 0.0 for x in scores) / len(pairs), 4)
+
+    return {"chosen_correct": correct("chosen"), "rejected_correct": correct("rejected")}
+
+
+def load_generations(path: str, tokenizer, limit: int) -> tuple[list[dict], Generations]:
+    """Offline mode: rows of prompt + completions (list of strings) from `path`, as Generations."""
+    rows = read_jsonl(path)
+    for line, row in enumerate(rows, 1):
+        if "prompt" not in row or not isinstance(row.get("completions"), list) or not row["completions"]:
+            raise DataError(f"{path}:{line}: score.dataset rows need 'prompt' and a non-empty list 'completions' "
+                            f"(got keys {sorted(row)})")
+        bad = [i for i, c in enumerate(row["completions"]) if not isinstance(c, str)]
+        if bad:
+            raise DataError(f"{path}:{line}: completions[{bad[0]}] is not a string; completions are the assistant's "
+                            "texts")
+    rows = rows[:limit] if limit > 0 else rows
+    eos = eos_token_ids(tokenizer)
+    rendered = [render_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in rendered]
+    completion_ids = [[tokenizer(c, add_special_tokens=False)["input_ids"] + eos[:1] for c in r["completions"]]
+                      for r in rows]
+    return rows, build_generations(tokenizer, [r["prompt"] for r in rows], rendered, prompt_ids, completion_ids, eos,
+                                   seed=0, backend="dataset")

@@ -1,0 +1,543 @@
+"""Group relative policy optimisation: `GRPOConfig` + `GRPOTrainer` (a `transformers.Trainer`).
+
+Rows are `prompt` (a string or chat messages) plus any extra columns (`answer`, ...), which
+reach the reward functions repeated once per completion. Every optimizer step:
+
+1. generation: the prompts of each micro-batch get G = `num_generations` sampled completions
+   from the policy itself (`stages.generation.generate`, no gradient);
+2. scoring: the reward functions (`stages.rewards.RewardFunctions`) score every completion;
+   advantages are the rewards relative to their group (`stages.losses.grpo_advantages`);
+   completions left unscored (a function returned None) get advantage 0 and no loss;
+3. training: per-token log-probs of the completions (chunked from the final hidden states,
+   `stages.trainers.logprobs`), then `stages.losses.grpo_loss`.
+
+`per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
+per_device_train_batch_size / num_generations prompts, G completions each.
+With `num_iterations` > 1 one generation serves that many optimizer steps (the data loader
+repeats each accumulation window's prompts), the later ones weighted by the importance
+ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ties the policy
+to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
+Generation runs per micro-batch, so `loss_type="dapo"` normalises by the micro-batch's token
+count (not the whole accumulation window's). `generation_backend="vllm"` asks a separate vLLM
+server (`generation_kwargs`: model, base_url); its weights are not synced from the trainer, so
+it suits only the first steps or a frozen-sampler ablation; "hf" generates with the policy.
+
+Self-rewarding (`reward_head="shared"`): a `RewardHead` (Linear(hidden, 1) on the final hidden
+state of the last token) sits on the policy's own trunk. Each step it is trained on a
+minibatch of `preference_dataset` pairs with the Bradley-Terry `stages.losses.reward_loss`, in the
+same update as the GRPO objective (loss = grpo + reward_head_coef · bt), and its score of each
+completion is added to the reward (weight `reward_head_weight`). It is saved next to the
+model as `reward_head.safetensors`.
+
+Logged (means over the logging window): reward, reward_std, rewards/<function>/mean|std,
+frac_reward_zero_std, frac_reward_none, completions/mean|min|max_length,
+completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, and per optimizer step
+timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
+completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
+Cumulative seconds and token counts are kept in `trainer.timing`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+from transformers import Trainer, TrainingArguments
+
+from stages.kernels import entropy_from_logits, selective_log_softmax
+from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, grpo_advantages, grpo_loss
+from stages.trainers.dpo import PairCollator, tokenize_pairs
+from stages.trainers.logprobs import head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
+from stages.utils import completion_mask_from_eos, pad
+
+REWARD_HEAD_FILE = "reward_head.safetensors"
+REWARD_HEAD_MODES = ("separate", "shared")
+GENERATION_BACKENDS = ("hf", "vllm")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    num_generations: int = field(default=8, metadata={"help": "completions sampled per prompt (the group), >= 2"})
+    max_completion_length: int = field(default=64, metadata={"help": "generated tokens per completion at most"})
+    beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the reference (0: no reference model)"})
+    epsilon: float = field(default=0.2, metadata={"help": "lower clip range of the importance ratio"})
+    epsilon_high: float | None = field(default=None, metadata={"help": "upper clip range (None: epsilon)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also used for the log-probs)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
+    loss_type: str = field(default="grpo", metadata={"help": f"one of {', '.join(GRPO_AGGREGATIONS)}"})
+    scale_rewards: str = field(default="group", metadata={"help": f"one of {', '.join(GRPO_REWARD_SCALES)}"})
+    num_iterations: int = field(default=1, metadata={"help": "optimizer steps per generation (mu in the paper)"})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "no loss on completions without EOS"})
+    generation_backend: str = field(default="hf", metadata={"help": "hf (in-process) or vllm"})
+    generation_batch_size: int = field(default=64, metadata={"help": "prompts per generate call"})
+    generation_kwargs: dict | None = field(default=None, metadata={"help": "backend options (vllm: base_url, ...)"})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "one weight per reward function"})
+    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
+    reward_head: str = field(default="separate", metadata={"help": "separate: the given reward functions only; "
+                             "shared: also a reward head on the policy's trunk, trained on preference pairs"})
+    reward_head_coef: float = field(default=1.0, metadata={"help": "weight of the reward head's BT loss"})
+    reward_head_weight: float = field(default=1.0, metadata={"help": "weight of the head's score in the reward"})
+    reward_head_batch_size: int = field(default=8, metadata={"help": "preference pairs per step for the head"})
+    max_length: int = field(default=512, metadata={"help": "truncate preference prompt + completion (tokens)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        problems = []
+        if self.num_generations < 2:
+            problems.append(f"num_generations = {self.num_generations}: must be >= 2 (the group baseline needs at "
+                            "least two completions per prompt; 8 is typical)")
+        elif self.per_device_train_batch_size % self.num_generations:
+            problems.append(f"per_device_train_batch_size = {self.per_device_train_batch_size}: counts completions "
+                            f"and must be divisible by num_generations = {self.num_generations} (it holds "
+                            "batch / num_generations prompts x num_generations completions); use a multiple")
+        if self.max_completion_length < 1:
+            problems.append(f"max_completion_length = {self.max_completion_length}: must be >= 1")
+        if self.beta < 0:
+            problems.append(f"beta = {self.beta}: must be >= 0 (the KL penalty; 0 turns it off)")
+        if self.epsilon < 0:
+            problems.append(f"epsilon = {self.epsilon}: must be >= 0 (0.2 is typical)")
+        if self.epsilon_high < self.epsilon:
+            problems.append(f"epsilon_high = {self.epsilon_high} < epsilon = {self.epsilon}: the upper clip range "
+                            "must be at least the lower one (DAPO's clip-higher uses 0.28 with 0.2)")
+        if self.temperature <= 0:
+            problems.append(f"temperature = {self.temperature}: must be > 0 (GRPO samples; 1.0 is typical)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p = {self.top_p}: must be in (0, 1] (1.0 = off)")
+        if self.top_k < 0:
+            problems.append(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
+        for name, value, table in (("loss_type", self.loss_type, GRPO_AGGREGATIONS),
+                                   ("scale_rewards", self.scale_rewards, GRPO_REWARD_SCALES),
+                                   ("generation_backend", self.generation_backend, GENERATION_BACKENDS),
+                                   ("reward_head", self.reward_head, REWARD_HEAD_MODES)):
+            if value not in table:
+                problems.append(f"{name} = {value!r}: supported: {', '.join(table)}")
+        if self.num_iterations < 1:
+            problems.append(f"num_iterations = {self.num_iterations}: must be >= 1 (updates per generation)")
+        if self.generation_batch_size < 1:
+            problems.append(f"generation_batch_size = {self.generation_batch_size}: must be >= 1")
+        if self.generation_backend == "vllm" and "model" not in (self.generation_kwargs or {}):
+            problems.append("generation_backend = 'vllm' needs generation_kwargs = {'model': <the served model "
+                            "path or name>, 'base_url': ...}; the server's weights are not synced from the trainer")
+        if self.reward_head_coef < 0 or self.reward_head_batch_size < 1:
+            problems.append(f"reward_head_coef = {self.reward_head_coef}, reward_head_batch_size = "
+                            f"{self.reward_head_batch_size}: must be >= 0 and >= 1")
+        if problems:
+            raise ValueError("invalid GRPO config:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: prompt rows pass through as lists; batches repeat for num_iterations
+# ---------------------------------------------------------------------------------------------
+
+def rows_collator(features: list[dict]) -> list[dict]:
+    """The rows of a batch, unchanged: prompts are rendered and tokenised by the generation backend."""
+    return list(features)
+
+
+class RepeatBatchSampler(Sampler):
+    """Shuffled batches of row indices; each run of `group` batches is yielded `repeats` times in a row.
+
+    group = gradient_accumulation_steps x processes (one optimizer step's batches), so with
+    num_iterations = repeats every optimizer step of a generation sees the same prompts.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, group: int, repeats: int, seed: int):
+        self.num_rows, self.batch_size, self.group, self.repeats, self.seed = num_rows, batch_size, group, repeats, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        batches = [order[i:i + self.batch_size].tolist() for i in range(0, self.num_rows, self.batch_size)]
+        for start in range(0, len(batches), self.group):
+            for _ in range(self.repeats):
+                yield from batches[start:start + self.group]
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_rows / self.batch_size) * self.repeats
+
+
+def completion_tensors(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_token_id: int,
+                       eos_token_id: int | list[int]) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded completions, with masks built from positions.
+
+    prompt_ids, completion_ids: B token lists each (the prompt of each completion). Returns
+    prompt_ids, prompt_mask: (B, P); completion_ids, completion_mask: (B, C). completion_mask is
+    1 on real tokens up to and including the first EOS: padding and everything after the first
+    EOS are 0, also when the pad id equals the EOS id. "truncated": (B,) bool, no EOS generated.
+    """
+    def stack(rows, side, value):
+        return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, side)
+
+    prompts, prompt_mask = stack(prompt_ids, "left", pad_token_id), stack([[1] * len(p) for p in prompt_ids], "left", 0)
+    rows = [c if c else [pad_token_id] for c in completion_ids]  # an empty completion: one masked column
+    completions = stack(rows, "right", pad_token_id)
+    real = stack([[int(bool(c))] * max(len(c), 1) for c in completion_ids], "right", 0)
+    mask = real * completion_mask_from_eos(completions, eos_token_id)
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    truncated = ~(torch.isin(completions, eos) & mask.bool()).any(dim=1)
+    return {"prompt_ids": prompts, "prompt_mask": prompt_mask, "completion_ids": completions,
+            "completion_mask": mask, "truncated": truncated}
+
+
+def _sequence(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model inputs for prompt + completion; position ids count real tokens (left padding skipped)."""
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0)}
+
+
+def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, chunked: bool = True,
+                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(completion token | prefix) at temperature `temperature`, and optionally each position's entropy.
+
+    batch: completion_tensors' keys. Returns logps: (B, C) float32, 0 where completion_mask is 0;
+    entropy: (B, C) detached or None. Chunked from the hidden states when the head allows.
+    """
+    inputs = _sequence(batch)
+    mask = batch["completion_mask"].bool()
+    width = batch["prompt_ids"].shape[1]
+    targets = batch["completion_ids"]
+    logps = torch.zeros(mask.shape, dtype=torch.float32, device=targets.device)
+    ent = torch.zeros_like(logps) if entropy else None
+    head = lm_head_for_chunking(model) if chunked else None
+    if head is not None:
+        select = torch.zeros_like(inputs["input_ids"][:, 1:], dtype=torch.bool)
+        select[:, width - 1:] = mask  # position P-1+j predicts completion token j
+        hidden, _ = selected_hidden(model, inputs, select)
+        out = head_logprobs(hidden, head, targets[mask], temperature=temperature, return_entropy=entropy)
+        logp, h = out if entropy else (out, None)
+        logps = logps.masked_scatter(mask, logp.float())
+        if entropy:
+            ent = ent.masked_scatter(mask, h.detach().float())
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, width - 1:-1].float() / temperature
+        logps = torch.where(mask, selective_log_softmax(logits, targets).float(), logps)
+        if entropy:
+            ent = torch.where(mask, entropy_from_logits(logits.detach()).float(), ent)
+    return logps, ent
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-rewarding: a scalar head on the policy's trunk
+# ---------------------------------------------------------------------------------------------
+
+class RewardHead(nn.Module):
+    """Linear(hidden, 1) on the final hidden state of each sequence's last real token: (N, H) -> (N,)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.score = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=1 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.score.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1)
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(folder) / REWARD_HEAD_FILE
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"hidden_size": str(self.score.in_features)})
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "RewardHead":
+        from safetensors import safe_open
+
+        path = Path(folder) / REWARD_HEAD_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no reward head here; it is written by GRPOTrainer with "
+                                    "reward_head = 'shared'")
+        with safe_open(str(path), framework="pt") as f:
+            head = cls(int(f.metadata()["hidden_size"]))
+            head.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        return head
+
+
+def last_token_hidden(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden state at each row's last attended position: (B, H)."""
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters else {}
+    hidden = model(**inputs, use_cache=False, output_hidden_states=True, **kwargs).hidden_states[-1]
+    mask = inputs["attention_mask"]
+    last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+def build_reward_functions(reward_functions, weights: list[float] | None):
+    """A RewardFunctions from a RewardFunctions, a callable, or a list of callables / (name, fn) / builtin names."""
+    from stages.rewards import RewardFunctions, load_reward_function
+
+    if isinstance(reward_functions, RewardFunctions):
+        if weights is not None:
+            raise ValueError("reward_weights is set but reward_functions is already a RewardFunctions with its own "
+                             "weights; pass a list of functions, or leave reward_weights unset")
+        return reward_functions
+    items = reward_functions if isinstance(reward_functions, (list, tuple)) else [reward_functions]
+    named = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            named.append((item, load_reward_function(item)))
+        elif isinstance(item, tuple) and len(item) == 2 and callable(item[1]):
+            named.append((str(item[0]), item[1]))
+        elif callable(item):
+            named.append((getattr(item, "__name__", f"reward_{i}"), item))
+        else:
+            raise ValueError(f"reward_functions[{i}] = {item!r}: expected a callable f(prompts, completions, "
+                             "**columns), a (name, callable) pair, or a builtin reward name")
+    if weights is not None and len(weights) != len(named):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(named)} reward functions "
+                         f"({', '.join(n for n, _ in named)}): give one weight per function")
+    return RewardFunctions(named, weights)
+
+
+class GRPOTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # a mean over completions: Trainer divides by accumulation steps
+
+    def __init__(self, model, reward_functions=None, *, args: GRPOConfig, processing_class, train_dataset,
+                 ref_model=None, preference_dataset=None, reward_head: RewardHead | None = None, **kwargs):
+        rows = list(train_dataset)
+        missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+        if not rows or missing:
+            raise ValueError(f"train_dataset: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} "
+                             f"rows lack it" + (f" (first: row {missing[0]})" if missing else " (the dataset is empty)"))
+        if reward_functions is None and args.reward_head != "shared":
+            raise ValueError("reward_functions is None: GRPO needs at least one reward function (e.g. "
+                             "['exact_match']) or reward_head = 'shared' with a preference_dataset")
+        args.remove_unused_columns = False
+        kwargs.setdefault("data_collator", rows_collator)
+        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
+        self.reward_functions = build_reward_functions(reward_functions, args.reward_weights) \
+            if reward_functions is not None else None
+        inner = self.accelerator.unwrap_model(self.model)
+        self.is_peft = hasattr(inner, "peft_config")
+        if args.beta > 0 and ref_model is None and not self.is_peft:
+            ref_model = copy.deepcopy(unwrap(self.model))
+        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None and args.beta > 0 else None
+
+        self.reward_head, self.preference_rows = None, None
+        if args.reward_head == "shared":
+            if not preference_dataset:
+                raise ValueError("reward_head = 'shared' needs preference_dataset (prompt/chosen/rejected rows) to "
+                                 "train the head; pass it, or use reward_head = 'separate'")
+            self.reward_head = (reward_head or RewardHead(unwrap(self.model).config.hidden_size)).to(args.device)
+            self.preference_rows = tokenize_pairs(processing_class, list(preference_dataset), args.max_length)
+            self._pair_rng = torch.Generator().manual_seed(args.seed)
+
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._buffer: dict[int, dict[str, torch.Tensor]] = {}
+        self._slot, self._slot_step, self._generations = 0, None, 0
+        self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
+        self._window: dict[str, float] = defaultdict(float)  # the same since the last log
+        self._window_start_step = 0
+
+    # ---- data ----
+    def get_train_dataloader(self) -> DataLoader:
+        a = self.args
+        sampler = RepeatBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations,
+                                     group=a.gradient_accumulation_steps * a.world_size, repeats=a.num_iterations,
+                                     seed=a.seed)
+        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
+                                                   collate_fn=self.data_collator))
+
+    # ---- one step: generation and scoring, then the update ----
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._slot_step != self.state.global_step:  # a new optimizer step
+            self._slot_step, self._slot = self.state.global_step, 0
+        slot, self._slot = self._slot, self._slot + 1
+        if self.state.global_step % self.args.num_iterations == 0 or slot not in self._buffer:
+            self._buffer[slot] = self.make_batch(inputs)
+        batch, start = self._buffer[slot], time.perf_counter()
+        loss = super().training_step(model, batch)
+        self._tick("training_s", time.perf_counter() - start)
+        self._tick("tokens", (batch["prompt_mask"].sum() + batch["completion_mask"].sum()).item())
+        return loss
+
+    def _tick(self, key: str, value: float) -> None:
+        self.timing[key] += value
+        self._window[key] += value
+
+    @torch.no_grad()
+    def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Generate, score and compute advantages (and old / reference log-probs) for one micro-batch."""
+        from stages.generation import SamplingParams, generate
+        from stages.generation.common import eos_token_ids
+
+        a, tok = self.args, self.processing_class
+        policy = self.accelerator.unwrap_model(self.model)
+        prompts = [r["prompt"] for r in rows]
+        start = time.perf_counter()
+        sampling = SamplingParams(max_new_tokens=a.max_completion_length, n=a.num_generations, do_sample=True,
+                                  temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                  seed=a.seed + 100_003 * self._generations + a.process_index)
+        self._generations += 1
+        options = dict(a.generation_kwargs or {})
+        # vllm: a separate server with its own copy of the weights, named by generation_kwargs["model"]; they are
+        # not synced from this process, so its samples are off-policy once training moves the policy.
+        source = options.pop("model") if a.generation_backend == "vllm" else policy
+        gens = generate(source, tok, prompts, sampling, backend=a.generation_backend,
+                        batch_size=a.generation_batch_size, **options)
+        self._tick("generation_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        index = gens.prompt_index
+        eos = eos_token_ids(tok, policy)
+        batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
+                                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+        batch = {k: v.to(a.device) for k, v in batch.items()}
+        columns = {k: [rows[i].get(k) for i in index] for k in dict.fromkeys(k for r in rows for k in r)
+                   if k != "prompt"}
+        columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
+        totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)
+        self._tick("scoring_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        valid = torch.tensor([t is not None for t in totals], device=a.device)
+        rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
+        batch["advantages"] = grpo_advantages(rewards, a.num_generations, scale_rewards=a.scale_rewards, valid=valid)
+        loss_mask = batch["completion_mask"] * valid[:, None]
+        if a.mask_truncated_completions:
+            loss_mask = loss_mask * ~batch["truncated"][:, None]
+        batch["loss_mask"] = loss_mask
+        chunked = a.use_chunked_logprobs
+        if a.num_iterations > 1:  # later updates reuse these samples: weight them by the ratio to the sampler
+            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.temperature, chunked=chunked)
+        if a.beta > 0:
+            ctx = contextlib.nullcontext() if self.ref_model is not None else policy.disable_adapter()
+            ref = self.ref_model.to(a.device) if self.ref_model is not None else self.model
+            with ctx:
+                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.temperature, chunked=chunked)
+        self._tick("training_s", time.perf_counter() - start)
+        self._log_generation(rewards, valid, per_function, batch)
+        return batch
+
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list], batch: dict[str, torch.Tensor]
+              ) -> tuple[list[float | None], dict[str, list[float | None]]]:
+        """Weighted total reward per completion (None: unscored) and each function's scores."""
+        if self.reward_functions is not None:
+            totals, per_function = self.reward_functions(prompts, completions, **columns)
+        else:
+            totals, per_function = [0.0] * len(completions), {}
+        if self.reward_head is not None:
+            head = self.reward_head(last_token_hidden(self.model, _sequence(batch))).float().tolist()
+            bad = [i for i, s in enumerate(head) if not math.isfinite(s)]
+            if bad:
+                raise ValueError(f"the reward head gave a non-finite score for completion {bad[0]}: training has "
+                                 "diverged; lower learning_rate or reward_head_coef")
+            per_function["reward_head"] = head
+            w = self.args.reward_head_weight
+            totals = [None if t is None else t + w * s for t, s in zip(totals, head)]
+        return totals, per_function
+
+    def _log_generation(self, rewards, valid, per_function, batch) -> None:
+        m, g = self._metrics, self.args.num_generations
+        scored = rewards[valid]
+        m["reward"].append(scored.mean().item() if scored.numel() else math.nan)
+        m["reward_std"].append(scored.std().item() if scored.numel() > 1 else 0.0)
+        m["frac_reward_none"].append(1 - valid.float().mean().item())
+        groups = [{v for v, ok in zip(r, k) if ok} for r, k in zip(rewards.view(-1, g).tolist(),
+                                                                     valid.view(-1, g).tolist())]
+        m["frac_reward_zero_std"].append(sum(len(s) <= 1 for s in groups) / len(groups))
+        for name, values in per_function.items():
+            got = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
+            if got.numel():
+                m[f"rewards/{name}/mean"].append(got.mean().item())
+                m[f"rewards/{name}/std"].append(got.std().item() if got.numel() > 1 else 0.0)
+        lengths = batch["completion_mask"].sum(1).float()
+        m["completions/mean_length"].append(lengths.mean().item())
+        m["completions/min_length"].append(lengths.min().item())
+        m["completions/max_length"].append(lengths.max().item())
+        m["completions/truncated_ratio"].append(batch["truncated"].float().mean().item())
+        self._tick("generated_tokens", lengths.sum().item())
+
+    # ---- the loss ----
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        a = self.args
+        logps, entropy = per_token_logps(model, inputs, temperature=a.temperature, chunked=a.use_chunked_logprobs,
+                                         entropy=True)
+        mask = inputs["loss_mask"]
+        loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
+                                  beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
+                                  loss_type=a.loss_type)
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        if self.reward_head is not None:
+            bt, bt_metrics = self.reward_head_loss(model)
+            loss = loss + a.reward_head_coef * bt
+            metrics["reward_head/loss"] = bt
+            metrics.update({f"reward_head/{k}": v for k, v in bt_metrics.items()})
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, device=loss.device).detach().float()
+            self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    def reward_head_loss(self, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Bradley-Terry loss of the reward head on a random minibatch of preference pairs."""
+        from stages.losses import reward_loss
+
+        n = min(self.args.reward_head_batch_size, len(self.preference_rows))
+        picks = torch.randperm(len(self.preference_rows), generator=self._pair_rng)[:n].tolist()
+        pairs = PairCollator(self.processing_class.pad_token_id)([self.preference_rows[i] for i in picks])
+        inputs = {k: pairs[k].to(self.args.device) for k in ("input_ids", "attention_mask")}
+        scores = self.reward_head(last_token_hidden(model, inputs)).float()
+        chosen, rejected = scores.chunk(2)
+        return reward_loss(chosen, rejected)
+
+    # ---- the reward head joins the optimizer, checkpoints and the saved model ----
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.reward_head is not None:
+            known = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            params = [p for p in self.reward_head.parameters() if id(p) not in known]
+            if params:
+                optimizer.add_param_group({"params": params, "weight_decay": 0.0})
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        super()._save(output_dir, state_dict)
+        if self.reward_head is not None:
+            self.reward_head.save(output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.reward_head is not None and (Path(resume_from_checkpoint) / REWARD_HEAD_FILE).exists():
+            self.reward_head.load_state_dict(RewardHead.load(resume_from_checkpoint).state_dict())
+
+    # ---- logging ----
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        for key, values in self._metrics.items():
+            logs[key] = sum(values) / len(values)
+        self._metrics.clear()
+        steps = self.state.global_step - self._window_start_step
+        if steps > 0 and self._window:
+            w = self._window
+            for key in ("generation_s", "scoring_s", "training_s"):
+                logs[f"timing/{key}"] = w[key] / steps
+            total = w["generation_s"] + w["scoring_s"] + w["training_s"]
+            logs["timing/tokens_per_s"] = w["tokens"] / max(total, 1e-9)
+            logs["timing/generated_tokens_per_s"] = w["generated_tokens"] / max(w["generation_s"], 1e-9)
+            self._window.clear()
+            self._window_start_step = self.state.global_step
+        super().log(logs, start_time)
+
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "build_reward_functions",
+           "completion_tensors", "last_token_hidden", "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]

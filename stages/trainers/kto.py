@@ -1,0 +1,177 @@
+"""Kahneman-Tversky optimisation: `KTOConfig` + `KTOTrainer` (a `transformers.Trainer`).
+
+Rows are unpaired prompt/completion/label (label True: a desirable completion). Each row's
+summed completion log-prob under the policy and the reference gives r = policy - reference;
+`stages.losses.kto_loss` compares r with a reference point z, an estimate of KL(policy ||
+reference). z comes from mismatched pairs inside the batch: prompt i with the completion of
+row i + 1 (the last with the first), whose mean log-ratio is a sample of the KL (detached,
+and clamped at 0 in kto_loss). So the batch needs at least 2 rows.
+
+The reference is the same as DPO's (shared helpers in `stages.trainers.dpo`): a frozen copy,
+or with a PEFT model the base weights with the adapter disabled.
+
+The KTO paper (Ethayarajh et al. 2024) recommends weights with
+desirable_weight·n_desirable / (undesirable_weight·n_undesirable) in [1, 4/3]; the trainer
+warns, with weights that satisfy it, when the data's class balance puts them outside.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from stages.data.tokenize import tokenize_sft
+from stages.losses import kto_loss
+from stages.trainers.dpo import (flush_metrics, frozen_reference, loss_only_prediction_step, reference_model,
+                                 reference_sequence_logps, sequence_logps)
+from stages.utils import pad
+
+KL_PREFIX = "kl_"
+
+
+@dataclass
+class KTOConfig(TrainingArguments):
+    beta: float = field(default=0.1, metadata={"help": "KL strength (> 0; 0.1 is typical)"})
+    desirable_weight: float = field(default=1.0, metadata={"help": "loss weight of desirable rows (> 0)"})
+    undesirable_weight: float = field(default=1.0, metadata={"help": "loss weight of undesirable rows (> 0)"})
+    max_length: int = field(default=1024, metadata={"help": "truncate prompt + completion to this many tokens"})
+    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.beta <= 0:
+            problems.append(f"beta = {self.beta}: must be > 0 (the KL strength; 0.1 is typical)")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, key) > 0:
+                problems.append(f"{key} = {getattr(self, key)}: must be > 0")
+        if self.per_device_train_batch_size < 2:
+            problems.append(f"per_device_train_batch_size = {self.per_device_train_batch_size}: must be >= 2 (the KL "
+                            "reference point pairs each prompt with another row's completion)")
+        if problems:
+            raise ValueError("KTO config: " + "; ".join(problems))
+
+
+def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
+    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label."""
+    bad = [i for i, r in enumerate(rows) if not isinstance(r.get("label"), bool)]
+    if bad:
+        raise ValueError(f"row {bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
+                         f"(desirable) or false (undesirable) ({len(bad)} such row(s))")
+    out = []
+    for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length))):
+        n_prompt = t["completion_mask"].index(1) if any(t["completion_mask"]) else len(t["input_ids"])
+        if n_prompt == len(t["input_ids"]):
+            raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the completion is "
+                             "left (raise max_length or filter long prompts)")
+        out.append({"prompt_ids": t["input_ids"][:n_prompt], "completion_ids": t["input_ids"][n_prompt:],
+                    "label": r["label"]})
+    return out
+
+
+def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight: float) -> None:
+    """Error with one class only; warn when the weights miss the KTO paper's range for this class balance."""
+    n_d = sum(labels)
+    n_u = len(labels) - n_d
+    if n_d == 0 or n_u == 0:
+        raise ValueError(f"the KTO data has only {'undesirable' if n_d == 0 else 'desirable'} rows ({len(labels)}): "
+                         "KTO needs both label true and label false rows; add the other class, or use SFT for "
+                         "desirable-only data")
+    ratio = desirable_weight * n_d / (undesirable_weight * n_u)
+    if not 1 <= ratio <= 4 / 3:
+        warnings.warn(
+            f"kto: {n_d} desirable and {n_u} undesirable rows with desirable_weight = {desirable_weight}, "
+            f"undesirable_weight = {undesirable_weight}: desirable_weight·n_desirable / (undesirable_weight·"
+            f"n_undesirable) = {ratio:.3g}, outside [1, 4/3] (the KTO paper's recommendation); e.g. "
+            f"desirable_weight = 1.0 with undesirable_weight in [{0.75 * n_d / n_u:.3g}, {n_d / n_u:.3g}], or "
+            f"undesirable_weight = 1.0 with desirable_weight in [{n_u / n_d:.3g}, {4 / 3 * n_u / n_d:.3g}]",
+            UserWarning, stacklevel=3)
+
+
+@dataclass
+class KTOCollator:
+    """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
+    (prompt i + completion i+1 mod B) for the KL estimate; right-padded; `desirable`: (B,) bool."""
+
+    pad_token_id: int
+    max_length: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        n = len(features)
+        matched = [(f["prompt_ids"], f["completion_ids"]) for f in features]
+        shifted = [(f["prompt_ids"], features[(i + 1) % n]["completion_ids"]) for i, f in enumerate(features)]
+        batch = {"desirable": torch.tensor([f["label"] for f in features])}
+        for prefix, pairs in (("", matched), (KL_PREFIX, shifted)):
+            ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
+            mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
+            batch.update({f"{prefix}input_ids": pad(ids, padding_value=self.pad_token_id),
+                          f"{prefix}attention_mask": pad([torch.ones_like(i) for i in ids]),
+                          f"{prefix}completion_mask": pad(mask)})
+        return batch
+
+
+def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "completion_mask")}
+
+
+class KTOTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
+
+    def __init__(self, model, ref_model=None, *, args: KTOConfig, processing_class, train_dataset,
+                 eval_dataset=None, **kwargs):
+        import datasets
+
+        def prepare(rows):
+            if rows is None:
+                return None
+            rows = list(rows)
+            if rows and "prompt_ids" not in rows[0]:
+                rows = tokenize_unpaired(processing_class, rows, args.max_length)
+            return datasets.Dataset.from_list(rows)
+
+        train = prepare(train_dataset)
+        check_labels(train["label"], args.desirable_weight, args.undesirable_weight)
+        args.remove_unused_columns = False
+        kwargs.setdefault("data_collator", KTOCollator(processing_class.pad_token_id, args.max_length))
+        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=train,
+                         eval_dataset=prepare(eval_dataset), **kwargs)
+        self.ref_model = frozen_reference(self.model, ref_model)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chunked = self.args.use_chunked_logprobs
+        matched, mismatched = _part(inputs, ""), _part(inputs, KL_PREFIX)
+        logps = sequence_logps(model, matched, chunked=chunked)
+        with torch.no_grad():
+            kl_logps = sequence_logps(model, mismatched, chunked=chunked)
+            with reference_model(model, self.ref_model) as ref:
+                ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
+                ref_kl_logps = reference_sequence_logps(ref, mismatched, chunked=chunked)
+            kl = self.accelerator.gather(kl_logps - ref_kl_logps).mean()  # one reference point for all devices
+        desirable = inputs["desirable"]
+        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
+                          desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)
+        self._record("train" if model.training else "eval", logps.detach(), ref_logps, kl, desirable)
+        loss = losses.mean()
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    def _record(self, mode: str, logps, ref_logps, kl, desirable) -> None:
+        gather = self.accelerator.gather_for_metrics
+        logps, rewards, desirable = gather(logps), gather(self.args.beta * (logps - ref_logps)), gather(desirable)
+        m = self._metrics[mode]
+        m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
+        for name, select in (("chosen", desirable), ("rejected", ~desirable)):
+            if select.any():  # a batch may hold one class only
+                m[f"rewards/{name}"].append(rewards[select].mean().item())
+                m[f"logps/{name}"].append(logps[select].mean().item())
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return loss_only_prediction_step(self, model, inputs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        flush_metrics(self._metrics[mode], logs, "eval_" if mode == "eval" else "")
+        super().log(logs, start_time)

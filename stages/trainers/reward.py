@@ -1,0 +1,366 @@
+"""Reward models: `RewardConfig` + `RewardTrainer` (a `transformers.Trainer`), evaluation and scoring.
+
+A reward model is a sequence classifier with one output (`AutoModelForSequenceClassification`,
+num_labels=1): the body of a causal LM and a linear `score` head read at the last real token
+of prompt + completion. `load_reward_model` turns a causal LM folder (e.g. the SFT model)
+into one (a new `score` head) or loads a trained reward model.
+
+Rows are prompt/chosen/rejected (strings or chat messages; optional `margin` column), rendered
+with the chat template through `stages.data.tokenize.tokenize_sft`. Chosen and rejected go
+through the model in one concatenated forward of 2B right-padded rows (chosen first) and
+`stages.losses.reward_loss` (Bradley–Terry, optional margin and centering) is the loss.
+
+Where the reward is read: at each row's last attended token (from the attention mask).
+HF's own pooling takes the rightmost token != `config.pad_token_id`: the same position when
+the tokenizer has a dedicated pad token, but one token early when pad == EOS (the real EOS
+ending the completion counts as padding there). `sequence_rewards` therefore reads the
+head's per-position output at the mask's last 1, whatever the pad token; it still sets
+`config.pad_token_id`, which HF needs for batches of more than one row.
+
+LoRA: `stages.trainers.adapters.apply_lora(model, lora, task_type="SEQ_CLS")` trains the
+adapters and the whole `score` head (PEFT adds it to modules_to_save for SEQ_CLS).
+
+    trainer = RewardTrainer(load_reward_model(sft_path), args=RewardConfig(output_dir=...),
+                            processing_class=tokenizer, train_dataset=pairs)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from stages.data.formats import is_conversational
+from stages.data.templates import maybe_extract_prompt
+from stages.data.tokenize import tokenize_sft
+from stages.losses import reward_loss
+from stages.trainers.logprobs import unwrap
+from stages.utils import pad
+
+HEAD_NAMES = ("score", "classifier")
+
+
+@dataclass
+class RewardConfig(TrainingArguments):
+    max_length: int = field(default=1024, metadata={"help": "truncate prompt + completion to this many tokens"})
+    center_rewards_coefficient: float | None = field(
+        default=None, metadata={"help": "weight of mean((r_c + r_r)^2): pulls rewards to zero mean (0.01 is typical)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.max_length <= 0:
+            problems.append(f"max_length = {self.max_length}: must be > 0 (tokens of prompt + completion)")
+        c = self.center_rewards_coefficient
+        if c is not None and not (math.isfinite(c) and c >= 0):
+            problems.append(f"center_rewards_coefficient = {c}: must be >= 0 or None (0.01 is typical)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------ model
+
+def load_reward_model(path: str, tokenizer=None, *, dtype: str = "float32", device: str = "cpu",
+                      trust_remote_code: bool = False, quantization_config=None, require_head: bool = False):
+    """A one-output sequence classifier from a causal LM folder, a reward model folder or a PEFT adapter folder.
+
+    A causal LM gets a new, randomly initialised `score` head (HF reports it as newly
+    initialised); a reward model keeps its head, which must have exactly one output.
+    `require_head`: fail unless the folder already is a sequence classifier (for scoring,
+    where a random head would be meaningless). `config.pad_token_id` is set from
+    `tokenizer` (loaded from `path` when not given).
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from stages.models import load_tokenizer
+
+    kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code, "num_labels": 1}
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, trust_remote_code=trust_remote_code)
+    adapter = Path(path) / "adapter_config.json"
+    if adapter.exists() and json.loads(adapter.read_text()).get("task_type") != "SEQ_CLS":
+        model = _classifier_from_causal_adapter(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    elif adapter.exists():  # LoRA reward model: base + adapter + saved score head
+        from peft import AutoPeftModelForSequenceClassification
+
+        model = AutoPeftModelForSequenceClassification.from_pretrained(path, **kwargs).merge_and_unload()
+        model.requires_grad_(True)
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
+        if heads and config.num_labels != 1:
+            raise ValueError(f"{path}: its classification head ({heads[0]}) has {config.num_labels} outputs; a reward "
+                             "model has exactly one (a scalar reward). Start from the causal LM it was made from, or "
+                             "from a reward model trained with num_labels = 1")
+        if require_head and not heads:
+            raise ValueError(f"{path} is not a reward model (architectures: {config.architectures}; no "
+                             "*ForSequenceClassification head); train one with RewardTrainer and point at its folder")
+        if quantization_config is not None:
+            return _with_pad(AutoModelForSequenceClassification.from_pretrained(
+                path, quantization_config=quantization_config, device_map={"": 0}, **kwargs), tokenizer)
+        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    return _with_pad(model.to(device), tokenizer)
+
+
+def _classifier_from_causal_adapter(path: str, *, dtype: str, trust_remote_code: bool):
+    """A causal-LM LoRA folder (e.g. a LoRA SFT model): its merged trunk under a fresh one-output head."""
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.models import load_causal_lm
+
+    lm = load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)  # base + adapter, merged
+    config = copy.deepcopy(lm.config)
+    config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, dtype),
+                                                           trust_remote_code=trust_remote_code)
+    trunk = getattr(lm, lm.base_model_prefix)
+    getattr(model, model.base_model_prefix).load_state_dict(trunk.state_dict())
+    return model
+
+
+def _with_pad(model, tokenizer):
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has no pad token; set "
+                         "tokenizer.pad_token (EOS is the usual stand-in; stages.models.load_tokenizer does that)")
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def score_head(model) -> nn.Module:
+    """The classifier head (`score`, or `classifier`) of a sequence classifier, through DDP/PEFT wrappers."""
+    inner = unwrap(model)
+    for name in HEAD_NAMES:
+        head = getattr(inner, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ValueError(f"{type(inner).__name__} has no {' or '.join(HEAD_NAMES)} head: a reward model is a "
+                     "*ForSequenceClassification model; load it with stages.trainers.reward.load_reward_model")
+
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """One reward per row, read at the row's last attended token: input_ids, attention_mask (N, T) -> (N,).
+
+    The head's per-position output (N, T, 1) is caught with a forward hook, so the model's
+    own forward runs as usual (DDP/FSDP hooks fire, PEFT's trainable head copy is used) and
+    the position comes from the mask, not from pad ids (see the module docstring). Works
+    for left or right padding.
+    """
+    captured = []
+    handle = score_head(model).register_forward_hook(lambda _module, _args, out: captured.append(out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        handle.remove()
+    scores = captured[-1]
+    if scores.shape[-1] != 1:
+        raise ValueError(f"the reward head has {scores.shape[-1]} outputs; a reward model has exactly one "
+                         "(load it with load_reward_model, which sets num_labels = 1)")
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask.bool()).argmax(-1)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device), 0]
+
+
+# ------------------------------------------------------------------------------------- data
+
+def _pair_row(row: dict) -> dict:
+    row = maybe_extract_prompt(row)
+    if "prompt" not in row:  # nothing shared: the whole text is the completion
+        row = {**row, "prompt": "" if isinstance(row["chosen"], str) else []}
+    return row
+
+
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
+    """prompt/chosen/rejected[/margin] rows -> chosen_input_ids, rejected_input_ids[, margin] per row."""
+    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+    if identical:
+        raise ValueError(f"preference row {identical[0]} has identical chosen and rejected ({len(identical)} such "
+                         f"row(s): {identical[:10]}); they carry no preference: drop them before training")
+    with_margin = [i for i, r in enumerate(rows) if "margin" in r]
+    if with_margin and len(with_margin) != len(rows):
+        missing = next(i for i, r in enumerate(rows) if "margin" not in r)
+        raise ValueError(f"preference row {missing} has no margin but row {with_margin[0]} has one: give every row "
+                         "a margin or none")
+    rows = [_pair_row(r) for r in rows]
+    out: list[dict] = [{} for _ in rows]
+    for side in ("chosen", "rejected"):
+        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side]} for r in rows],
+                            max_length=max_length)
+        for i, t in enumerate(toks):
+            if not any(t["completion_mask"]):
+                raise ValueError(f"preference row {i}: the prompt fills max_length = {max_length}; nothing of the "
+                                 f"{side} completion is left (raise max_length or filter long prompts)")
+            out[i][f"{side}_input_ids"] = t["input_ids"]
+    for i, (r, o) in enumerate(zip(rows, out)):
+        if o["chosen_input_ids"] == o["rejected_input_ids"]:
+            raise ValueError(f"preference row {i}: chosen and rejected are identical after truncation to max_length "
+                             f"= {max_length} (they differ only later); raise max_length or drop the row")
+        if with_margin:
+            m = r["margin"]
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+                raise ValueError(f"preference row {i}: margin = {m!r}: must be a finite number")
+            o["margin"] = float(m)
+    return out
+
+
+@dataclass
+class RewardCollator:
+    """Features -> one batch of 2B right-padded rows (chosen first, then rejected) [+ margin (B,)]."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [torch.tensor(f[f"{s}_input_ids"]) for s in ("chosen", "rejected") for f in features]
+        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id),
+                 "attention_mask": pad([torch.ones_like(i) for i in ids])}
+        if "margin" in features[0]:
+            batch["margin"] = torch.tensor([f["margin"] for f in features], dtype=torch.float32)
+        return batch
+
+
+# ---------------------------------------------------------------------------------- trainer
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# how per-process values and a logging interval's per-step values are combined (default: mean)
+_REDUCE = {"reward_min": min, "reward_max": max}
+
+
+class RewardTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
+
+    def __init__(self, model, *, args: RewardConfig, processing_class, train_dataset, eval_dataset=None, **kwargs):
+        import datasets
+
+        def prepare(rows):
+            if rows is None:
+                return None
+            rows = list(rows)
+            if rows and "chosen_input_ids" not in rows[0]:
+                rows = tokenize_pairs(processing_class, rows, args.max_length)
+            return datasets.Dataset.from_list(rows)
+
+        score_head(model)  # fail early on a model without a reward head
+        config = unwrap(model).config
+        if config.pad_token_id is None:
+            _with_pad(unwrap(model), processing_class)
+        args.remove_unused_columns = False
+        kwargs.setdefault("data_collator", RewardCollator(processing_class.pad_token_id))
+        super().__init__(model=model, args=args, processing_class=processing_class,
+                         train_dataset=prepare(train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
+        chosen, rejected = rewards.chunk(2)
+        loss, metrics = reward_loss(chosen, rejected, margin=inputs.get("margin"),
+                                    center_rewards_coefficient=self.args.center_rewards_coefficient)
+        mode = "train" if model.training else "eval"
+        for key, value in metrics.items():
+            gathered = self.accelerator.gather_for_metrics(value.reshape(1)).tolist()
+            self._metrics[mode][key].append(_REDUCE.get(key, _mean)(gathered))
+        return (loss, {"rewards": rewards.detach()}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Eval: the loss, and the (B, 2) chosen/rejected rewards as predictions (there are no labels)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, out = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return loss.detach(), torch.stack(out["rewards"].chunk(2), dim=1), None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        for key, values in self._metrics[mode].items():
+            logs[f"{prefix}{key}"] = _REDUCE.get(key, _mean)(values)
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
+
+
+# ------------------------------------------------------------------------ scoring and evaluation
+
+def _as_completion(prompt, completion):
+    """A plain-string completion after a chat prompt becomes one assistant message."""
+    if is_conversational(prompt) and isinstance(completion, str):
+        return [{"role": "assistant", "content": completion}]
+    return completion
+
+
+@torch.no_grad()
+def score_texts(model, tokenizer, prompts: list, completions: list, *, batch_size: int = 64,
+                max_length: int = 1024) -> list[float]:
+    """The reward of each prompt + completion (strings or chat messages), rendered as in training.
+
+    Runs in eval mode without gradients (the previous train/eval mode is restored), in
+    batches of `batch_size` right-padded rows on the model's device. Returns len(prompts) floats.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions: one completion per prompt")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size = {batch_size}: must be > 0")
+    rows = [{"prompt": p, "completion": _as_completion(p, c)} for p, c in zip(prompts, completions)]
+    toks = tokenize_sft(tokenizer, rows, max_length=max_length)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[float] = []
+    try:
+        for start in range(0, len(toks), batch_size):
+            ids = [torch.tensor(t["input_ids"]) for t in toks[start:start + batch_size]]
+            input_ids = pad(ids, padding_value=tokenizer.pad_token_id).to(device)
+            mask = pad([torch.ones_like(i) for i in ids]).to(device)
+            out.extend(sequence_rewards(model, input_ids, mask).float().tolist())
+    finally:
+        model.train(was_training)
+    return out
+
+
+def evaluate_reward_model(model, tokenizer, pairs: list[dict], *, batch_size: int = 64, max_length: int = 1024,
+                          bins: int = 10) -> dict:
+    """Held-out pair accuracy, mean margin and a reliability table of a reward model.
+
+    With d = r_c - r_r per pair, the model's P(chosen preferred) = σ(d). In held-out pairs
+    the chosen side is always the preferred one, so binning σ(d) against "was the chosen
+    preferred" would compare every bin with 1.0. The table instead bins the model's
+    confidence in the side it prefers, c = max(σ(d), 1 - σ(d)) = σ(|d|) ∈ [0.5, 1], into
+    `bins` equal-width bins of [0.5, 1] and sets each bin's mean confidence against its
+    accuracy (share of pairs with d > 0) — the standard reliability diagram, with ties
+    (d = 0, c = 0.5) counted as wrong. ECE = Σ_bins (count / n) · |accuracy - mean confidence|.
+
+    Returns {"pairs", "accuracy", "mean_margin", "ece", "calibration": [{"lower", "upper",
+    "count", "mean_confidence", "accuracy"} per bin; the last two None for empty bins]}.
+    """
+    if not pairs:
+        raise ValueError("evaluate_reward_model: no pairs to evaluate")
+    if bins <= 0:
+        raise ValueError(f"bins = {bins}: must be > 0")
+    rows = [_pair_row(r) for r in pairs]
+    prompts = [r["prompt"] for r in rows]
+    kw = {"batch_size": batch_size, "max_length": max_length}
+    chosen = torch.tensor(score_texts(model, tokenizer, prompts, [r["chosen"] for r in rows], **kw),
+                          dtype=torch.float64)
+    rejected = torch.tensor(score_texts(model, tokenizer, prompts, [r["rejected"] for r in rows], **kw),
+                            dtype=torch.float64)
+    diff = chosen - rejected
+    confidence, correct = torch.sigmoid(diff.abs()), (diff > 0).double()
+    which = ((confidence - 0.5) * 2 * bins).floor().long().clamp(0, bins - 1)
+    table, ece, n = [], 0.0, len(rows)
+    for b in range(bins):
+        sel = which == b
+        count = int(sel.sum())
+        conf = confidence[sel].mean().item() if count else None
+        acc = correct[sel].mean().item() if count else None
+        if count:
+            ece += count / n * abs(acc - conf)
+        table.append({"lower": 0.5 + 0.5 * b / bins, "upper": 0.5 + 0.5 * (b + 1) / bins, "count": count,
+                      "mean_confidence": conf, "accuracy": acc})
+    return {"pairs": n, "accuracy": correct.mean().item(), "mean_margin": diff.mean().item(), "ece": ece,
+            "calibration": table}

@@ -1,0 +1,196 @@
+"""DPO extensions: precomputed reference log-probs, objective combinations, pair/task weights, balanced batches."""
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from stages.builtin import arithmetic, tiny
+from stages.config import ArithmeticConfig
+from stages.data.formats import normalise
+from stages.losses import dpo_loss
+from stages.trainers import dpo
+from stages.trainers.dpo import (REF_COLUMNS, DPOConfig, DPOTrainer, completion_token_counts, compute_reference_logps,
+                                 reference_logps_table, sequence_logps)
+from stages.trainers.sampling import BalancedBatchSampler
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
+                      intermediate_size=64, vocab_size=384, seed=0)
+    cfg = ArithmeticConfig(num_train=10, num_preference=64, num_eval=10)
+    rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
+    return path, AutoTokenizer.from_pretrained(path), rows
+
+
+NOISE = 0.3  # big enough that policy and reference log-probs differ by several nats
+
+
+def _load(path, noise=0.0):
+    """The tiny model; with noise, perturbed so that policy and reference differ (losses away from log 2)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, per_device_eval_batch_size=16,
+                learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                disable_tqdm=True, seed=0)
+    return DPOConfig(**{**base, **kw})
+
+
+def _batch_loss(trainer, rows_slice=slice(0, 8)):
+    batch = trainer.data_collator(trainer.train_dataset.select(range(rows_slice.start, rows_slice.stop)).to_list())
+    with torch.no_grad():
+        return trainer.compute_loss(trainer.model, batch).item(), batch
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_precomputed_reference_matches_live(setup, tmp_path, loss_type):
+    path, tok, rows = setup
+    ref = _load(path)
+    live = DPOTrainer(_load(path, NOISE), ref, args=_args(tmp_path, loss_type=loss_type), processing_class=tok,
+                      train_dataset=rows)
+    pre = DPOTrainer(_load(path, NOISE), ref, args=_args(tmp_path, loss_type=loss_type, precompute_ref_log_probs=True),
+                     processing_class=tok, train_dataset=rows)
+    assert pre.ref_model is None and set(REF_COLUMNS) <= set(pre.train_dataset.column_names)
+    loss_live, batch = _batch_loss(live)
+    loss_pre, _ = _batch_loss(pre)
+    assert abs(loss_live - (0.6931 if loss_type == "sigmoid" else 25.0)) > 0.01  # not the step-0 value: a real test
+    assert loss_pre == pytest.approx(loss_live, abs=1e-5)
+    # Summed columns, computed once, serve IPO too (it divides by the batch's own token counts).
+    with_ref = compute_reference_logps(ref, tok, rows, max_length=1024, batch_size=5)
+    assert [{k: v for k, v in r.items() if k not in REF_COLUMNS} for r in with_ref] == rows
+    given = DPOTrainer(_load(path, NOISE), args=_args(tmp_path, loss_type=loss_type), processing_class=tok,
+                       train_dataset=with_ref)
+    assert given.ref_model is None  # the columns make a reference model unnecessary
+    assert _batch_loss(given)[0] == pytest.approx(loss_live, abs=1e-5)
+    sums = torch.tensor([[r[c] for c in REF_COLUMNS] for r in with_ref])
+    avg = reference_logps_table(ref, tok, rows[:8], max_length=1024, average=True)
+    counts = torch.stack(completion_token_counts(batch).chunk(2), dim=1)
+    assert torch.allclose(avg * counts, sums[:8], atol=1e-4)
+
+
+def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
+    path, tok, rows = setup
+    before = dpo.REFERENCE_FORWARDS
+    trainer = DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
+                         train_dataset=rows, eval_dataset=rows[:16])
+    assert dpo.REFERENCE_FORWARDS - before == 5  # (64 train + 16 eval rows) / eval batch 16: one precompute pass
+    start = dpo.REFERENCE_FORWARDS
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
+    trainer.train()
+    assert trainer.evaluate()["eval_loss"] < 0.6931
+    assert dpo.REFERENCE_FORWARDS == start and trainer.ref_model is None
+    live = DPOTrainer(_load(path), args=_args(tmp_path), processing_class=tok, train_dataset=rows)
+    live.train()
+    assert dpo.REFERENCE_FORWARDS - start == 3  # the counter does see live reference passes
+
+
+def test_combination_is_the_weighted_sum_of_its_parts(setup, tmp_path):
+    path, tok, rows = setup
+    ref = _load(path)
+
+    def loss(**kw):
+        t = DPOTrainer(_load(path, NOISE), ref, args=_args(tmp_path, **kw), processing_class=tok, train_dataset=rows)
+        return _batch_loss(t)
+
+    both, batch = loss(loss_type=["sigmoid", "sft"], loss_weights=[0.5, 2.0])
+    sigmoid, _ = loss(loss_type="sigmoid")
+    sft, _ = loss(loss_type="sft")
+    assert both == pytest.approx(0.5 * sigmoid + 2.0 * sft, rel=1e-5)
+    # "sft" is the chosen completion's NLL, mean per token of each pair, averaged over pairs.
+    with torch.no_grad():
+        chosen = sequence_logps(_load(path, NOISE), batch).chunk(2)[0]
+    n_chosen = completion_token_counts(batch).chunk(2)[0]
+    assert sft == pytest.approx((-chosen / n_chosen).mean().item(), rel=1e-5)
+
+
+def test_weight_column_and_task_weights_scale_each_pair(setup, tmp_path):
+    path, tok, rows = setup
+    ref = _load(path)
+    weights = [float(i % 4) for i in range(len(rows))]
+    tasks = ["add" if i % 2 else "other" for i in range(len(rows))]
+    weighted = [{**r, "weight": w, "task": t} for r, w, t in zip(rows, weights, tasks)]
+    trainer = DPOTrainer(_load(path, NOISE), ref, args=_args(tmp_path, task_weights={"add": 3.0}),
+                         processing_class=tok, train_dataset=weighted)
+    loss, batch = _batch_loss(trainer)
+    with torch.no_grad():
+        chosen, rejected = sequence_logps(_load(path, NOISE), batch).chunk(2)
+        ref_c, ref_r = sequence_logps(ref, batch).chunk(2)
+    per_pair, _, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.1)
+    scale = torch.tensor([w * (3.0 if t == "add" else 1.0) for w, t in zip(weights[:8], tasks[:8])])
+    assert loss == pytest.approx((scale * per_pair).mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"task_weights names task\(s\) \['ad'\] that no row has"):
+        DPOTrainer(_load(path), ref, args=_args(tmp_path, task_weights={"ad": 2.0}), processing_class=tok,
+                   train_dataset=weighted)
+    with pytest.raises(ValueError, match=r"row 0: weight = -1.0: must be a finite number >= 0"):
+        DPOTrainer(_load(path), ref, args=_args(tmp_path), processing_class=tok,
+                   train_dataset=[{**rows[0], "weight": -1.0}])
+
+
+def test_balanced_batch_sampler():
+    groups = ["a"] * 90 + ["b"] * 7 + ["c"] * 3
+    sampler = BalancedBatchSampler(groups, 6, seed=0)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 16
+    for batch in batches:
+        assert Counter(groups[i] for i in batch) == {"a": 2, "b": 2, "c": 2}
+    assert {i for b in batches for i in b} >= set(range(90, 100))  # every small-group row is drawn
+    assert list(sampler) != batches  # a new shuffle each pass
+    odd = list(BalancedBatchSampler(groups, 4, seed=0))
+    assert all(sorted(Counter(groups[i] for i in b).values()) == [1, 1, 2] for b in odd)
+
+
+def test_trainer_draws_balanced_batches(setup, tmp_path):
+    path, tok, rows = setup
+    tasks = ["x"] * 56 + ["y"] * 8
+    data = [{**r, "task": t} for r, t in zip(rows, tasks)]
+    trainer = DPOTrainer(_load(path), args=_args(tmp_path, balance_column="task"), processing_class=tok,
+                         train_dataset=data)
+    order = list(trainer._get_train_sampler())
+    assert len(order) == 64
+    for start in range(0, 64, 8):
+        assert Counter(tasks[i] for i in order[start:start + 8]) == {"x": 4, "y": 4}
+    assert len(next(iter(trainer.get_train_dataloader()))["input_ids"]) == 16  # 8 pairs
+    # Chat-message prompts can be a balance column too (grouped by their JSON form): rows 0-3 appear twice,
+    # yet a batch of 8 takes 8 different prompts.
+    data = rows[:4] * 2 + rows[4:16]
+    by_prompt = DPOTrainer(_load(path), args=_args(tmp_path, balance_column="prompt"), processing_class=tok,
+                           train_dataset=data)
+    for start in range(0, 16, 8):
+        batch = list(by_prompt._get_train_sampler())[start:start + 8]
+        assert len({str(data[i]["prompt"]) for i in batch}) == 8
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"loss_type\[1\] = 'nope': supported: sigmoid") as e:
+        _args(tmp_path, loss_type=["sigmoid", "nope"], loss_weights=[1.0], beta=-1.0)
+    assert "loss_weights = [1.0]: 1 weight(s) for 2" in str(e.value) and "beta = -1.0" in str(e.value)
+    with pytest.raises(ValueError, match=r"loss_type = 'no_such_module:f': cannot import"):
+        _args(tmp_path, loss_type="no_such_module:f")
+    with pytest.raises(ValueError, match="precompute_ref_log_probs = True with reference_free = True"):
+        _args(tmp_path, precompute_ref_log_probs=True, reference_free=True)
+
+
+def test_precompute_with_lora_uses_the_adapter_disabled_base(setup, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    path, tok, rows = setup
+    model = get_peft_model(_load(path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   init_lora_weights=False))  # a non-zero adapter
+    trainer = DPOTrainer(model, args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
+                         train_dataset=rows[:8])
+    assert trainer.ref_model is None
+    got = torch.tensor([trainer.train_dataset[c] for c in REF_COLUMNS]).T
+    assert torch.allclose(got, reference_logps_table(_load(path), tok, rows[:8], max_length=1024), atol=1e-4)
+    assert not torch.allclose(got, reference_logps_table(model, tok, rows[:8], max_length=1024), atol=1e-2)
