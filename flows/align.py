@@ -1,9 +1,11 @@
 """The `align` flow: the pipeline as a DAG of cached, versioned stages.
 
-    preprocess -> sft -> reward -> score -> reference -> policy -> evaluate
+    preprocess -> sft -> reward -> score -> reference -> policy -> merge -> evaluate [-> promote]
 
 (reward: the reward model with its quality gate; score: SFT samples scored into pairs;
-reference: the reference log-probs of the DPO pairs, cached apart from the policy's params.)
+reference: the reference log-probs of the DPO pairs, cached apart from the policy's params;
+merge: the policy's adapter merged into a full model; promote, with `promote=True` as in the
+nightly deployment: the merged model replaces models/production only if it is better.)
 
 Each task finishes "Cached" when its stage's output folder is current (same params, code
 and inputs, files intact), so rerunning the flow only executes what changed downstream of
@@ -18,8 +20,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.dvc_sync import record_in_dvc_lock
+from flows.promote import promote as promote_task
 from stages.config import load_params
 from tasks.evaluate import evaluate
+from tasks.merge import merge
 from tasks.policy import policy
 from tasks.preprocess import preprocess
 from tasks.reference import reference
@@ -29,8 +33,10 @@ from tasks.sft import sft
 
 
 @flow(name="align")
-def align(params_file: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...])."""
+def align(params_file: str = "params.yaml", overrides: list[str] | None = None, promote: bool = False
+          ) -> dict[str, Any]:
+    """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
+    promotion gate (stages/promotion.py)."""
     params = load_params(params_file, overrides or [])  # every params problem, before any compute
 
     runs = {}
@@ -44,9 +50,13 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None) 
     runs["score"] = score(params, after("preprocess", "sft", "reward"), return_state=True)
     runs["reference"] = reference(params, after("preprocess", "sft", "score"), return_state=True)
     runs["policy"] = policy(params, after("preprocess", "sft", "reward", "score", "reference"), return_state=True)
-    runs["evaluate"] = evaluate(params, after("preprocess", "sft", "policy"), return_state=True)
+    runs["merge"] = merge(params, after("preprocess", "sft", "policy"), return_state=True)
+    runs["evaluate"] = evaluate(params, after("preprocess", "sft", "reward", "score", "policy", "merge"),
+                                return_state=True)
 
     summary = summarise(runs)
+    if promote:
+        summary["promotion"] = promote_task(params, after("evaluate"))
     if not overrides and any(s["status"] == "executed" for s in summary["stages"]):
         record_in_dvc_lock(params_file, params.run.output_dir)
     create_table_artifact(key="align-run", table=summary["stages"], description="stages of this run")

@@ -1,7 +1,8 @@
 """Deployments of the `align` flow, served by one long-running process (`align serve`).
 
     align/full      on demand: `prefect deployment run align/full [-p overrides='["sft.learning_rate=1e-3"]']`
-    align/nightly   on the cron schedule and timezone of params.yaml `run.schedule`
+    align/nightly   on the cron schedule and timezone of params.yaml `run.schedule`, with the promotion
+                    gate: the new merged model replaces models/production only if it is better
 
 Both run the flow in this process's working directory against its params.yaml. Only the
 stages whose params, code or inputs changed are executed; an unchanged nightly run is all
@@ -25,7 +26,7 @@ def build_deployments(params_file: str = "params.yaml") -> list:
     full = align.to_deployment(name="full", parameters={"params_file": path},
                                description="The whole pipeline, on demand.")
     nightly = align.to_deployment(
-        name="nightly", parameters={"params_file": path}, concurrency_limit=1,
+        name="nightly", parameters={"params_file": path, "promote": True}, concurrency_limit=1,
         schedule=Cron(params.run.schedule.cron, timezone=params.run.schedule.timezone),
         description="Retrains what changed since the last run, every night.")
     return [full, nightly]

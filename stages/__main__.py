@@ -9,7 +9,10 @@ output folder is current, otherwise builds it atomically with a manifest.
     python -m stages status          # which stages are current, and why not
     python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table
 
-Stages run as one process on one device (CPU or one GPU); multi-GPU launching is not wired yet.
+Training stages (sft, reward, policy) with `run.launch.num_processes` > 1 (or several machines)
+go through `accelerate launch` (see `stages.launch`); everything else runs in this process.
+
+    python -m stages sft --set run.launch.num_processes=8    # 8 GPUs (DDP; FSDP/DeepSpeed: run.launch.accelerate_config)
 """
 from __future__ import annotations
 
@@ -34,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from stages import launch
+
+    level = logging.INFO if launch.process_rank() == 0 else logging.WARNING  # ranks > 0 repeat rank 0's lines
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.stage == "dvc-yaml":
         from stages.dvcgen import render_dvc_yaml
 
@@ -53,16 +59,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['stage']:<12} {mark}")
         return 0
     try:
-        manifest = runner.run_stage(args.stage, params, force=args.force)
+        if launch.needs_launch(args.stage, params.run.launch):
+            manifest = launch.launch_stage(args.stage, params, on_line=lambda line: print(line, flush=True),
+                                           force=args.force)
+        else:
+            manifest = runner.run_stage(args.stage, params, force=args.force)
     except runner.UpstreamMissing as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except runner.QualityGateFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except runner.StageFailed as e:  # disk full, a NaN loss: nothing published, the previous output intact
+        print(f"error: {e}", file=sys.stderr)
+        return 5
+    except launch.LaunchFailed as e:  # a rank crashed or the deadline passed: every rank has ended
+        print(f"error: {e}", file=sys.stderr)
+        return 6
     except (ValueError, FileNotFoundError) as e:  # bad data, bad model path: the message says what to fix
         print(f"error: {args.stage}: {e}", file=sys.stderr)
         return 1
+    if launch.process_rank() > 0:  # rank 0 reports for the launched run
+        return 0
     print(json.dumps({"stage": args.stage, "executed": manifest["executed"],
                       "metrics": runner.flat_metrics(manifest.get("metrics", {}))}, indent=2))
     return 0

@@ -8,18 +8,25 @@ only if its manifest carries the expected fingerprint *and* its files still hash
 the manifest recorded, so a deleted, truncated or edited file is rebuilt, never reused.
 
 Outputs are written into a temporary sibling folder, the manifest last, then renamed into
-place: a stage that crashes leaves no folder that looks complete.
+place: a stage that crashes (or is killed, or runs out of disk) leaves no folder that looks
+complete, and the previous version stays in place until the new one is whole. `lock`
+serialises writers of one output folder across processes; `clean_leftovers` removes what a
+killed writer left behind (called under the lock).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 MANIFEST = "manifest.json"
 CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
@@ -118,6 +125,69 @@ def atomic_output(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def lock_path(final: Path) -> Path:
+    """The lock file of output folder `final`: a sibling (the folder itself is replaced on every build)."""
+    final = Path(final)
+    return final.parent / f".{final.name}.lock"
+
+
+@contextlib.contextmanager
+def lock(final: Path, *, on_wait: Callable[[str], None] | None = None, poll_s: float = 0.2) -> Iterator[None]:
+    """Hold an exclusive lock on output folder `final` (fcntl.flock on a sibling lock file).
+
+    Another process (or thread) building the same folder waits here; `on_wait` is called once
+    with the holder's description. The kernel releases the lock when its holder dies, even by
+    SIGKILL, so a crashed run never blocks the next one.
+    """
+    path = lock_path(final)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                on_wait(holder)
+            while True:  # blocking flock cannot be interrupted cleanly by Ctrl-C in every runtime; poll instead
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def clean_leftovers(final: Path, log: logging.Logger | None = None) -> None:
+    """Remove the temporary folders a killed writer of `final` left behind; call it holding `lock(final)`.
+
+    A writer killed between its two renames (previous version moved aside, new one not yet in
+    place) leaves `.old-<name>-*` and no `final`: that previous version is put back.
+    """
+    final = Path(final)
+    if not final.parent.is_dir():
+        return
+    for path in sorted(final.parent.glob(f".old-{final.name}-*")):
+        if not final.exists():
+            os.replace(path, final)
+            if log:
+                log.warning("%s: restored the previous version from %s (a run was killed mid-rename)", final, path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    for path in final.parent.glob(f".tmp-{final.name}-*"):
+        if log:
+            log.warning("%s: removing %s, the partial output of a run that was killed", final, path.name)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:

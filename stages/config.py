@@ -168,6 +168,9 @@ class SFTParams(TrainingParams):
     gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
     gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param("auto", help="auto: bf16 on GPUs that have it")
+    eval_steps: int = non_negative(0, "online evaluation: greedy exact match on eval_samples validation prompts "
+                                   "every N optimizer steps, logged as eval_exact_match (0: off)")
+    eval_samples: int = positive(32, "validation prompts of the online evaluation")
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
@@ -219,8 +222,8 @@ class RewardParams(TrainingParams):
     """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs."""
 
     learning_rate: float = positive(3e-4, "peak learning rate")
-    num_train_epochs: float = positive(7.0, "passes over the training pairs (the +-1 / +-10 wrong answers of the "
-                                       "built-in task need ~7 to pass the 0.9 gate)")
+    num_train_epochs: float = positive(10.0, "passes over the training pairs (the built-in task's wrong answers "
+                                       "that contradict a correct reasoning block need ~10 to pass the 0.9 gate)")
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
     center_rewards_coefficient: float | None = param(None, help="weight of mean((r_c + r_r)^2), keeps rewards "
                                                      "centred at 0 (null: off; 0.01 is typical)")
@@ -265,10 +268,24 @@ class ScoreParams:
         return problems
 
 
+def _override(help: str, *, integer: bool = False, default: Any = None) -> Any:
+    return param(default, help=f"{help} for this method (null: the policy section's)",
+                 check=(lambda v: v > 0 or v == -1) if integer else (lambda v: v > 0), rule="must be > 0 or null")
+
+
 @dataclass
-class DPOParams:
-    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
-                                        check=lambda v: v > 0, rule="must be > 0 or null")
+class MethodOverrides:
+    """Training settings a method may set for itself: GRPO wants more rows per step, PPO a smaller rate."""
+
+    learning_rate: float | None = _override("peak learning rate")
+    per_device_train_batch_size: int | None = _override("rows per device per micro-batch (GRPO: completions)",
+                                                        integer=True)
+    max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True)
+    num_train_epochs: float | None = _override("passes over the training rows")
+
+
+@dataclass
+class DPOParams(MethodOverrides):
     beta: float = positive(0.1, "KL strength to the reference (the SFT model)")
     loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
                                        "module:function objective, or a list of them combined with loss_weights")
@@ -294,9 +311,7 @@ class DPOParams:
 
 
 @dataclass
-class KTOParams:
-    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
-                                        check=lambda v: v > 0, rule="must be > 0 or null")
+class KTOParams(MethodOverrides):
     beta: float = positive(0.1, "KL strength to the reference")
     desirable_weight: float = positive(1.0, "loss weight of desirable rows")
     undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
@@ -304,9 +319,7 @@ class KTOParams:
 
 
 @dataclass
-class OnlineDPOParams:
-    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
-                                        check=lambda v: v > 0, rule="must be > 0 or null")
+class OnlineDPOParams(MethodOverrides):
     beta: float = positive(0.1, "KL strength to the reference")
     loss_type: str = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES)")
     generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the two completions")
@@ -320,10 +333,12 @@ class OnlineDPOParams:
 
 
 @dataclass
-class GRPOParams:
-    learning_rate: float | None = param(None, help="this method's learning rate (null: policy.learning_rate)",
-                                        check=lambda v: v > 0, rule="must be > 0 or null")
-    num_generations: int = param(8, help="completions per prompt (the group)", check=lambda v: v >= 2,
+class GRPOParams(MethodOverrides):
+    learning_rate: float | None = _override("peak learning rate", default=1.5e-4)
+    per_device_train_batch_size: int | None = _override("completions per micro-batch (num_generations per prompt)",
+                                                        integer=True, default=128)
+    max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True, default=150)
+    num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
                                  rule="must be >= 2 (advantages compare completions within a group)")
     beta: float = non_negative(0.0, "KL strength to the reference (0: no reference model)")
     epsilon: float = positive(0.2, "lower clip of the importance ratio")
@@ -332,7 +347,8 @@ class GRPOParams:
     scale_rewards: Literal["group", "batch", "none"] = param("group", help="divide advantages by this std")
     num_iterations: int = positive(1, "updates per generation (importance ratio to the sampling policy)")
     mask_truncated_completions: bool = param(False, help="no loss on completions cut at max_new_tokens")
-    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the groups")
+    generation: GenerationParams = param(default_factory=lambda: GenerationParams(max_new_tokens=32),
+                                          help="sampling of the groups")
     reward_functions: list[str] = param(default_factory=lambda: ["exact_match"],
                                         help="built-ins or module:function dotted paths")
     reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
@@ -347,9 +363,8 @@ class GRPOParams:
 
 
 @dataclass
-class PPOParams:
-    learning_rate: float | None = param(3e-05, help="this method's learning rate (null: policy.learning_rate)",
-                                        check=lambda v: v > 0, rule="must be > 0 or null")
+class PPOParams(MethodOverrides):
+    learning_rate: float | None = _override("peak learning rate (3e-4 collapses the reward here)", default=3e-5)
     num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")
     num_mini_batches: int = positive(1, "minibatches per PPO epoch")
     kl_coef: float = non_negative(0.05, "per-token KL penalty to the reference")
@@ -393,6 +408,9 @@ class PolicyParams(TrainingParams):
     ppo: PPOParams = param(default_factory=PPOParams, help="policy.method: ppo")
 
 
+EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "length")
+
+
 @dataclass
 class EvaluateParams:
     max_new_tokens: int = positive(32, "generation budget per prompt")
@@ -402,16 +420,81 @@ class EvaluateParams:
     answer_regex: str | None = param(r"(-?\d+)\s*$", help="regex whose first group is the answer in both completion "
                                      "and reference (null: compare whole stripped texts)")
     baseline: bool = param(True, help="also evaluate the untrained base model as a baseline row")
+    decoding: Literal["greedy", "beam", "sample"] = param("greedy", help="greedy | beam (num_beams) | sample "
+                                                         "(temperature, top_p, top_k, seeded by run.seed)")
+    num_beams: int = positive(4, "beams of decoding: beam")
+    temperature: float = positive(1.0, "decoding: sample temperature")
+    top_p: float = param(1.0, help="decoding: sample nucleus mass", check=lambda v: 0 < v <= 1,
+                         rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "decoding: sample from the k most likely tokens only (0: off)")
+    metrics: list[str] = param(default_factory=lambda: list(EVAL_METRICS), help="columns of the table: "
+                               + ", ".join(EVAL_METRICS) + " (accuracy, bleu and rouge need reference completions)")
+    plots: bool = param(True, help="write PNG plots and DVC plot data under plots/")
 
     def validate(self) -> list[tuple[str, str]]:
         import re
 
+        problems = []
+        unknown = [m for m in self.metrics if m not in EVAL_METRICS]
+        if unknown:
+            problems.append(("metrics", f"= {self.metrics}: unknown {unknown}; known: {', '.join(EVAL_METRICS)}"))
         if self.answer_regex is None:
-            return []
+            return problems
         try:
             re.compile(self.answer_regex)
         except re.error as e:
-            return [("answer_regex", f"= {self.answer_regex!r}: not a valid regular expression ({e})")]
+            problems.append(("answer_regex", f"= {self.answer_regex!r}: not a valid regular expression ({e})"))
+        return problems
+
+
+MERGE_COMBINATIONS = ("linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "sequential")
+
+
+@dataclass
+class MergeParams:
+    """Merge the policy's adapter (and any extra adapters) into a full model (`stages.merge`)."""
+
+    adapters: list[str] = param(default_factory=list, help="extra LoRA adapter folders to combine with the policy's "
+                                "adapter (trained on the same base: the SFT model)")
+    weights: list[float] | None = param(None, help="one weight per adapter, the policy's first (null: all 1.0)")
+    combination: Literal["linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "sequential"] = param(
+        "cat", help="how several adapters are combined (PEFT add_weighted_adapter types; cat is exact) or "
+        "sequential (merged one after the other)")
+    density: float = param(0.5, help="ties/dare_*: share of each update kept", check=lambda v: 0 < v <= 1,
+                           rule="must be in (0, 1]")
+    svd_rank: int | None = param(None, help="svd: rank of the combined adapter (null: the largest rank)",
+                                 check=lambda v: v > 0, rule="must be > 0 or null")
+    prune_fraction: float = fraction(0.0, "drop this share of each adapter update before merging (0: off)")
+    prune_method: Literal["magnitude", "rank"] = param("magnitude", help="magnitude: smallest |entries| of each "
+                                                       "ΔW = B·A; rank: keep the top singular directions")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = param(None, help="saved dtype (null: model.dtype); "
+                                                                    "the merge itself runs in float32")
+    probe_size: int = positive(8, "eval prompts (+ references) in the probe batch of the logits check")
+    tolerance: float = positive(1e-3, "largest allowed |merged - adapter model| logit on the probe batch")
+
+
+@dataclass
+class HubParams:
+    model_id: str | None = param(None, help="push the promoted model to this Hugging Face Hub repo (needs HF_TOKEN "
+                                 "in the environment; null: no push)")
+    private: bool = param(True, help="create the hub repo as private")
+
+
+@dataclass
+class PromoteParams:
+    """The promotion gate after evaluate (`stages.promotion`; on in the nightly deployment)."""
+
+    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
+    min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
+    candidate: str = param("merged", help="row of the evaluate table that is promoted (its model folder is copied)")
+    models_dir: str = param("models", help="holds production (the promoted model), production.json, "
+                            "history.jsonl and releases/")
+    hub: HubParams = param(default_factory=HubParams, help="optional push of the promoted model")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.metric not in EVAL_METRICS or self.metric == "length":
+            return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')} "
+                     "(higher is better)")]
         return []
 
 
@@ -434,11 +517,46 @@ class ScheduleConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How training stages (sft, reward, policy) run: in-process (1 process), or `accelerate launch` (see stages.launch)."""
+
+    num_processes: int = positive(1, "processes over all machines (one per GPU); 1: in-process, no launcher")
+    num_machines: int = positive(1, "machines taking part; each runs the same command with its machine_rank")
+    machine_rank: int = non_negative(0, "this machine's rank; 0 is the main machine")
+    main_process_ip: str | None = param(None, help="address of machine_rank 0 (needed when num_machines > 1)")
+    main_process_port: int = param(29500, help="rendezvous port on the main machine",
+                                   check=lambda v: 1024 <= v <= 65535, rule="must be in [1024, 65535]")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto", help="auto: each stage's own mixed_precision decides; otherwise passed to accelerate launch")
+    accelerate_config: str = param("configs/accelerate/ddp.yaml", help="accelerate config file (DDP, FSDP, "
+                                   "DeepSpeed ZeRO-2/3 under configs/accelerate/); relative to the working "
+                                   "directory or the repository")
+    timeout_s: int = non_negative(0, "deadline of a launched stage in seconds; the whole process group is "
+                                  "killed past it (0: none)")
+    connect_timeout_s: int = positive(300, "how long a machine_rank > 0 waits for the main process to answer")
+    work_pool: str | None = param(None, help="Prefect work pool the flow sends training stages to (deploy "
+                                  "flows/stage_pool.py there first); null: the flow's own machine")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.num_processes % self.num_machines:
+            problems.append(("num_processes", f"= {self.num_processes}: must be a multiple of num_machines "
+                             f"({self.num_machines}); it counts processes over all machines"))
+        if self.machine_rank >= self.num_machines:
+            problems.append(("machine_rank", f"= {self.machine_rank}: must be < num_machines ({self.num_machines})"))
+        if self.num_machines > 1 and not self.main_process_ip:
+            problems.append(("main_process_ip", "is not set: with num_machines > 1 every machine needs the address "
+                             "of machine_rank 0, e.g. 10.0.0.1"))
+        return problems
+
+
+@dataclass
 class RunConfig:
     seed: int = param(0, help="global seed for training and sampling")
     output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
     schedule: ScheduleConfig = param(default_factory=ScheduleConfig, help="nightly deployment schedule")
+    launch: LaunchConfig = param(default_factory=LaunchConfig, help="processes and machines of training stages")
 
 
 @dataclass
@@ -451,7 +569,9 @@ class Params:
     reward: RewardParams = field(default_factory=RewardParams)
     score: ScoreParams = field(default_factory=ScoreParams)
     policy: PolicyParams = field(default_factory=PolicyParams)
+    merge: MergeParams = field(default_factory=MergeParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    promote: PromoteParams = field(default_factory=PromoteParams)
 
     def validate(self) -> list[tuple[str, str]]:
         """Rules across sections."""
@@ -459,6 +579,12 @@ class Params:
         if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
+        m = self.merge
+        adapters = len(m.adapters) + (self.policy.lora.enabled if self.policy.method != "none" else self.sft.lora.enabled)
+        if m.weights is not None and len(m.weights) != adapters:
+            problems.append(("merge.weights", f"= {m.weights}: {len(m.weights)} weight(s) for {adapters} adapter(s) "
+                             f"(the {'policy' if self.policy.method != 'none' else 'sft'} stage's adapter if it "
+                             "trains one, then merge.adapters); give one per adapter or null for all 1.0"))
         return problems
 
     def to_dict(self) -> dict[str, Any]:

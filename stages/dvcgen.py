@@ -23,7 +23,19 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
             "outs": [f"{output_dir}/{spec.name}"],
             "metrics": [{f"{output_dir}/metrics/{spec.name}.json": {"cache": False}}],
         }
-    return {"stages": out}
+    return {"stages": out, "plots": dvc_plots(output_dir)}
+
+
+def dvc_plots(output_dir: str = OUTPUT_DIR) -> list:
+    """`dvc plots show` of stage evaluate's plot data (see stages/metrics/report.py) and its PNGs."""
+    plots = f"{output_dir}/evaluate/plots"
+    return [
+        {"training_loss": {"x": "step", "y": {f"{plots}/loss_{s}.json": "loss" for s in ("sft", "reward", "policy")},
+                           "title": "Training loss per stage"}},
+        {f"{plots}/accuracy.json": {"x": "model", "y": "accuracy", "template": "bar_horizontal",
+                                    "title": "Held-out accuracy per stage"}},
+        *(f"{plots}/{name}.png" for name in ("loss_curves", "reward_distribution", "accuracy")),
+    ]
 
 
 def render_dvc_yaml(output_dir: str = OUTPUT_DIR) -> str:

@@ -7,6 +7,7 @@ by the hash of its config and code) and reused by every stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from stages import artifacts
@@ -49,22 +50,55 @@ def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
     final = output_dir / "builtin" / f"tiny-{key}"
     if artifacts.verify(final)[0]:
         return final
-    with artifacts.atomic_output(final) as tmp:
-        tiny.build(tmp, **spec)
-        artifacts.write_manifest(tmp, {"builtin": "tiny", "config": spec})
+    with artifacts.lock(final):  # concurrent runs sharing run.output_dir build it once
+        if not artifacts.verify(final)[0]:
+            artifacts.clean_leftovers(final)
+            with artifacts.atomic_output(final) as tmp:
+                tiny.build(tmp, **spec)
+                artifacts.write_manifest(tmp, {"builtin": "tiny", "config": spec})
     return final
 
 
 def pick_device(device: str) -> str:
+    import os
+
     import torch
 
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("run.device = 'cuda' but no CUDA device is visible; use auto or cpu")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:  # a launched rank (stages.launch): "cuda" is its own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return device
 
 
+def explained(what: str):
+    """Decorator: transformers' loading errors become ValueErrors naming the folder, the param and the fix."""
+    def wrap(load):
+        @functools.wraps(load)
+        def loader(path, *args, **kwargs):
+            try:
+                return load(path, *args, **kwargs)
+            except OSError as e:  # no weights, an unreadable config, a hub id without network
+                raise ValueError(f"{path}: cannot load the {what}: {e}") from e
+            except ValueError as e:
+                msg = str(e)
+                if "trust_remote_code" in msg:
+                    raise ValueError(f"{path}: the model ships its own Python code, which runs only with "
+                                     "model.trust_remote_code: true; set it only for a model whose code you have "
+                                     "read and trust") from e
+                if "Unrecognized configuration class" in msg:
+                    kind = msg.split("<class '")[-1].split("'>")[0].rsplit(".", 1)[-1] if "<class '" in msg else "this"
+                    raise ValueError(f"{path}: a {kind} model is not a causal language model (AutoModelForCausalLM "
+                                     "has no class for it); model.name_or_path needs a decoder LM such as Llama, "
+                                     "Qwen or GPT-2") from e
+                raise
+        return loader
+    return wrap
+
+
+@explained("tokenizer")
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -74,6 +108,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
+@explained("model")
 def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
                    quantization_config=None):
     """A causal LM from a model folder, hub id or PEFT adapter folder (loaded onto its base)."""
@@ -81,12 +116,20 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tr
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
-    if (Path(path) / "adapter_config.json").exists():  # a PEFT adapter: load its base, merge the adapter in
-        from peft import AutoPeftModelForCausalLM
+    adapter = Path(path) / "adapter_config.json"
+    if adapter.exists():  # a PEFT adapter: load its base (itself maybe an adapter: recursion), merge the adapter in
+        import json
 
-        merged = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs).merge_and_unload()
+        from peft import PeftModel
+
+        base_path = json.loads(adapter.read_text())["base_model_name_or_path"]
+        base = load_causal_lm(base_path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+        # the merged model *is* `path`: an adapter trained on it (e.g. LoRA DPO on a LoRA SFT model) names
+        # `path` as its base, so loading that adapter later rebuilds the whole chain
+        merged.config._name_or_path = merged.name_or_path = str(path)
         return merged.requires_grad_(True).to(device)  # PEFT loads for inference, frozen; training continues here
     if quantization_config is not None:  # bitsandbytes places the quantised weights itself
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
-                                                    device_map={"": 0}, **kwargs)
+                                                    device_map={"": torch.cuda.current_device()}, **kwargs)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)

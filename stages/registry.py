@@ -27,7 +27,7 @@ class StageSpec:
 MODEL_CODE = ("stages/models.py", "stages/builtin")
 DATA_CODE = ("stages/data",)
 TRAINING_CODE = ("stages/pipeline/training.py", "stages/trainers", "stages/losses.py", "stages/kernels.py",
-                 "stages/utils.py")
+                 "stages/utils.py", "stages/rewards.py")
 GENERATION_CODE = ("stages/generation", "stages/rewards.py", "stages/trainers/reward.py")
 MODEL_LOADING = ("model.dtype", "model.trust_remote_code")
 
@@ -81,11 +81,19 @@ STAGES: dict[str, StageSpec] = {
                   "stages/rewards.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
+            name="merge",
+            entry="stages.pipeline.merge:run",
+            upstream=("preprocess", "sft", "policy"),
+            params=("model", "merge", "run.seed"),
+            code=("stages/pipeline/merge.py", "stages/merge.py", *DATA_CODE, *MODEL_CODE),
+        ),
+        StageSpec(
             name="evaluate",
             entry="stages.pipeline.evaluate:run",
-            upstream=("preprocess", "sft", "policy"),
+            upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
             params=("model", "evaluate", "run.seed"),
-            code=("stages/pipeline/evaluate.py", "stages/utils.py", *DATA_CODE, *MODEL_CODE),
+            code=("stages/pipeline/evaluate.py", "stages/metrics", "stages/merge.py", "stages/utils.py",
+                  *GENERATION_CODE, *DATA_CODE, *MODEL_CODE),
         ),
     ]
 }

@@ -4,6 +4,15 @@
 `stages.artifacts`); if not, it calls the stage's entry point with a `StageContext`
 pointing at a temporary folder, then seals it with a manifest and renames it into place.
 Every entry point goes through here: `python -m stages <stage>`, the Prefect tasks, `dvc repro`.
+
+Reliability contract:
+- one writer per output folder: a lock file beside it (`stages.artifacts.lock`); a second run
+  with identical params waits, then finds the output current and reuses it;
+- an upstream output counts only if it was built with *these* params (so two runs with other
+  params sharing one `run.output_dir` fail loudly instead of mixing their artifacts; give
+  concurrent runs with different params their own `run.output_dir`);
+- a crash, SIGKILL or full disk never leaves an output that looks complete; what a killed run
+  left is cleaned up by the next, and training stages resume from `ctx.work` checkpoints.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import logging
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from stages import artifacts
+from stages import artifacts, launch
 from stages.config import Params
 from stages.registry import STAGES, StageSpec, get_stage
 
@@ -34,6 +44,10 @@ class UpstreamMissing(RuntimeError):
 
 class QualityGateFailed(RuntimeError):
     """A stage's output is not good enough to build on (e.g. a reward model below reward.min_accuracy)."""
+
+
+class StageFailed(RuntimeError):
+    """The stage stopped for a reason its message explains (disk full, a NaN loss); nothing was published."""
 
 
 @dataclass
@@ -68,7 +82,7 @@ def metrics_path(params: Params, name: str) -> Path:
 def inspect(name: str, params: Params) -> StageState:
     """Compute the stage's fingerprint from its params, code and upstream outputs; is its folder current?"""
     spec = get_stage(name)
-    upstream = {}
+    upstream, memo = {}, {}
     for up in spec.upstream:
         folder = output_dir(params, up)
         ok, why = artifacts.verify(folder)
@@ -76,30 +90,84 @@ def inspect(name: str, params: Params) -> StageState:
             raise UpstreamMissing(f"stage {name!r} needs the output of {up!r} at {folder}, which is not usable "
                                   f"({why}); run `python -m stages {up}` (or the whole flow) first")
         upstream[up] = artifacts.read_manifest(folder)
-    fp = artifacts.fingerprint(
-        name,
-        params.select(spec.params),
-        artifacts.code_hash(spec.code),
-        {up: m["outputs"]["hash"] for up, m in upstream.items()},
-    )
+        built_for = _expected_fingerprint(up, params, memo)
+        if upstream[up].get("fingerprint") != built_for:
+            raise UpstreamMissing(f"stage {name!r} needs the output of {up!r} at {folder}, but it was built with "
+                                  f"other params, code or inputs than this run's (another run sharing "
+                                  f"run.output_dir = {params.run.output_dir}?); run `python -m stages {up}` first, "
+                                  "and give concurrent runs with different params their own run.output_dir")
+    fp = _fingerprint(name, params, {up: m["outputs"]["hash"] for up, m in upstream.items()})
     folder = output_dir(params, name)
     current, reason = artifacts.verify(folder, fp)
     return StageState(name, fp, folder, current, reason, upstream)
 
 
+def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str]) -> str:
+    spec = get_stage(name)
+    return artifacts.fingerprint(name, params.select(spec.params), artifacts.code_hash(spec.code), upstream_hashes)
+
+
+def _expected_fingerprint(name: str, params: Params, memo: dict[str, str | None] | None = None) -> str | None:
+    """The fingerprint stage `name`'s output would carry if built with `params` from the upstream outputs on
+    disk (read from their manifests, files not re-hashed: `inspect` verifies the direct upstreams)."""
+    memo = {} if memo is None else memo
+    if name not in memo:
+        hashes: dict[str, str] | None = {}
+        for up in get_stage(name).upstream:
+            m = artifacts.read_manifest(output_dir(params, up))
+            if m is None or _expected_fingerprint(up, params, memo) != m.get("fingerprint"):
+                hashes = None
+                break
+            hashes[up] = m["outputs"]["hash"]
+        memo[name] = None if hashes is None else _fingerprint(name, params, hashes)
+    return memo[name]
+
+
 def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, Any]:
-    """Bring stage `name` up to date; return its manifest with `"executed"` set to whether it ran."""
+    """Bring stage `name` up to date; return its manifest with `"executed"` set to whether it ran.
+
+    Holds the output folder's lock while building: a concurrent run of the same stage waits, and
+    finds the output current when it gets the lock (unless `force`).
+    """
     spec = get_stage(name)
     state = inspect(name, params)
     if state.current and not force:
         log.info("%s: up to date (fingerprint %s), nothing to do", name, state.fingerprint)
         return {**artifacts.read_manifest(state.folder), "executed": False}
+    if launch.process_rank() > 0:  # a launched rank other than the main one (stages.launch): writes nothing
+        return _follow(spec, params, state)
+    with artifacts.lock(state.folder, on_wait=lambda holder: log.info(
+            "%s: waiting for %s, locked by %s", name, artifacts.lock_path(state.folder), holder)):
+        artifacts.clean_leftovers(state.folder, log)
+        state = inspect(name, params)  # another run may have built it while we waited
+        if state.current and not force:
+            log.info("%s: built by a concurrent run (fingerprint %s), reusing it", name, state.fingerprint)
+            return {**artifacts.read_manifest(state.folder), "executed": False}
+        try:
+            return _build(spec, params, state)
+        except OSError as e:
+            if not artifacts.is_disk_full(e):
+                raise
+            raise StageFailed(f"{name}: no space left on device while writing {state.folder} ({e}); nothing "
+                              "was published and the previous output, if any, is intact; free space and rerun "
+                              "(checkpoints in run.output_dir/.work are kept)") from e
+        except FloatingPointError as e:  # stages.trainers.callbacks.NumericGuard: a NaN/Inf loss or gradient
+            raise StageFailed(f"{name}: {e}") from e
+        finally:  # a failed stage keeps its checkpoints for the rerun, but leaves no empty folders behind
+            work = work_dir(params, name, state.fingerprint)
+            for folder in (work, work.parent):
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+
+
+def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]:
+    name = spec.name
     if state.folder.exists() and state.reason != "missing":
         log.warning("%s: rebuilding %s: %s", name, state.folder, state.reason)
     log.info("%s: running (fingerprint %s)", name, state.fingerprint)
     fn = _entry(spec)
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
-    work = Path(params.run.output_dir) / ".work" / f"{name}-{state.fingerprint[:16]}"
+    work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
@@ -121,6 +189,24 @@ def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, An
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
     log.info("%s: done in %.1fs -> %s", name, manifest["wall_time_s"], state.folder)
     return {**manifest, "executed": True}
+
+
+def work_dir(params: Params, name: str, fingerprint: str) -> Path:
+    """Checkpoints of a build; shared by every rank of a launched stage, kept across crashed attempts."""
+    return Path(params.run.output_dir) / ".work" / f"{name}-{fingerprint[:16]}"
+
+
+def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]:
+    """A launched rank other than global rank 0: it takes part in the stage's collective work (training,
+    the gathers of a sharded save) with a throwaway output folder; rank 0 alone writes the output, the
+    manifest and the metrics. It takes no lock (rank 0 holds it while all ranks train)."""
+    work = work_dir(params, spec.name, state.fingerprint)
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{launch.process_rank()}-") as tmp:
+        ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
+                           log=logging.getLogger(f"stages.{spec.name}"), work=work)
+        metrics = _entry(spec)(ctx) or {}
+    return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 
 
 def status(params: Params) -> list[dict[str, Any]]:

@@ -5,6 +5,13 @@ check `python -m stages` and `dvc repro` go through. Prefect's own result cache 
 used: it would be a second cache that can drift from the files on disk (a Prefect cache
 hit restores no files). A stage found current returns a Completed state named "Cached",
 which is what the UI and `align run` show.
+
+Training stages with `run.launch.num_processes` > 1 (or several machines) run through
+`stages.launch`: `accelerate launch` as a subprocess in its own process group, each output
+line forwarded to the task's logger, `run.launch.timeout_s` enforced by killing every process
+(Prefect's `timeout_seconds` cannot interrupt a blocking thread), a failure raised so the
+task's retries apply. With `run.launch.work_pool` set they run as a flow run on that Prefect
+work pool instead (`flows.stage_pool`).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.states import Completed
 
+from stages import launch
 from stages.config import Params
 from stages.runner import flat_metrics, run_stage
 
@@ -36,7 +44,7 @@ def run_stage_task(name: str, params: Params):
     logger.setLevel(logging.INFO)
     propagate, logger.propagate = logger.propagate, False  # else Prefect's root handler prints each line twice
     try:
-        manifest = run_stage(name, params)
+        manifest = execute(name, params)
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
@@ -45,6 +53,18 @@ def run_stage_task(name: str, params: Params):
                          data=manifest)
     report(name, manifest)
     return manifest
+
+
+def execute(name: str, params: Params) -> dict[str, Any]:
+    """Run the stage here, through accelerate launch, or on the training work pool (its manifest either way)."""
+    if name in launch.TRAINING_STAGES and params.run.launch.work_pool:
+        from flows.stage_pool import run_on_pool
+
+        return run_on_pool(name, params)
+    if launch.needs_launch(name, params.run.launch):
+        log = get_run_logger()
+        return launch.launch_stage(name, params, on_line=lambda line: log.info("%s", line))
+    return run_stage(name, params)
 
 
 def report(name: str, manifest: dict[str, Any]) -> None:

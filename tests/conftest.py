@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 # Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
-STAGE_ORDER = ("preprocess", "sft", "reward", "score", "reference", "policy", "evaluate")
+STAGE_ORDER = ("preprocess", "sft", "reward", "score", "reference", "policy", "merge", "evaluate")
 
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
@@ -30,7 +30,8 @@ SMALL = {
     "reward": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "min_accuracy": 0.0},
     "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6}},
     "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "num_prompts": 16,
-               "grpo": {"num_generations": 2, "generation": {"max_new_tokens": 6}},
+               "grpo": {"num_generations": 2, "max_steps": 3, "per_device_train_batch_size": 4,
+                        "generation": {"max_new_tokens": 6}},
                "online_dpo": {"generation": {"max_new_tokens": 6}},
                "ppo": {"generation": {"max_new_tokens": 6}}},
     "evaluate": {"max_new_tokens": 4},

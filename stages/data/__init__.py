@@ -6,6 +6,8 @@ kept or rejected (with the first reasons, each naming the file and line).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,8 +47,10 @@ def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]
     """Canonical rows of a file, one at a time (constant memory for .jsonl); bad rows go to `report`.
 
     The file's format is that of its first parseable row; `report.format` is set as soon as it is known.
+    A row whose `id` another row with other content already used is a bad row.
     """
     fmt = None
+    ids: dict[Any, tuple[str, str]] = {}  # id -> (where first seen, content hash)
     for row in read_rows(path):
         report.read += 1
         if row.value is None:
@@ -62,12 +66,23 @@ def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]
             report.reject(row.where, f"row looks like format {row_fmt!r} but this file's first row is {fmt!r}; "
                                      f"one format per file")
             continue
-        why = validate(fmt, row.value)
+        why = validate(fmt, row.value) or _duplicate_id(ids, row.where, row.value)
         if why:
             report.reject(row.where, why)
             continue
         report.kept += 1
         yield normalise(fmt, row.value)
+
+
+def _duplicate_id(ids: dict, where: str, row: dict[str, Any]) -> str:
+    """'' unless the row's `id` was already used by a row with other content (exact duplicates are left to dedup)."""
+    if "id" not in row or not isinstance(row["id"], (str, int)):
+        return ""
+    digest = hashlib.sha1(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
+    first = ids.setdefault(row["id"], (where, digest))
+    if first[1] == digest:
+        return ""
+    return f"id {row['id']!r} is already used by {first[0]} with other content; ids must be unique"
 
 
 def check_report(report: LoadReport, on_bad_rows: str) -> None:

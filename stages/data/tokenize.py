@@ -78,3 +78,18 @@ def _assistant_tokens(tokenizer, row: dict[str, Any]) -> dict[str, list[int]]:
                          "{% generation %}...{% endgeneration %} around assistant content; use such a template or "
                          "set sft.assistant_only_loss: false")
     return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one vocabulary token stands for (an upper bound for byte-level and SentencePiece
+    vocabularies, whose token strings hold at least one character per character or byte they decode to)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def content_chars(value: Any) -> int:
+    """Characters of the text in a prompt/completion value (a string or chat messages), template excluded."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(content_chars(m.get("content", "")) if isinstance(m, dict) else content_chars(m) for m in value)
+    return 0

@@ -1,23 +1,42 @@
-"""Stage `evaluate`: greedy generation on the held-out prompts, exact match of the extracted answer.
+"""Stage `evaluate`: every model of the pipeline on the held-out prompts, one comparison table.
 
-Evaluates the policy model (the end of the pipeline), the SFT model it started from and
-(with `evaluate.baseline`) the untrained base model, so the table always shows what each
-stage bought. Writes `metrics.json` (one row per model) and
-`predictions.jsonl` (every prompt, completion, extracted answer and verdict).
+Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: none) and
+merged (stage `merge`'s model, the one that is served and promoted; it should equal the
+policy row within noise). Completions come from `stages.generation` with greedy, beam or
+sampled decoding (`evaluate.decoding`, seeded by run.seed). Columns (`evaluate.metrics`):
 
-    python -m stages evaluate [--set evaluate.max_samples=100]
+    accuracy   exact match of the extracted answer (`evaluate.answer_regex`) with the reference's
+    bleu       corpus BLEU (0-100) of the completion text (reasoning + answer) vs the reference
+    rouge      ROUGE-1/2/L F-measures, same texts
+    reward     mean score of stage `reward`'s model (skipped when no reward model was trained)
+    win_rate   share of prompts where the reward model prefers the row's completion to the SFT
+               model's (ties count 1/2; the sft row is 0.5 by definition)
+    format     share of completions with a closed, non-empty reasoning block and an answer
+    length     mean completion tokens (EOS included)
+
+BLEU and ROUGE go through the `evaluate` library with metric modules shipped in
+`stages/metrics/` (the hub's scripts cannot be downloaded). Writes `metrics.json` (the table:
+one row per model), `predictions.jsonl`, `plots/` (loss curves of each training stage,
+reward distributions, accuracy per stage: PNG + DVC plot data) and `report.md`.
+
+    python -m stages evaluate [--set evaluate.decoding=beam] [--set evaluate.max_samples=100]
 """
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from stages import generation
-from stages.data import read_jsonl, write_jsonl
+from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
 from stages.utils import answer_after_reasoning
+
+REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
+THINK = ("<think>", "</think>")
 
 
 def run(ctx) -> dict[str, Any]:
@@ -26,39 +45,97 @@ def run(ctx) -> dict[str, Any]:
     rows = read_jsonl(ctx.inputs["preprocess"] / "eval.jsonl")
     if e.max_samples > 0:
         rows = rows[: e.max_samples]
-    pattern = re.compile(e.answer_regex) if e.answer_regex else None
-    models = {"sft": str(ctx.inputs["sft"] / "model")}
-    if (ctx.inputs["policy"] / "model").is_dir():  # absent with policy.method: none
-        models["policy"] = str(ctx.inputs["policy"] / "model")
-    if e.baseline:
-        models = {"base": resolve_model(p.model, p.run.output_dir), **models}
+    check_references(rows, e.metrics, ctx.inputs["preprocess"] / "eval.jsonl")  # before any model is loaded
+    reward_path = ctx.inputs["reward"] / "model"
+    reward_path = str(reward_path) if reward_path.is_dir() and {"reward", "win_rate"} & set(e.metrics) else None
+    sampling = sampling_params(e, p.run.seed)
 
-    table, predictions = [], []
-    for label, path in models.items():
-        tokenizer = load_tokenizer(path, trust_remote_code=p.model.trust_remote_code)
-        model = load_causal_lm(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code)
-        completions, lengths = generate(model, tokenizer, [r["prompt"] for r in rows], batch_size=e.batch_size,
-                                        max_new_tokens=e.max_new_tokens, seed=p.run.seed)
-        correct = 0
-        for row, completion in zip(rows, completions):
-            reference = reference_text(row["completion"])
-            answer, expected = extract(completion, pattern), extract(reference, pattern)
-            ok = answer is not None and answer == expected
-            correct += ok
-            predictions.append({"model": label, "prompt": row["prompt"], "reference": reference,
-                                "completion": completion, "answer": answer, "expected": expected, "correct": ok})
-        table.append({"model": label, "accuracy": round(correct / max(len(rows), 1), 4), "n": len(rows),
-                      "mean_completion_tokens": round(sum(lengths) / max(len(lengths), 1), 2)})
-        ctx.log.info("evaluate: %s accuracy %.3f on %d prompts", label, table[-1]["accuracy"], len(rows))
+    outputs = {}
+    for label, (path, base) in candidates(ctx).items():
+        model, tokenizer = load_model(path, base, dtype=p.model.dtype, device=device,
+                                      trust_remote_code=p.model.trust_remote_code)
+        outputs[label] = generate_outputs(model, tokenizer, rows, sampling, batch_size=e.batch_size)
         del model
+
+    rewards = score_rewards(rows, outputs, reward_path, device) if reward_path else {}
+    table, predictions = [], []
+    pattern = re.compile(e.answer_regex) if e.answer_regex else None
+    for label, out in outputs.items():
+        row, preds = row_metrics(rows, out, e.metrics, pattern, rewards.get(label), rewards.get("sft"))
+        table.append({"model": label, **row})
+        predictions += [{"model": label, **pr} for pr in preds]
+        ctx.log.info("evaluate: %s %s", label, ", ".join(f"{k}={v}" for k, v in row.items() if v is not None))
 
     write_jsonl(ctx.out / "predictions.jsonl", predictions)
     (ctx.out / "metrics.json").write_text(json.dumps(table, indent=2))
+    notes = report_notes(e, reward_path, outputs)
+    plots = {}
+    if e.plots:
+        from stages.metrics import report
+
+        plots = report.write_plots(ctx.out / "plots", table, loss_histories=loss_histories(ctx),
+                                   rewards={"score (SFT samples)": score_values(ctx), **rewards})
+    from stages.metrics.report import markdown_report
+
+    (ctx.out / "report.md").write_text(markdown_report(table, plots, notes=notes))
     by_model = {r["model"]: r for r in table}
-    final = by_model.get("policy", by_model["sft"])
-    return {"accuracy": final["accuracy"], "sft_accuracy": by_model["sft"]["accuracy"],
-            "baseline_accuracy": by_model["base"]["accuracy"] if "base" in by_model else None,
-            "n": len(rows), "table": table}
+    final = by_model.get("merged", by_model.get("policy", by_model["sft"]))
+    return {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
+            "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
+            "n": len(rows), "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table},
+            "table": table}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def candidates(ctx) -> dict[str, tuple[str, str | None]]:
+    """label -> (model folder, the base an adapter folder goes on; None: load as is)."""
+    p = ctx.params
+    sft = str(ctx.inputs["sft"] / "model")
+    models: dict[str, tuple[str, str | None]] = {}
+    if p.evaluate.baseline:
+        models["base"] = (resolve_model(p.model, p.run.output_dir), None)
+    models["sft"] = (sft, None)
+    if (ctx.inputs["policy"] / "model").is_dir():  # absent with policy.method: none
+        models["policy"] = (str(ctx.inputs["policy"] / "model"), sft)
+    models["merged"] = (str(ctx.inputs["merge"] / "model"), None)
+    return models
+
+
+def load_model(path: str, base: str | None, *, dtype: str, device: str, trust_remote_code: bool = False):
+    """(model, tokenizer). An adapter with a known `base` is loaded on it, unmerged (the adapter model the
+    merged row is compared with); other adapters and full models through `load_causal_lm`."""
+    from stages import merge
+
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if base is not None and merge.is_adapter(path):
+        return merge.load_adapter_model(base, path, dtype=dtype, device=device,
+                                        trust_remote_code=trust_remote_code), tokenizer
+    return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code), tokenizer
+
+
+def sampling_params(e, seed: int) -> SamplingParams:
+    if e.decoding == "beam":
+        return SamplingParams(max_new_tokens=e.max_new_tokens, num_beams=e.num_beams, seed=seed)
+    if e.decoding == "sample":
+        return SamplingParams(max_new_tokens=e.max_new_tokens, do_sample=True, temperature=e.temperature,
+                              top_p=e.top_p, top_k=e.top_k, seed=seed)
+    return SamplingParams(max_new_tokens=e.max_new_tokens, seed=seed)
+
+
+@dataclass
+class Outputs:
+    """One model's completions of the eval prompts (answer part), their reasoning blocks and token lengths."""
+
+    completions: list[str]
+    reasoning: list[str | None]
+    lengths: list[int]
+
+
+def generate_outputs(model, tokenizer, rows: list[dict], sampling: SamplingParams, *, batch_size: int) -> Outputs:
+    gens = generation.generate(model, tokenizer, [r["prompt"] for r in rows], sampling, batch_size=batch_size)
+    return Outputs(gens.completions, gens.reasoning, [len(ids) for ids in gens.completion_ids])
 
 
 def generate(model, tokenizer, prompts: list, *, batch_size: int, max_new_tokens: int, seed: int
@@ -67,6 +144,88 @@ def generate(model, tokenizer, prompts: list, *, batch_size: int, max_new_tokens
     gens = generation.generate(model, tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens, seed=seed),
                                batch_size=batch_size)
     return gens.completions, [len(ids) for ids in gens.completion_ids]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def check_references(rows: list[dict], metrics: list[str], path: Path) -> None:
+    """Reference metrics need a reference completion in every row: a clear error before any model loads."""
+    wanted = [m for m in metrics if m in REFERENCE_METRICS]
+    missing = [i for i, r in enumerate(rows) if not r.get("completion")]
+    if wanted and missing:
+        raise DataError(f"evaluate.metrics includes {wanted}, which need reference completions, but {len(missing)} "
+                        f"of {len(rows)} eval rows in {path} have none (first: row {missing[0]}); set "
+                        f"data.eval_source to prompts with references, or drop {wanted} from evaluate.metrics")
+    if not rows:
+        raise DataError(f"{path}: no evaluation rows; check data.eval_source / preprocess.eval_fraction")
+
+
+def score_rewards(rows: list[dict], outputs: dict[str, Outputs], reward_path: str, device: str
+                  ) -> dict[str, list[float]]:
+    """The reward model's score of every completion, per model label."""
+    from stages.rewards import load_reward_function
+
+    fn = load_reward_function("reward_model", reward_model_path=reward_path, device=device, key="evaluate.metrics")
+    prompts = [r["prompt"] for r in rows]
+    return {label: [float(v) for v in fn(prompts, out.completions, reasoning=out.reasoning)]
+            for label, out in outputs.items()}
+
+
+def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.Pattern | None,
+                rewards: list[float] | None, sft_rewards: list[float] | None
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(one table row, per-prompt predictions) of one model's outputs."""
+    n = len(rows)
+    references = [reference_text(r["completion"]) if r.get("completion") else None for r in rows]
+    texts = [full_text(c, r) for c, r in zip(out.completions, out.reasoning)]
+    preds, correct = [], []
+    for i, row in enumerate(rows):
+        pred = {"prompt": row["prompt"], "reference": references[i], "completion": texts[i],
+                "length": out.lengths[i]}
+        if "accuracy" in metrics:
+            answer, expected = extract(out.completions[i], pattern), extract(references[i], pattern)
+            ok = answer is not None and answer == expected
+            correct.append(ok)
+            pred.update(answer=answer, expected=expected, correct=ok)
+        if rewards is not None:
+            pred["reward"] = rewards[i]
+        preds.append(pred)
+    row: dict[str, Any] = {"n": n}
+    if "accuracy" in metrics:
+        row["accuracy"] = round(sum(correct) / n, 4)
+    if "bleu" in metrics or "rouge" in metrics:
+        from stages.metrics import load_metric
+
+        plain_refs = [plain(r) for r in references]
+        if "bleu" in metrics:
+            row["bleu"] = round(load_metric("bleu").compute(predictions=[plain(t) for t in texts],
+                                                            references=plain_refs)["bleu"], 3)
+        if "rouge" in metrics:
+            scores = load_metric("rouge").compute(predictions=[plain(t) for t in texts], references=plain_refs,
+                                                  rouge_types=["rouge1", "rouge2", "rougeL"])
+            row.update({k: round(v, 4) for k, v in scores.items()})
+    if "reward" in metrics:
+        row["reward"] = round(sum(rewards) / n, 4) if rewards is not None else None
+    if "win_rate" in metrics:
+        row["win_rate"] = (round(sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(rewards, sft_rewards))
+                                 / n, 4) if rewards is not None and sft_rewards is not None else None)
+    if "format" in metrics:
+        from stages.rewards import reasoning_format
+
+        row["format"] = round(sum(reasoning_format([], out.completions, reasoning=out.reasoning)) / n, 4)
+    if "length" in metrics:
+        row["mean_completion_tokens"] = round(sum(out.lengths) / n, 2)
+    return row, preds
+
+
+def full_text(answer: str, reasoning: str | None) -> str:
+    return answer if reasoning is None else f"{THINK[0]}{reasoning}{THINK[1]}{answer}"
+
+
+def plain(text: str) -> str:
+    """Reasoning tags dropped (they would be free n-gram matches for BLEU/ROUGE), the reasoning kept."""
+    return text.replace(THINK[0], "").replace(THINK[1], " ").strip()
 
 
 def reference_text(completion: Any) -> str:
@@ -80,10 +239,38 @@ def after_reasoning(text: str) -> str:
     return answer_after_reasoning(text)
 
 
-def extract(text: str, pattern: re.Pattern | None) -> str | None:
+def extract(text: str | None, pattern: re.Pattern | None) -> str | None:
     """The answer in `text`: the regex's first group (reasoning blocks already stripped), or the stripped text."""
+    if text is None:
+        return None
     text = after_reasoning(text)
     if pattern is None:
         return text.strip() or None
     m = pattern.search(text.strip())
     return m.group(1) if m else None
+
+
+# --------------------------------------------------------------------------- report inputs
+
+
+def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs]) -> list[str]:
+    notes = [f"{len(next(iter(outputs.values())).completions)} held-out prompts, decoding {e.decoding}"
+             + (f" ({e.num_beams} beams)" if e.decoding == "beam" else "") + f", max {e.max_new_tokens} new tokens"]
+    if {"reward", "win_rate"} & set(e.metrics) and reward_path is None:
+        notes.append("reward and win_rate skipped: stage reward trained no reward model (no preference data)")
+    return notes
+
+
+def loss_histories(ctx) -> dict[str, list[dict]]:
+    """log_history.json of every upstream training stage that wrote one."""
+    out = {}
+    for stage in ("sft", "reward", "policy"):
+        path = ctx.inputs.get(stage, Path("/nonexistent")) / "log_history.json"
+        if path.is_file():
+            out[stage] = json.loads(path.read_text())
+    return out
+
+
+def score_values(ctx) -> list[float]:
+    path = ctx.inputs["score"] / "scores.jsonl"
+    return [r["score"] for r in read_jsonl(path) if r.get("score") is not None] if path.is_file() else []

@@ -16,7 +16,7 @@ in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
@@ -37,8 +37,10 @@ def run(ctx) -> dict[str, Any]:
     rows, extra = setup.data(ctx)  # data and reward functions checked before any model is loaded
     model, trainable, total = training.load_trainable_model(start, p, pol, device=device)
     args = training.trainer_args(ctx, pol, device=device, section="policy")
-    own = getattr(pol, pol.method).learning_rate
-    args["learning_rate"] = own if own is not None else pol.learning_rate  # a method may need its own
+    method = getattr(pol, pol.method)
+    for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
+        if getattr(method, key) is not None:  # a method may need its own (policy.grpo.max_steps, ...)
+            args[key] = getattr(method, key)
     logger, callbacks = training.callbacks(ctx, pol.report_to)
     trainer = setup.trainer(ctx, model, tokenizer, args, rows, extra, callbacks)
     ctx.log.info("policy: %s on %d rows from %s, %d/%d trainable parameters", pol.method, len(rows), start,
@@ -164,9 +166,9 @@ def ppo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
                       callbacks=callbacks)
 
 
-class Method:
-    def __init__(self, data, trainer):
-        self.data, self.trainer = data, trainer
+class Method(NamedTuple):
+    data: Callable  # ctx -> (rows, reward functions or None); checks everything before a model is loaded
+    trainer: Callable  # (ctx, model, tokenizer, trainer args, rows, rewards, callbacks) -> Trainer
 
 
 METHODS = {

@@ -22,7 +22,7 @@ from typing import Any
 from stages.builtin import BUILTIN_DATA, arithmetic
 from stages.data import FORMATS, DataError, LoadReport, check_report, iter_source, load_source, write_jsonl
 from stages.data.formats import normalise, validate
-from stages.data.tokenize import tokenize_sft
+from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.models import load_tokenizer, resolve_model
 
 EVAL_FORMATS = ("prompt_completion", "messages", "alpaca")
@@ -46,6 +46,7 @@ def run(ctx) -> dict[str, Any]:
         if name == "sft":
             rows, n = filter_length(tokenizer, rows, p.preprocess.max_length)
             dropped.setdefault(name, {})["too_long"] = n
+            check_not_all_too_long(p.data.source, len(rows), n, p.preprocess.max_length)
         groups[name] = rows
     if eval_rows is None:  # carve a held-out eval split from the (deduplicated) SFT rows
         eval_rows, groups["sft"] = carve_eval(groups.get("sft", []), p.preprocess.eval_fraction, rng, p.data.source)
@@ -117,9 +118,27 @@ def dedup(rows: list[dict]) -> tuple[list[dict], int]:
 
 
 def filter_length(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], int]:
-    lengths = [len(t["input_ids"]) for t in tokenize_sft(tokenizer, rows)]
-    kept = [r for r, n in zip(rows, lengths) if n <= max_length]
+    ok = fits(tokenizer, rows, max_length)
+    kept = [r for r, keep in zip(rows, ok) if keep]
     return kept, len(rows) - len(kept)
+
+
+def fits(tokenizer, rows: list[dict], max_length: int) -> list[bool]:
+    """Whether each row's prompt + completion is at most max_length tokens. Rows with more characters
+    than max_length tokens can hold are not tokenised at all (tokenising a 10 MB row takes a minute)."""
+    bound = max_length * longest_token_chars(tokenizer)
+    short = [i for i, r in enumerate(rows)
+             if sum(content_chars(r.get(k)) for k in ("prompt", "completion", "text")) <= bound]
+    ok = [False] * len(rows)
+    for i, t in zip(short, tokenize_sft(tokenizer, [rows[i] for i in short]) if short else []):
+        ok[i] = len(t["input_ids"]) <= max_length
+    return ok
+
+
+def check_not_all_too_long(source: str, kept: int, too_long: int, max_length: int) -> None:
+    if too_long and not kept:
+        raise DataError(f"{source}: all {too_long} SFT row(s) are longer than preprocess.max_length = {max_length} "
+                        "tokens; raise preprocess.max_length or shorten the rows")
 
 
 def carve_eval(sft: list[dict], fraction: float, rng: random.Random, source: str) -> tuple[list[dict], list[dict]]:
@@ -162,9 +181,9 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
     def flush(buffer: list[tuple[bytes, dict]]) -> None:
         dest = FORMATS[report.format][2]
         rows = [r for _, r in buffer]
-        lengths = [len(t["input_ids"]) for t in tokenize_sft(tokenizer, rows)] if dest == "sft" else [0] * len(rows)
-        for (digest, row), n in zip(buffer, lengths):
-            if n > pre.max_length:
+        ok = fits(tokenizer, rows, pre.max_length) if dest == "sft" else [True] * len(rows)
+        for (digest, row), keep in zip(buffer, ok):
+            if not keep:
                 dropped.setdefault(dest, {}).setdefault("too_long", 0)
                 dropped[dest]["too_long"] += 1
                 continue
@@ -196,6 +215,9 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
     finally:
         for f in files.values():
             f.close()
+    kept_sft = counts.get("sft_train", 0) + counts.get("sft_validation", 0) + (0 if p.data.eval_source
+                                                                                else counts.get("eval", 0))
+    check_not_all_too_long(p.data.source, kept_sft, dropped.get("sft", {}).get("too_long", 0), pre.max_length)
     if not counts.get("eval"):
         raise DataError(f"{p.data.source}: the streamed split left no eval rows; set data.eval_source or raise "
                         "preprocess.eval_fraction")

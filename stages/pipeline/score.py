@@ -8,6 +8,9 @@ preference pairs (best vs worst, or all pairs apart by more than `score.min_marg
 filtered by minimum score, margin, length and duplicates; every filter's count is kept.
 With `score.source: dataset` nothing is generated: the rows of `score.dataset` (prompt +
 a list of `completions`) are scored and paired (DPO data from pre-computed generations).
+Sampling and scoring run in shards of `score.generation.batch_size` prompts; every finished
+shard is kept in the stage's work folder, so a rerun after a crash or kill resumes from the
+last finished shard instead of sampling everything again.
 
 Writes `pairs.jsonl` (prompt, chosen, rejected, chosen_score, rejected_score + the
 prompt's columns), `scores.jsonl` (every completion with its total and per-function
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -48,35 +52,41 @@ def run(ctx) -> dict[str, Any]:
     # every reward function imported and checked before any sampling
     rewards = build_reward_functions(s.reward_functions, s.reward_weights, key="score.reward_functions",
                                      reward_model_path=reward_model_path(ctx), device=device)
+    g = s.generation
     if s.source == "dataset":
-        rows, gens = load_generations(s.dataset, tokenizer, s.num_prompts)
+        rows, everything = load_generations(s.dataset, tokenizer, s.num_prompts)
+        backend, seed = "dataset", everything.seed
+
+        def sample(start: int, stop: int) -> Generations:
+            return slice_generations(everything, start, stop)
     else:
         rows = prompt_rows(ctx, s.num_prompts)
         model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code)
-        g = s.generation
-        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
-                                  top_p=g.top_p, top_k=g.top_k, seed=p.run.seed)
+        backend, seed = g.backend, p.run.seed
         ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
-        gens = generate(model if g.backend == "hf" else sft, tokenizer, [r["prompt"] for r in rows], sampling,
-                        backend=g.backend, batch_size=g.batch_size, progress=True,
-                        **backend_options(g, sft))
-        del model
-    columns = completion_columns(rows, gens)
-    prompts = [rows[i]["prompt"] for i in gens.prompt_index]
-    totals, per_function = rewards(prompts, gens.completions, **columns)
-    texts = completion_texts(tokenizer, gens.completion_ids)
-    lengths = [len(gens.prompt_ids[i]) + len(c) for i, c in zip(gens.prompt_index, gens.completion_ids)]
 
-    pairs, counts = build_pairs(rows, gens.prompt_index, texts, totals, lengths, s)
-    scored = [{"prompt_index": i, "completion": t, "answer": a, "score": sc, "finished": f,
-               **{f"score/{name}": v[k] for name, v in per_function.items()}}
-              for k, (i, t, a, sc, f) in enumerate(zip(gens.prompt_index, texts, gens.completions, totals,
-                                                       gens.finished))]
+        def sample(start: int, stop: int) -> Generations:
+            # seeded by the shard's first prompt: a shard sampled again after a crash is the same shard
+            sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True,
+                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=p.run.seed + start)
+            return generate(model if g.backend == "hf" else sft, tokenizer, [r["prompt"] for r in rows[start:stop]],
+                            sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
+    records = sample_and_score(ctx, rows, sample, rewards, tokenizer, shard_size=g.batch_size)
+    model = None  # noqa: F841 (the sampling closure holds it; freed before pairing)
+    prompt_index = [r["prompt_index"] for r in records]
+    texts = [r["text"] for r in records]
+    totals = [r["score"] for r in records]
+    lengths = [r["length"] for r in records]
+
+    pairs, counts = build_pairs(rows, prompt_index, texts, totals, lengths, s)
+    scored = [{"prompt_index": r["prompt_index"], "completion": r["text"], "answer": r["answer"], "score": r["score"],
+               "finished": r["finished"], **{f"score/{name}": v for name, v in r["scores"].items()}}
+              for r in records]
     write_jsonl(ctx.out / "pairs.jsonl", pairs)
     write_jsonl(ctx.out / "scores.jsonl", scored)
     hist = histogram([t for t in totals if t is not None], s.histogram_bins)
     (ctx.out / "histogram.json").write_text(json.dumps(hist, indent=2))
-    quality = pair_quality(pairs) if "answer" in columns else None
+    quality = pair_quality(pairs) if any("answer" in r for r in rows) else None
     ctx.log.info("score: %d pairs from %d prompts; filtered %s", len(pairs), len(rows), dict(counts))
     if quality is not None:
         ctx.log.info("score: chosen answer correct in %.3f of pairs, rejected in %.3f", quality["chosen_correct"],
@@ -92,12 +102,59 @@ def run(ctx) -> dict[str, Any]:
         if pairs else None,
         "filtered": dict(counts),
         "source": s.source,
-        "backend": gens.backend,
-        "seed": gens.seed,
+        "backend": backend,
+        "seed": seed,
         **({"chosen_correct": quality["chosen_correct"], "rejected_correct": quality["rejected_correct"]}
            if quality else {}),
         "histogram": hist,
     }
+
+
+def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard_size: int) -> list[dict]:
+    """One record per completion: prompts sampled (`sample(start, stop) -> Generations`) and scored in shards.
+
+    Each finished shard of `shard_size` prompts is saved to `ctx.work/shards/NNNN.jsonl`
+    (atomically); a rerun after a crash or kill reuses the saved shards and samples only the rest.
+    Records: prompt_index, text (the assistant message, reasoning kept), answer (what reward
+    functions scored), finished, length (prompt + completion tokens), score, scores (per function).
+    """
+    folder = ctx.work / "shards"
+    starts = range(0, len(rows), shard_size)
+    records: list[dict] = []
+    for k, start in enumerate(starts):
+        path, stop = folder / f"{k:04d}.jsonl", min(start + shard_size, len(rows))
+        if path.exists():
+            part = read_jsonl(path)
+            ctx.log.info("score: shard %d/%d reused from %s (%d completions)", k + 1, len(starts), path, len(part))
+        else:
+            part = score_shard(rows[start:stop], sample(start, stop), rewards, tokenizer, offset=start)
+            tmp = path.with_name(f".{path.name}.tmp")
+            folder.mkdir(parents=True, exist_ok=True)
+            write_jsonl(tmp, part)
+            os.replace(tmp, path)  # a shard file exists only once it is complete
+            ctx.log.info("score: shard %d/%d done (prompts %d-%d)", k + 1, len(starts), start, stop - 1)
+        records += part
+    return records
+
+
+def score_shard(rows: list[dict], gens: Generations, rewards, tokenizer, *, offset: int) -> list[dict]:
+    """Records of one shard's completions (`gens` indexes `rows` from 0; `offset` makes the indices global)."""
+    columns = completion_columns(rows, gens)
+    totals, per_function = rewards([rows[i]["prompt"] for i in gens.prompt_index], gens.completions, **columns)
+    texts = completion_texts(tokenizer, gens.completion_ids)
+    return [{"prompt_index": i + offset, "text": texts[k], "answer": gens.completions[k],
+             "finished": gens.finished[k], "length": len(gens.prompt_ids[i]) + len(gens.completion_ids[k]),
+             "score": totals[k], "scores": {name: v[k] for name, v in per_function.items()}}
+            for k, i in enumerate(gens.prompt_index)]
+
+
+def slice_generations(gens: Generations, start: int, stop: int) -> Generations:
+    """The completions of prompts [start, stop) of `gens`, re-indexed from 0."""
+    keep = [k for k, i in enumerate(gens.prompt_index) if start <= i < stop]
+    return Generations(prompts=gens.prompts[start:stop], prompt_index=[gens.prompt_index[k] - start for k in keep],
+                       prompt_ids=gens.prompt_ids[start:stop], completion_ids=[gens.completion_ids[k] for k in keep],
+                       completions=[gens.completions[k] for k in keep], reasoning=[gens.reasoning[k] for k in keep],
+                       finished=[gens.finished[k] for k in keep], seed=gens.seed, backend=gens.backend)
 
 
 def completion_columns(rows: list[dict], gens: Generations) -> dict[str, list]:

@@ -45,6 +45,8 @@ def run(ctx) -> dict[str, Any]:
     logger, callbacks = training.callbacks(ctx, s.report_to)
     trainer = SFTTrainer(model, args, processing_class=tokenizer, train_dataset=train, eval_dataset=val or None,
                          formatting_func=load_formatting_func(s.formatting_func), callbacks=callbacks)
+    if s.eval_steps:
+        trainer.add_callback(online_eval(trainer, val, s))
     ctx.log.info("sft: %s train rows, %d validation rows, %d/%d trainable parameters (%.2f%%), device %s",
                  "streamed" if s.streaming else len(train), len(val), trainable, total, 100 * trainable / total,
                  device)
@@ -67,6 +69,18 @@ def run(ctx) -> dict[str, Any]:
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
         "base_model": {"name_or_path": p.model.name_or_path, "fingerprint": model_fingerprint(p.model, p.run.output_dir)},
     }
+
+
+def online_eval(trainer, val: list[dict], s):
+    """Greedy exact match on the first sft.eval_samples validation prompts every sft.eval_steps steps."""
+    from stages.rewards import exact_match
+    from stages.trainers.callbacks import OnlineEval
+
+    rows = [r for r in val if "prompt" in r][: s.eval_samples]
+    if not rows:
+        raise ValueError(f"sft.eval_steps = {s.eval_steps} needs validation rows with a prompt (prompt/completion "
+                         "data and preprocess.validation_fraction > 0); set sft.eval_steps: 0 to turn it off")
+    return OnlineEval(trainer, rows, every=s.eval_steps, score_fn=exact_match, batch_size=s.eval_samples)
 
 
 def load_rows(ctx, s):

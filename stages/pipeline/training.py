@@ -9,6 +9,7 @@ import importlib.util
 import json
 import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from transformers import PrinterCallback
@@ -16,7 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
-from stages.trainers.callbacks import LogToLogger, tensorboard_callback
+from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
@@ -43,6 +44,7 @@ def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) ->
         max_steps=s.max_steps, per_device_train_batch_size=s.per_device_train_batch_size,
         per_device_eval_batch_size=64, gradient_accumulation_steps=s.gradient_accumulation_steps,
         warmup_steps=s.warmup_ratio, lr_scheduler_type=s.lr_scheduler_type, logging_steps=s.logging_steps,
+        logging_nan_inf_filter=False,  # transformers would log the running mean instead: NumericGuard must see a NaN
         save_strategy="steps", save_steps=s.save_steps, save_total_limit=2,
         report_to=[r for r in s.report_to if r != "tensorboard"] or "none",
         seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
@@ -51,15 +53,39 @@ def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) ->
 
 
 def callbacks(ctx, report_to: list[str]) -> tuple[LogToLogger, list]:
+    """(the log forwarder, every callback of a training stage): logs, the NaN/Inf guard, TensorBoard."""
     logger = LogToLogger(ctx.log)
     extra = [tensorboard_callback(ctx.work / "tensorboard")] if "tensorboard" in report_to else []
-    return logger, [logger, *extra]
+    return logger, [logger, NumericGuard(), *extra]
+
+
+def complete_checkpoint(folder: Path) -> bool:
+    """Whether a Trainer checkpoint folder was fully written (a SIGKILL mid-save leaves a partial one).
+
+    transformers writes trainer_state.json after the weights, optimizer, scheduler and RNG states
+    (whatever their layout: safetensors, an adapter, FSDP shards); one that parses and names this
+    step marks a complete checkpoint.
+    """
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return folder.name == f"checkpoint-{state.get('global_step')}"
 
 
 def last_checkpoint(ctx) -> str | None:
-    """The checkpoint a crashed attempt with the same fingerprint left behind, if any."""
+    """The last complete checkpoint a crashed attempt with the same fingerprint left behind, if any.
+
+    transformers writes checkpoints in place, so a run killed while saving leaves a partial
+    `checkpoint-N`; it is removed (with a warning) and the previous complete one is used.
+    """
     folder = ctx.work / "checkpoints"
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    while folder.is_dir() and (found := get_last_checkpoint(str(folder))):
+        if complete_checkpoint(Path(found)):
+            return found
+        ctx.log.warning("removing %s: incomplete (the run was killed while saving it)", found)
+        shutil.rmtree(found)
+    return None
 
 
 def train(trainer, ctx) -> tuple[Any, str | None]:
@@ -72,9 +98,11 @@ def train(trainer, ctx) -> tuple[Any, str | None]:
 
 def save_outputs(trainer, tokenizer, ctx) -> None:
     """model/ (full model or adapter, with tokenizer and chat template), log_history.json, tensorboard/."""
+    trainer.save_model(str(ctx.out / "model"))  # on every rank: FSDP / ZeRO-3 gather the weights; rank 0 writes
     if not trainer.is_world_process_zero():
         return
-    trainer.save_model(str(ctx.out / "model"))
+    # a pickle of the TrainingArguments that nothing reads (the manifest has the params): no pickles in artifacts
+    (ctx.out / "model" / "training_args.bin").unlink(missing_ok=True)
     tokenizer.save_pretrained(str(ctx.out / "model"))
     (ctx.out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
     if (ctx.work / "tensorboard").is_dir():

@@ -11,6 +11,10 @@ reach the reward functions repeated once per completion. Every optimizer step:
 3. training: per-token log-probs of the completions (chunked from the final hidden states,
    `stages.trainers.logprobs`), then `stages.losses.grpo_loss`.
 
+    args = GRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=128,
+                      max_completion_length=32, learning_rate=1.5e-4, lr_scheduler_type="cosine")
+    GRPOTrainer(model, ["exact_match"], args=args, processing_class=tokenizer, train_dataset=rows).train()
+
 `per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
 per_device_train_batch_size / num_generations prompts, G completions each.
 With `num_iterations` > 1 one generation serves that many optimizer steps (the data loader
@@ -52,11 +56,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer, TrainingArguments
 
-from stages.kernels import entropy_from_logits, selective_log_softmax
 from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, grpo_advantages, grpo_loss
+from stages.rewards import build_reward_functions
 from stages.trainers.dpo import PairCollator, tokenize_pairs
-from stages.trainers.logprobs import head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
-from stages.utils import completion_mask_from_eos, pad
+from stages.trainers.logprobs import unwrap
+from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 REWARD_HEAD_MODES = ("separate", "shared")
@@ -172,63 +176,24 @@ class RepeatBatchSampler(Sampler):
 
 def completion_tensors(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_token_id: int,
                        eos_token_id: int | list[int]) -> dict[str, torch.Tensor]:
-    """Left-padded prompts and right-padded completions, with masks built from positions.
+    """`stages.trainers.rollout.pad_rollout`'s batch plus "truncated": (B,) bool, no EOS generated.
 
-    prompt_ids, completion_ids: B token lists each (the prompt of each completion). Returns
-    prompt_ids, prompt_mask: (B, P); completion_ids, completion_mask: (B, C). completion_mask is
-    1 on real tokens up to and including the first EOS: padding and everything after the first
-    EOS are 0, also when the pad id equals the EOS id. "truncated": (B,) bool, no EOS generated.
+    completion_mask (B, C) is 1 on real tokens up to and including the first EOS: padding and
+    everything after the first EOS are 0, also when the pad id equals the EOS id.
     """
-    def stack(rows, side, value):
-        return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, side)
-
-    prompts, prompt_mask = stack(prompt_ids, "left", pad_token_id), stack([[1] * len(p) for p in prompt_ids], "left", 0)
-    rows = [c if c else [pad_token_id] for c in completion_ids]  # an empty completion: one masked column
-    completions = stack(rows, "right", pad_token_id)
-    real = stack([[int(bool(c))] * max(len(c), 1) for c in completion_ids], "right", 0)
-    mask = real * completion_mask_from_eos(completions, eos_token_id)
+    batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    mask = batch["completion_mask"]
+    tokens = batch["input_ids"][:, -mask.shape[1]:]
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    truncated = ~(torch.isin(completions, eos) & mask.bool()).any(dim=1)
-    return {"prompt_ids": prompts, "prompt_mask": prompt_mask, "completion_ids": completions,
-            "completion_mask": mask, "truncated": truncated}
-
-
-def _sequence(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Model inputs for prompt + completion; position ids count real tokens (left padding skipped)."""
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    return {"input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
-            "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0)}
+    batch["truncated"] = ~(torch.isin(tokens, eos) & mask.bool()).any(dim=1)
+    return batch
 
 
 def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, chunked: bool = True,
                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(completion token | prefix) at temperature `temperature`, and optionally each position's entropy.
-
-    batch: completion_tensors' keys. Returns logps: (B, C) float32, 0 where completion_mask is 0;
-    entropy: (B, C) detached or None. Chunked from the hidden states when the head allows.
-    """
-    inputs = _sequence(batch)
-    mask = batch["completion_mask"].bool()
-    width = batch["prompt_ids"].shape[1]
-    targets = batch["completion_ids"]
-    logps = torch.zeros(mask.shape, dtype=torch.float32, device=targets.device)
-    ent = torch.zeros_like(logps) if entropy else None
-    head = lm_head_for_chunking(model) if chunked else None
-    if head is not None:
-        select = torch.zeros_like(inputs["input_ids"][:, 1:], dtype=torch.bool)
-        select[:, width - 1:] = mask  # position P-1+j predicts completion token j
-        hidden, _ = selected_hidden(model, inputs, select)
-        out = head_logprobs(hidden, head, targets[mask], temperature=temperature, return_entropy=entropy)
-        logp, h = out if entropy else (out, None)
-        logps = logps.masked_scatter(mask, logp.float())
-        if entropy:
-            ent = ent.masked_scatter(mask, h.detach().float())
-    else:
-        logits = model(**inputs, use_cache=False).logits[:, width - 1:-1].float() / temperature
-        logps = torch.where(mask, selective_log_softmax(logits, targets).float(), logps)
-        if entropy:
-            ent = torch.where(mask, entropy_from_logits(logits.detach()).float(), ent)
-    return logps, ent
+    """(logps, entropy or None), each (B, C): `stages.trainers.rollout.completion_logps` on a completion_tensors batch."""
+    out = completion_logps(model, batch, temperature=temperature, chunked=chunked, with_entropy=entropy)
+    return out["logps"], (out["entropy"].detach() if entropy else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,33 +247,6 @@ def last_token_hidden(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
-def build_reward_functions(reward_functions, weights: list[float] | None):
-    """A RewardFunctions from a RewardFunctions, a callable, or a list of callables / (name, fn) / builtin names."""
-    from stages.rewards import RewardFunctions, load_reward_function
-
-    if isinstance(reward_functions, RewardFunctions):
-        if weights is not None:
-            raise ValueError("reward_weights is set but reward_functions is already a RewardFunctions with its own "
-                             "weights; pass a list of functions, or leave reward_weights unset")
-        return reward_functions
-    items = reward_functions if isinstance(reward_functions, (list, tuple)) else [reward_functions]
-    named = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            named.append((item, load_reward_function(item)))
-        elif isinstance(item, tuple) and len(item) == 2 and callable(item[1]):
-            named.append((str(item[0]), item[1]))
-        elif callable(item):
-            named.append((getattr(item, "__name__", f"reward_{i}"), item))
-        else:
-            raise ValueError(f"reward_functions[{i}] = {item!r}: expected a callable f(prompts, completions, "
-                             "**columns), a (name, callable) pair, or a builtin reward name")
-    if weights is not None and len(weights) != len(named):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(named)} reward functions "
-                         f"({', '.join(n for n, _ in named)}): give one weight per function")
-    return RewardFunctions(named, weights)
-
-
 class GRPOTrainer(Trainer):
     loss_is_scaled_for_ga = False  # a mean over completions: Trainer divides by accumulation steps
 
@@ -317,8 +255,9 @@ class GRPOTrainer(Trainer):
         rows = list(train_dataset)
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
+            where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
             raise ValueError(f"train_dataset: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} "
-                             f"rows lack it" + (f" (first: row {missing[0]})" if missing else " (the dataset is empty)"))
+                             f"rows lack it{where}")
         if reward_functions is None and args.reward_head != "shared":
             raise ValueError("reward_functions is None: GRPO needs at least one reward function (e.g. "
                              "['exact_match']) or reward_head = 'shared' with a preference_dataset")
@@ -368,7 +307,7 @@ class GRPOTrainer(Trainer):
         batch, start = self._buffer[slot], time.perf_counter()
         loss = super().training_step(model, batch)
         self._tick("training_s", time.perf_counter() - start)
-        self._tick("tokens", (batch["prompt_mask"].sum() + batch["completion_mask"].sum()).item())
+        self._tick("tokens", batch["attention_mask"].sum().item())
         return loss
 
     def _tick(self, key: str, value: float) -> None:
@@ -437,7 +376,9 @@ class GRPOTrainer(Trainer):
         else:
             totals, per_function = [0.0] * len(completions), {}
         if self.reward_head is not None:
-            head = self.reward_head(last_token_hidden(self.model, _sequence(batch))).float().tolist()
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                      "position_ids": position_ids(batch["attention_mask"])}
+            head = self.reward_head(last_token_hidden(self.model, inputs)).float().tolist()
             bad = [i for i, s in enumerate(head) if not math.isfinite(s)]
             if bad:
                 raise ValueError(f"the reward head gave a non-finite score for completion {bad[0]}: training has "
@@ -539,5 +480,5 @@ class GRPOTrainer(Trainer):
 
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "build_reward_functions",
-           "completion_tensors", "last_token_hidden", "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",
+           "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]

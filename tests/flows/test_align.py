@@ -7,31 +7,34 @@ from tests.conftest import STAGE_ORDER, write_params
 pytestmark = pytest.mark.slow
 
 
-def run(params_file, overrides=None):
+def run(params_file, overrides=None, promote=False):
     from flows.align import align
 
-    state = align(params_file=str(params_file), overrides=overrides, return_state=True)
+    state = align(params_file=str(params_file), overrides=overrides, promote=promote, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
     return {s["stage"]: s["status"] for s in summary["stages"]}, summary
 
 
 def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect_server):
-    params = write_params(tmp_path)
-    first, summary = run(params)
+    params = write_params(tmp_path, {"promote": {"models_dir": str(tmp_path / "models")}})
+    first, summary = run(params, promote=True)  # as the nightly deployment runs it
     everything = dict.fromkeys(STAGE_ORDER, "executed")
     assert first == everything
-    assert [r["model"] for r in summary["evaluation"]] == ["base", "sft", "policy"]
+    assert [r["model"] for r in summary["evaluation"]] == ["base", "sft", "policy", "merged"]
+    assert summary["promotion"]["event"] == "promoted" and (tmp_path / "models" / "production").is_dir()
 
     def only(*executed):
         return {s: "executed" if s in executed else "cached" for s in STAGE_ORDER}
 
-    assert run(params)[0] == only()
+    again, summary = run(params, promote=True)  # an unchanged nightly run: all cached, nothing promoted
+    assert again == only() and summary["promotion"]["event"] == "kept"
     assert run(params, ["evaluate.max_new_tokens=5"])[0] == only("evaluate")
     # beta is not an input of the reference log-probs: stage `reference` stays cached
-    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2"])[0] == only("policy", "evaluate")
+    assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2"])[0] == only("policy", "merge",
+                                                                                          "evaluate")
     assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "score.n=2"])[0] == only(
-        "score", "reference", "policy", "evaluate")
+        "score", "reference", "policy", "merge", "evaluate")
     assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "sft.learning_rate=0.004"])[0] == only(
         *STAGE_ORDER[1:])
     assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2", "data.builtin.seed=3"])[0] == everything

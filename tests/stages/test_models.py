@@ -41,7 +41,7 @@ def test_local_model_with_text_data_trains(tmp_path, plain_model_dir):
     for stage in STAGE_ORDER:
         runner.run_stage(stage, params)
     table = json.loads((tmp_path / "artifacts" / "evaluate" / "metrics.json").read_text())
-    assert [r["model"] for r in table] == ["base", "sft"]  # no preference data, no policy row
+    assert [r["model"] for r in table] == ["base", "sft", "merged"]  # no preference data, no policy row
     manifest = json.loads((tmp_path / "artifacts" / "sft" / "manifest.json").read_text())
     assert manifest["metrics"]["base_model"]["name_or_path"] == str(plain_model_dir)
 

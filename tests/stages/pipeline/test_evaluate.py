@@ -1,20 +1,58 @@
+import json
 import re
 
+import pytest
+
 from stages import runner
-from stages.data import read_jsonl
-from stages.pipeline.evaluate import after_reasoning, extract
+from stages.data import DataError, read_jsonl
+from stages.metrics import load_metric
+from stages.pipeline.evaluate import after_reasoning, check_references, extract
 
 
-def test_table_has_baseline_and_sft_rows(built_pipeline):
+def test_table_has_base_sft_policy_and_merged_rows(built_pipeline):
     params, manifests = built_pipeline
     table = manifests["evaluate"]["metrics"]["table"]
-    assert [r["model"] for r in table] == ["base", "sft", "policy"]
-    preds = read_jsonl(runner.output_dir(params, "evaluate") / "predictions.jsonl")
-    assert len(preds) == 3 * 20
-    for label in ("base", "sft", "policy"):
+    assert [r["model"] for r in table] == ["base", "sft", "policy", "merged"]
+    for r in table:
+        assert {"accuracy", "bleu", "rouge1", "rougeL", "reward", "win_rate", "format",
+                "mean_completion_tokens"} <= set(r)
+    out = runner.output_dir(params, "evaluate")
+    preds = read_jsonl(out / "predictions.jsonl")
+    assert len(preds) == 4 * 20
+    for label in ("base", "sft", "policy", "merged"):
         rows = [p for p in preds if p["model"] == label]
         acc = sum(p["correct"] for p in rows) / len(rows)
         assert abs(acc - next(r["accuracy"] for r in table if r["model"] == label)) < 1e-3
+    # the merged model is the policy model: greedy decoding with the same seed gives the same completions
+    by = {label: [p["completion"] for p in preds if p["model"] == label] for label in ("policy", "merged")}
+    assert by["merged"] == by["policy"]
+    policy, merged = table[2], table[3]
+    assert {k: v for k, v in merged.items() if k != "model"} == {k: v for k, v in policy.items() if k != "model"}
+    assert table[1]["win_rate"] == 0.5  # sft against itself
+    assert json.loads((out / "metrics.json").read_text()) == table
+    report = (out / "report.md").read_text()
+    assert "| merged |" in report and "plots/accuracy.png" in report
+    for name in ("loss_curves.png", "reward_distribution.png", "accuracy.png", "loss_sft.json", "accuracy.json"):
+        assert (out / "plots" / name).stat().st_size > 0, name
+    flat = json.loads((runner.metrics_path(params, "evaluate")).read_text())  # what `dvc metrics show` reads
+    assert flat["models.merged.accuracy"] == merged["accuracy"]
+
+
+def test_local_metric_modules_through_evaluate():
+    bleu = load_metric("bleu").compute(predictions=["the cat sat on the mat"], references=["the cat sat on the mat"])
+    assert bleu["bleu"] == pytest.approx(100.0)
+    # one wrong 4-gram chain: precisions 5/6, 3/5, 2/4, 1/3 -> BLEU = 100 * (5/6*3/5*2/4*1/3)^(1/4)
+    got = load_metric("bleu").compute(predictions=["the cat sat on a mat"], references=["the cat sat on the mat"])
+    assert got["bleu"] == pytest.approx(100 * (5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25, rel=1e-6)
+    rouge = load_metric("rouge").compute(predictions=["the cat sat", "x y"], references=["the cat sat down", "x y"])
+    assert rouge["rouge1"] == pytest.approx((2 * 3 / 7 + 1) / 2)  # F1 of 3/3 precision, 3/4 recall; then 1
+
+
+def test_reference_metrics_need_references(tmp_path):
+    rows = [{"prompt": "1+1", "completion": "2"}, {"prompt": "2+2"}]
+    with pytest.raises(DataError, match=r"evaluate.metrics includes \['accuracy', 'bleu'\].*1 of 2 eval rows"):
+        check_references(rows, ["accuracy", "bleu", "reward"], tmp_path / "eval.jsonl")
+    check_references(rows, ["reward", "format", "length"], tmp_path / "eval.jsonl")  # no reference needed
 
 
 def test_extract_answer():

@@ -26,7 +26,7 @@ def test_lora_adapter_loads_with_peft_and_evaluates(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(json.loads((model_dir / "adapter_config.json").read_text())[
         "base_model_name_or_path"])
     assert isinstance(PeftModel.from_pretrained(base, model_dir), PeftModel)
-    for stage in ("reward", "score", "reference", "policy"):  # each starts from the SFT adapter merged into its base
+    for stage in ("reward", "score", "reference", "policy", "merge"):  # each starts from the SFT adapter merged in
         runner.run_stage(stage, params)
     assert runner.run_stage("evaluate", params)["metrics"]["n"] == 20  # evaluate loads the adapter onto its base
 

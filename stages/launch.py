@@ -1,0 +1,392 @@
+"""Run a training stage on many processes and machines through `accelerate launch`.
+
+A training stage (sft, reward, policy) runs in-process when `run.launch.num_processes` and
+`run.launch.num_machines` are 1 (the default, the quickstart). Otherwise it is started as
+
+    python -m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml \\
+        --num_processes 8 --num_machines 1 --machine_rank 0 --main_process_port 29500 ... \\
+        -m stages sft --params <the run's params, resolved>
+
+(the same as `accelerate launch ...`), each rank running the unchanged stage code: the
+`transformers.Trainer` shards the data and reduces gradients (DDP, FSDP or DeepSpeed, as
+the config file says); only global rank 0 writes the output folder and its manifest
+(`stages.runner`). The launcher runs in its own process group; its output is streamed line
+by line (`[defaultN]:` prefixes the lines of local rank N), a deadline kills every
+process it started, and a non-zero exit raises `LaunchFailed` with the failing rank's last
+lines. When one rank crashes, torchrun ends the others.
+
+    python -m stages sft --set run.launch.num_processes=8            # 1 machine, 8 GPUs
+    python -m stages.launch sft --set run.launch.accelerate_config=configs/accelerate/single_process.yaml
+    # 2 machines x 8 GPUs: the same command on each, machine_rank 0 and 1
+    python -m stages sft --set run.launch.num_machines=2 --set run.launch.num_processes=16 \\
+        --set run.launch.main_process_ip=10.0.0.1 --set run.launch.machine_rank=0
+
+On CPU (no CUDA) the DDP config gives gloo processes: `accelerate launch --cpu` would start
+a single process, so `--cpu` is never passed; Trainer's `use_cpu` picks gloo itself.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from stages.config import LaunchConfig, Params, load_params
+
+TRAINING_STAGES = ("sft", "reward", "policy")
+CODE_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = CODE_ROOT / "configs" / "accelerate"
+LAUNCHED_ENV = "ALIGN_LAUNCHED"  # set in every launched rank: `python -m stages` must not launch again
+GPU_ONLY = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
+TAIL_LINES = 30
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # torchrun --tee: [<role><local rank>]:
+_ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)", re.S)
+
+
+class LaunchError(ValueError):
+    """A problem found before launching (config file, batch size, main process): nothing was started."""
+
+
+class LaunchFailed(RuntimeError):
+    """The launched stage exited non-zero or ran past its deadline; every process it started has ended."""
+
+    def __init__(self, message: str, returncode: int | None, tail: list[str]):
+        super().__init__(message)
+        self.returncode, self.tail = returncode, tail
+
+
+# --------------------------------------------------------------------------- where are we
+
+
+def process_rank() -> int:
+    """Global rank of this process (0 outside any launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def inside_launch() -> bool:
+    """Whether this process is a rank started by a launcher (ours, accelerate's or torchrun's)."""
+    return LAUNCHED_ENV in os.environ or "LOCAL_RANK" in os.environ
+
+
+def needs_launch(stage: str, launch: LaunchConfig) -> bool:
+    """Whether `stage` goes through `accelerate launch`: a training stage on more than one process."""
+    return (stage in TRAINING_STAGES and (launch.num_processes > 1 or launch.num_machines > 1)
+            and not inside_launch())
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def resolve_config(path: str) -> Path:
+    """`run.launch.accelerate_config` as an existing file: as given, else relative to the repository."""
+    given = Path(path)
+    candidates = [given] if given.is_absolute() else [Path.cwd() / given, CODE_ROOT / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+    raise LaunchError(f"run.launch.accelerate_config = {path!r}: file not found (looked in "
+                      f"{', '.join(str(c.parent) for c in candidates)}); use one of configs/accelerate/ "
+                      f"({shipped}) or write one with `accelerate config`")
+
+
+def distributed_type(config: Path) -> str:
+    return str((yaml.safe_load(config.read_text()) or {}).get("distributed_type", "NO")).upper()
+
+
+def launch_command(target: list[str], launch: LaunchConfig, *, log_dir: str | None = None,
+                   python: str = sys.executable) -> list[str]:
+    """The `accelerate launch` command line running `target` (["-m", "stages", "sft", ...] or a script).
+
+    Flags given here override the config file's values, so one config serves any number of
+    processes and machines. `--tee 3 --log_dir` makes torchrun prefix each line with its rank.
+    """
+    config = resolve_config(launch.accelerate_config)
+    cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--num_processes", str(launch.num_processes), "--num_machines", str(launch.num_machines),
+           "--machine_rank", str(launch.machine_rank), "--main_process_port", str(launch.main_process_port)]
+    if launch.main_process_ip:
+        cmd += ["--main_process_ip", launch.main_process_ip]
+    if launch.mixed_precision != "auto":
+        cmd += ["--mixed_precision", launch.mixed_precision]
+    ds_file = ((yaml.safe_load(config.read_text()) or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds_file:  # accelerate reads it relative to the working directory; pin it to the file that exists
+        cmd += ["--deepspeed_config_file", str(resolve_config(ds_file))]
+    if distributed_type(config) != "NO":  # the rendezvous: fail after connect_timeout_s, not torchrun's 600 s
+        cmd += ["--rdzv_conf", f"timeout={launch.connect_timeout_s}"]
+        if log_dir:
+            cmd += ["--tee", "3", "--log_dir", log_dir]
+    return [*cmd, *target]
+
+
+def stage_target(stage: str, params_file: str | Path, overrides: list[str] | None = None) -> list[str]:
+    return ["-m", "stages", stage, "--params", str(params_file), *(a for o in overrides or [] for a in ("--set", o))]
+
+
+# --------------------------------------------------------------------------- checks before launching
+
+
+def preflight(stage: str, params: Params) -> Path:
+    """Every problem that would only show after the processes start, raised as LaunchError now.
+
+    Returns the resolved accelerate config file.
+    """
+    launch = params.run.launch
+    config = resolve_config(launch.accelerate_config)
+    kind = distributed_type(config)
+    if kind == "NO" and launch.num_processes > 1:
+        raise LaunchError(f"run.launch.accelerate_config = {launch.accelerate_config} is a single-process config "
+                          f"(distributed_type: NO) but run.launch.num_processes = {launch.num_processes}; use "
+                          "configs/accelerate/ddp.yaml (or fsdp / deepspeed_zero*) for more than one process")
+    if kind in GPU_ONLY:
+        import importlib.util
+
+        import torch
+
+        if params.run.device == "cpu" or not torch.cuda.is_available():
+            raise LaunchError(f"run.launch.accelerate_config = {launch.accelerate_config}: {GPU_ONLY[kind]} needs "
+                              "CUDA GPUs and none is visible; use configs/accelerate/ddp.yaml on CPU")
+        if kind == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+            raise LaunchError(f"run.launch.accelerate_config = {launch.accelerate_config} needs the deepspeed "
+                              "package: pip install deepspeed")
+    if params.run.device != "cpu":
+        import torch
+
+        local = launch.num_processes // launch.num_machines
+        if torch.cuda.is_available() and local > torch.cuda.device_count():
+            raise LaunchError(f"run.launch.num_processes = {launch.num_processes} over {launch.num_machines} "
+                              f"machine(s) is {local} per machine, but this machine has "
+                              f"{torch.cuda.device_count()} GPU(s): one process per GPU")
+    check_batch(stage, params)
+    if launch.num_machines > 1 and launch.machine_rank > 0:
+        wait_for_main(launch.main_process_ip, launch.main_process_port, launch.connect_timeout_s)
+    return config
+
+
+def training_rows(stage: str, params: Params) -> tuple[int, str] | None:
+    """(training rows of `stage`, what they are) from its upstream manifests; None when not known yet."""
+    from stages.artifacts import read_manifest
+
+    def rows(up: str, key: str) -> int | None:
+        m = read_manifest(Path(params.run.output_dir) / up) or {}
+        value = m.get("metrics", {}).get("rows", {}).get(key) if up == "preprocess" else m.get("metrics", {}).get(key)
+        return value if isinstance(value, int) else None
+
+    method, policy = params.policy.method, params.policy
+    if stage == "sft":
+        n, what = rows("preprocess", "sft_train"), "SFT rows"
+    elif stage == "reward":
+        n, what = rows("preprocess", "preference"), "preference pairs"
+        n = None if n is None else n - round(n * params.reward.eval_fraction)
+    elif stage == "policy" and method in ("grpo", "online_dpo", "ppo"):
+        n, what = rows("preprocess", "prompts"), "prompts"
+        n = None if n is None else (min(n, policy.num_prompts) if policy.num_prompts > 0 else n)
+    elif stage == "policy" and method in ("dpo", "kto"):
+        n = rows("score", "pairs") if policy.data == "score" else rows(
+            "preprocess", "preference" if method == "dpo" else "unpaired")
+        what = "pairs" if method == "dpo" else "rows"
+    else:
+        return None
+    return None if n is None else (n, what)
+
+
+def check_batch(stage: str, params: Params) -> None:
+    """Every process must get its own rows in a step: rows >= processes x rows per device.
+
+    Below that, accelerate pads the short ranks with repeated rows and the update silently
+    differs from the single-process one.
+    """
+    if stage not in TRAINING_STAGES:
+        return
+    s, n = getattr(params, stage), params.run.launch.num_processes
+    per_device, unit = s.per_device_train_batch_size, "rows"
+    if stage == "policy" and params.policy.method == "grpo":  # the batch counts completions
+        per_device, unit = max(per_device // params.policy.grpo.num_generations, 1), "prompts"
+    found = training_rows(stage, params)
+    if found is not None and found[0] < n * per_device:
+        rows, what = found
+        raise LaunchError(
+            f"run.launch.num_processes = {n}: {stage} has {rows} {what}, fewer than one global batch of {n} "
+            f"processes x {per_device} {unit} per device ({stage}.per_device_train_batch_size = "
+            f"{s.per_device_train_batch_size}); lower run.launch.num_processes or "
+            f"{stage}.per_device_train_batch_size, or give the stage more data")
+
+
+def wait_for_main(ip: str, port: int, timeout_s: float, *, interval_s: float = 2.0) -> None:
+    """Wait until machine_rank 0's rendezvous port answers; LaunchError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while True:
+        try:
+            with socket.create_connection((ip, port), timeout=min(5.0, max(timeout_s, 0.1))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() + interval_s > deadline:
+            break
+        time.sleep(interval_s)
+    raise LaunchError(f"run.launch.main_process_ip = {ip}, main_process_port = {port}: no main process answered "
+                      f"within {timeout_s:g} s ({last}); start machine_rank 0 first, check the address, and that "
+                      "the port is open between the machines (run.launch.connect_timeout_s sets the wait)")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_command(cmd: list[str], *, on_line: Callable[[str], Any] = print, timeout_s: float | None = None,
+                env: dict[str, str] | None = None, cwd: str | Path | None = None, grace_s: float = 15.0) -> None:
+    """Run `cmd` in its own process group, `on_line` for each output line; raise LaunchFailed on failure.
+
+    Past `timeout_s` (None or 0: no deadline) the group and every process it started (torchrun
+    puts each rank in a session of its own) get SIGTERM, then SIGKILL after `grace_s`.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            errors="replace", start_new_session=True, env=env, cwd=cwd)
+    lines: collections.deque[str] = collections.deque(maxlen=400)
+    timer, timed_out = None, threading.Event()
+    if timeout_s:
+        def expire():
+            timed_out.set()
+            kill_tree(proc, grace_s)
+
+        timer = threading.Timer(timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            on_line(line)
+        proc.wait()
+    except BaseException:  # the caller was interrupted (Ctrl-C, a cancelled flow run): take every rank down
+        kill_tree(proc, grace_s)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if timed_out.is_set():
+        raise LaunchFailed(f"{_show(cmd)}: past its deadline of {timeout_s:g} s (run.launch.timeout_s); every "
+                           "process it started was killed", proc.returncode, list(lines)[-TAIL_LINES:])
+    if proc.returncode != 0:
+        tail = failing_rank_tail(list(lines))
+        raise LaunchFailed(f"{_show(cmd)} exited with code {proc.returncode}; last lines:\n" + "\n".join(tail),
+                           proc.returncode, tail)
+
+
+def failing_rank_tail(lines: list[str], n: int = TAIL_LINES) -> list[str]:
+    """The last `n` lines of the rank torchrun names as the root cause, else the last `n` lines."""
+    found = _ROOT_CAUSE.search("\n".join(lines))
+    if found:
+        mine = [line for line in lines if (m := _RANK_PREFIX.match(line)) and m.group(1) == found.group(1)]
+        if mine:
+            return [f"(local rank {found.group(1)}, the first to fail)", *mine[-n:]]
+    return lines[-n:]
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group of `proc` and the sessions of all its descendants; SIGKILL what is left."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    groups = set()
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except ProcessLookupError:
+            pass
+    groups.discard(os.getpgid(0))  # never our own group
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=grace_s if sig == signal.SIGTERM else 5)
+        if not alive:
+            return
+
+
+def _show(cmd: list[str]) -> str:
+    if cmd[1:3] == ["-m", "accelerate.commands.launch"]:
+        return "accelerate launch " + " ".join(cmd[3:])
+    return " ".join(cmd)
+
+
+def launch_stage(stage: str, params: Params, *, on_line: Callable[[str], Any] = print,
+                 force: bool = False) -> dict[str, Any]:
+    """Run `stage` through `accelerate launch` (all checks first); return its manifest, as `run_stage` does.
+
+    The run's params are written out resolved (overrides included) and every rank reads that file.
+    """
+    from stages import artifacts, runner
+
+    state = runner.inspect(stage, params)
+    if state.current and not force:
+        return {**artifacts.read_manifest(state.folder), "executed": False}
+    preflight(stage, params)
+    work = Path(params.run.output_dir) / ".work"
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"launch-{stage}-", dir=work) as tmp:
+        params_file = Path(tmp) / "params.yaml"
+        params_file.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
+        target = stage_target(stage, params_file) + (["--force"] if force else [])
+        cmd = launch_command(target, params.run.launch, log_dir=str(Path(tmp) / "logs"))
+        env = {**os.environ, LAUNCHED_ENV: "1", "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CODE_ROOT), env.get("PYTHONPATH")]))
+        run_command(cmd, on_line=on_line, timeout_s=params.run.launch.timeout_s, env=env)
+    manifest = artifacts.read_manifest(state.folder)
+    if manifest is None or manifest.get("fingerprint") != state.fingerprint:
+        raise LaunchFailed(f"{stage}: the launched run exited 0 but left no output with fingerprint "
+                           f"{state.fingerprint} at {state.folder}", 0, [])
+    return {**manifest, "executed": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m stages.launch <stage> [--params] [--set]`: run a training stage through accelerate launch,
+    even on one process (e.g. to pick mixed precision through the launcher)."""
+    import argparse
+    import logging
+
+    p = argparse.ArgumentParser(prog="python -m stages.launch", description=main.__doc__)
+    p.add_argument("stage", choices=TRAINING_STAGES)
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--print", action="store_true", help="print the command line and exit")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        params = load_params(args.params, args.overrides)
+        if args.print:
+            print(" ".join(launch_command(stage_target(args.stage, args.params, args.overrides),
+                                          params.run.launch)))
+            return 0
+        manifest = launch_stage(args.stage, params, force=args.force)
+    except (LaunchError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LaunchFailed as e:  # a rank crashed or the deadline passed: every rank has ended
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # stages.runner.UpstreamMissing: the message says which stage to run first
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    print(f"{args.stage}: {'executed' if manifest['executed'] else 'current'} ({manifest['fingerprint']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The promotion gate: the newly merged model replaces production only if it is better.
+
+    models/                       (promote.models_dir)
+      releases/<version>/         a copy of every promoted model folder (never modified)
+      production -> releases/<version>    the stable pointer (a symlink; from_pretrained("models/production"))
+      production.json             what production is: version, metrics, lineage, when, eval_key
+      history.jsonl               one line per decision: promoted (with the previous production) or kept
+
+`run_gate(params)` reads stage evaluate's table and stage merge's model, compares the
+candidate row (`promote.candidate`, default merged) with production on `promote.metric`
+(higher is better) and promotes only when it is better by more than `promote.min_improvement`.
+Production's value is its recorded one when it was measured on the same evaluation
+(`eval_key`: the eval data and evaluate settings); otherwise production is re-evaluated on
+the current eval set first. A candidate identical to production (same content hash) is a
+no-op, so an unchanged nightly run promotes nothing. With `promote.hub.model_id` set and
+HF_TOKEN in the environment, the promoted model is pushed with transformers' `push_to_hub`;
+the token is read from the environment only and never written anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+POINTER, RECORD, HISTORY, RELEASES = "production", "production.json", "history.jsonl", "releases"
+COLUMN = {"rouge": "rougeL", "length": "mean_completion_tokens"}  # promote.metric -> evaluate table column
+TOKEN_ENV = "HF_TOKEN"
+
+
+class PromotionError(ValueError):
+    pass
+
+
+@dataclass
+class Decision:
+    promote: bool
+    reason: str
+    metric: str
+    candidate: float | None
+    production: float | None
+
+
+def column(metric: str) -> str:
+    return COLUMN.get(metric, metric)
+
+
+def decide(candidate: float | None, production: float | None, *, metric: str, min_improvement: float) -> Decision:
+    """Promote when there is no production value, or candidate > production + min_improvement (higher is better)."""
+    if candidate is None:
+        return Decision(False, f"the candidate has no {metric} value; nothing to compare", metric, None, production)
+    if production is None:
+        return Decision(True, f"no production model yet; {metric} = {candidate}", metric, candidate, None)
+    if candidate > production + min_improvement:
+        return Decision(True, f"{metric} {candidate} beats production's {production} by "
+                        f"{candidate - production:.4g} > {min_improvement}", metric, candidate, production)
+    return Decision(False, f"{metric} {candidate} does not beat production's {production} by more than "
+                    f"{min_improvement} (difference {candidate - production:+.4g}); production kept",
+                    metric, candidate, production)
+
+
+def current(models_dir: str | Path) -> dict[str, Any] | None:
+    """production.json, or None when nothing was promoted yet."""
+    record = Path(models_dir) / RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_dir: str | Path, *, metric: str,
+         min_improvement: float, eval_key: str, lineage: dict[str, Any] | None = None,
+         evaluate_production: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Decide, promote if better, record the decision in history.jsonl; returns the decision and production.
+
+    evaluate_production(path) -> table row: re-measures production when its record was made on
+    another evaluation (eval_key differs); without it the recorded value is used (and said so).
+    """
+    from stages.merge import model_identity
+
+    models_dir = Path(models_dir)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    prod = current(models_dir)
+    identity = model_identity(candidate_dir)
+    col = column(metric)
+    now = datetime.now(timezone.utc).isoformat()
+    note = ""
+    if prod is not None and prod.get("hash") == identity:
+        decision = Decision(False, f"the candidate is the production model ({prod['version']}); nothing to do",
+                            metric, candidate_metrics.get(col), prod["metrics"].get(col))
+    else:
+        production_value = None
+        if prod is not None:
+            production_value = prod["metrics"].get(col)
+            if prod.get("eval_key") != eval_key:
+                if evaluate_production is not None:
+                    production_value = evaluate_production(str(models_dir / POINTER)).get(col)
+                    note = " (production re-evaluated on the current eval set)"
+                else:
+                    note = " (production's value was recorded on another eval set)"
+        decision = decide(candidate_metrics.get(col), production_value, metric=metric,
+                          min_improvement=min_improvement)
+        decision.reason += note
+    event = {"at": now, "event": "promoted" if decision.promote else "kept", **asdict(decision),
+             "candidate_hash": identity, "production_version": prod["version"] if prod else None}
+    if decision.promote:
+        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, eval_key=eval_key,
+                         identity=identity, at=now)
+        event.update(version=record["version"], previous=prod)
+        prod = record
+    with open(models_dir / HISTORY, "a", encoding="utf-8") as f:
+        f.write(json.dumps(event) + "\n")
+    return {"decision": asdict(decision), "production": prod, "event": event["event"]}
+
+
+def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
+            eval_key: str, identity: str, at: str) -> dict[str, Any]:
+    """Copy the model to releases/<version>, repoint `production` at it, rewrite production.json (atomically)."""
+    version = f"{at[:19].replace(':', '').replace('-', '')}-{identity.split(':')[-1][:12]}"
+    releases = models_dir / RELEASES
+    releases.mkdir(parents=True, exist_ok=True)
+    final = releases / version
+    if not final.is_dir():  # the same version name is the same content (time to the second + content hash)
+        tmp = releases / f".{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
+        os.replace(tmp, final)
+    link_tmp = models_dir / f".{POINTER}.tmp"
+    if link_tmp.is_symlink() or link_tmp.exists():
+        link_tmp.unlink()
+    link_tmp.symlink_to(Path(RELEASES) / version, target_is_directory=True)
+    os.replace(link_tmp, models_dir / POINTER)  # atomic: readers see the old or the new model, never none
+    record = {"version": version, "path": str(final), "hash": identity, "promoted_at": at, "metrics": metrics,
+              "eval_key": eval_key, "lineage": lineage}
+    record_tmp = models_dir / f".{RECORD}.tmp"
+    record_tmp.write_text(json.dumps(record, indent=2))
+    os.replace(record_tmp, models_dir / RECORD)
+    return record
+
+
+def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = True, env=os.environ
+                ) -> dict[str, Any]:
+    """Push the model and tokenizer with transformers' push_to_hub when configured; else say why not.
+
+    The token comes from `env[HF_TOKEN]` and is passed to the call only (never logged or recorded).
+    """
+    if not model_id:
+        return {"pushed": False, "reason": "promote.hub.model_id is not set"}
+    token = env.get(TOKEN_ENV)
+    if not token:
+        return {"pushed": False, "reason": f"{TOKEN_ENV} is not in the environment; set it to push to {model_id}"}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model.push_to_hub(model_id, token=token, private=private)
+    tokenizer.push_to_hub(model_id, token=token, private=private)
+    return {"pushed": True, "model_id": model_id}
+
+
+# --------------------------------------------------------------------------- the pipeline's gate
+
+
+def eval_key(evaluate_manifest: dict[str, Any]) -> str:
+    """What a table value depends on: the eval data and the evaluate settings (not the plots)."""
+    from stages import artifacts
+
+    params = {k: v for k, v in evaluate_manifest["params"].items()}
+    if isinstance(params.get("evaluate"), dict):
+        params["evaluate"] = {k: v for k, v in params["evaluate"].items() if k not in ("plots", "baseline")}
+    return artifacts.hash_json({"data": evaluate_manifest["inputs"]["preprocess"]["outputs_hash"], "params": params})
+
+
+def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
+    """The gate on the pipeline's outputs: stage evaluate's table, the candidate row's model folder."""
+    from stages import artifacts
+    from stages.merge import is_adapter
+    from stages.runner import output_dir
+
+    pr = params.promote
+    evaluate_dir = output_dir(params, "evaluate")
+    ok, why = artifacts.verify(evaluate_dir)
+    if not ok:
+        raise PromotionError(f"promotion needs stage evaluate's output at {evaluate_dir} ({why}); run the pipeline")
+    manifest = artifacts.read_manifest(evaluate_dir)
+    table = {r["model"]: r for r in json.loads((evaluate_dir / "metrics.json").read_text())}
+    if pr.candidate not in table:
+        raise PromotionError(f"promote.candidate = {pr.candidate!r}: not a row of the evaluate table "
+                             f"({', '.join(table)})")
+    folder = output_dir(params, {"merged": "merge"}.get(pr.candidate, pr.candidate)) / "model"
+    if pr.candidate == "base" or not folder.is_dir() or is_adapter(folder):
+        raise PromotionError(f"promote.candidate = {pr.candidate!r}: {folder} is not a full model folder; "
+                             "promote merged (stage merge's model)")
+    lineage_file = output_dir(params, "merge") / "lineage.json"
+    lineage = json.loads(lineage_file.read_text()) if pr.candidate == "merged" and lineage_file.is_file() else None
+    result = gate(folder, table[pr.candidate], pr.models_dir, metric=pr.metric, min_improvement=pr.min_improvement,
+                  eval_key=eval_key(manifest), lineage=lineage,
+                  evaluate_production=lambda path: evaluate_production(params, path))
+    result["hub"] = (push_to_hub(Path(pr.models_dir) / POINTER, pr.hub.model_id, private=pr.hub.private, env=env)
+                     if result["event"] == "promoted" else {"pushed": False, "reason": "nothing promoted"})
+    result["report"] = str(evaluate_dir / "report.md")
+    if log is not None:
+        log.info("promotion: %s: %s", result["event"], result["decision"]["reason"])
+    return result
+
+
+def evaluate_production(params, path: str) -> dict[str, Any]:
+    """The production model's table row on the current eval set (metrics that need no reward model)."""
+    import re
+
+    from stages.data import read_jsonl
+    from stages.models import pick_device
+    from stages.pipeline import evaluate as ev
+    from stages.runner import output_dir
+
+    e = params.evaluate
+    rows = read_jsonl(output_dir(params, "preprocess") / "eval.jsonl")
+    rows = rows[: e.max_samples] if e.max_samples > 0 else rows
+    model, tokenizer = ev.load_model(path, None, dtype=params.model.dtype, device=pick_device(params.run.device),
+                                     trust_remote_code=params.model.trust_remote_code)
+    out = ev.generate_outputs(model, tokenizer, rows, ev.sampling_params(e, params.run.seed), batch_size=e.batch_size)
+    metrics = [m for m in e.metrics if m not in ("reward", "win_rate")]
+    pattern = re.compile(e.answer_regex) if e.answer_regex else None
+    return ev.row_metrics(rows, out, metrics, pattern, None, None)[0]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    d = result["decision"]
+    prod = result.get("production") or {}
+    lines = ["## Promotion", "", f"- decision: **{result['event']}**: {d['reason']}",
+             f"- metric: {d['metric']}: candidate {d['candidate']}, production {d['production']}",
+             f"- production: {prod.get('version', 'none')} ({prod.get('path', '-')})",
+             f"- hub: {'pushed to ' + result['hub']['model_id'] if result['hub'].get('pushed') else result['hub']['reason']}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,2 @@
+"""A reward module that fails while importing."""
+raise RuntimeError("reward module misconfigured: REWARD_API_URL is not set")

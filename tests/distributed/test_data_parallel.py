@@ -1,0 +1,83 @@
+"""Data parallelism and gradient accumulation change nothing but speed: the proofs, on CPU.
+
+Every run takes 3 optimizer steps of plain SGD (an update is -lr x the gradient, see
+worker.py) on the built-in tiny model from the same start, with the same global batch of
+8 rows (GRPO: 8 prompts x 4 fixed completions):
+
+- 2 processes (`accelerate launch` with configs/accelerate/ddp.yaml, gloo on CPU) x 4 rows
+  give the update of 1 process x 8 rows, for SFT, DPO and the GRPO loss;
+- 1 row x 8 accumulation steps gives the update of 8 rows x 1 for SFT (whose loss is
+  normalised over the tokens of the whole accumulated batch, not per micro-batch: the rows
+  alternate long and short completions so a per-micro-batch mean would differ) and DPO.
+"""
+import socket
+import sys
+
+import pytest
+import torch
+
+from stages.builtin import tiny
+from stages.config import LaunchConfig
+from stages.launch import launch_command, run_command
+from tests.distributed import worker
+
+STEPS = 3
+
+
+def assert_same_update(got: dict, want: dict, rtol: float = 1e-3) -> None:
+    """Every parameter's update equal within rtol of its largest entry; the updates are not all zero."""
+    assert got.keys() == want.keys()
+    assert sum(v.norm() ** 2 for v in want.values()) ** 0.5 > 1e-2  # the steps did move the weights
+    for name in want:
+        scale = want[name].abs().max().item()
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= rtol * scale + 1e-7, f"{name}: update differs by {err:.3g} (largest entry {scale:.3g})"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
+                          intermediate_size=64, vocab_size=384, seed=0))
+
+
+@pytest.fixture(scope="module")
+def one_process(model, tmp_path_factory):
+    """{method: update} of 1 process x 8 rows (x 1 accumulation step)."""
+    out = tmp_path_factory.mktemp("one")
+    return {m: worker.train(m, model, out, batch=8, steps=STEPS) for m in worker.METHODS}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_update(model, one_process, tmp_path):
+    launch = LaunchConfig(num_processes=2, main_process_port=free_port())
+    cmd = launch_command([worker.__file__, "--model", model, "--out", str(tmp_path), "--batch", "4",
+                          "--steps", str(STEPS)], launch, log_dir=str(tmp_path / "logs"), python=sys.executable)
+    lines = []
+    run_command(cmd, on_line=lines.append, timeout_s=240)
+    text = "\n".join(lines)
+    assert "[default0]:" in text and "[default1]:" in text  # really two ranks
+    for method in worker.METHODS:
+        assert_same_update(torch.load(tmp_path / f"{method}.pt"), one_process[method])
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_accumulating_8_micro_batches_of_1_equals_one_batch_of_8(method, model, one_process, tmp_path):
+    accumulated = worker.train(method, model, tmp_path, batch=1, accum=8, steps=STEPS)
+    assert_same_update(accumulated, one_process[method])
+
+
+def test_sft_rows_differ_in_loss_tokens(model):
+    """What makes the accumulation test bite: per-micro-batch token means would weight rows unequally."""
+    from transformers import AutoTokenizer
+
+    from stages.data.tokenize import tokenize_sft
+
+    rows = tokenize_sft(AutoTokenizer.from_pretrained(model), worker.sft_rows()[:8], max_length=256)
+    counts = [sum(r["completion_mask"]) for r in rows]
+    assert max(counts) >= 3 * min(counts), counts

@@ -1,0 +1,89 @@
+"""The promotion gate: first promotion, no-op on an unchanged model, a worse model kept out, a better one in."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from stages import promotion, runner
+from stages.builtin import tiny
+from tests.stages.test_merge import SIZE
+
+
+def history(models):
+    return [json.loads(line) for line in (models / "history.jsonl").read_text().splitlines()]
+
+
+def test_gate_promotes_only_a_better_model(tmp_path):
+    models = tmp_path / "models"
+    first = tiny.build(tmp_path / "first", **SIZE, seed=0)
+    worse = tiny.build(tmp_path / "worse", **SIZE, seed=1)
+    better = tiny.build(tmp_path / "better", **SIZE, seed=2)
+    kw = dict(metric="accuracy", min_improvement=0.05, eval_key="k")
+
+    r = promotion.gate(first, {"accuracy": 0.60}, models, **kw)
+    assert r["event"] == "promoted" and "no production model yet" in r["decision"]["reason"]
+    v1 = r["production"]["version"]
+    assert (models / "production").resolve() == (models / "releases" / v1).resolve()
+    assert (models / "production" / "model.safetensors").is_file()
+
+    r = promotion.gate(worse, {"accuracy": 0.40}, models, **kw)  # deliberately worse: kept out
+    assert r["event"] == "kept" and "does not beat production's 0.6" in r["decision"]["reason"]
+    assert promotion.current(models)["version"] == v1 and (models / "production").resolve().name == v1
+    r = promotion.gate(worse, {"accuracy": 0.63}, models, **kw)  # better, but not by the margin
+    assert r["event"] == "kept" and "by more than 0.05" in r["decision"]["reason"]
+
+    r = promotion.gate(better, {"accuracy": 0.70}, models, **kw)
+    assert r["event"] == "promoted" and r["decision"]["production"] == 0.60
+    v2 = promotion.current(models)["version"]
+    assert v2 != v1 and (models / "production").resolve().name == v2
+    assert (models / "releases" / v1).is_dir()  # the old one is kept, never overwritten
+    events = history(models)
+    assert [e["event"] for e in events] == ["promoted", "kept", "kept", "promoted"]
+    assert events[-1]["previous"]["version"] == v1  # the record of the previous production
+
+    r = promotion.gate(better, {"accuracy": 0.70}, models, **kw)  # unchanged model: nothing to do
+    assert r["event"] == "kept" and "is the production model" in r["decision"]["reason"]
+    # production measured on another eval set: re-evaluated before comparing
+    seen = []
+    r = promotion.gate(first, {"accuracy": 0.72}, models, **{**kw, "eval_key": "new"},
+                       evaluate_production=lambda path: seen.append(path) or {"accuracy": 0.5})
+    assert seen == [str(models / "production")] and r["event"] == "promoted" and r["decision"]["production"] == 0.5
+
+
+def test_decide_rules():
+    assert promotion.decide(None, 0.5, metric="accuracy", min_improvement=0).promote is False
+    assert promotion.decide(0.5, 0.5, metric="accuracy", min_improvement=0).promote is False  # a tie keeps production
+    assert promotion.decide(0.51, 0.5, metric="accuracy", min_improvement=0).promote is True
+    assert promotion.column("rouge") == "rougeL"
+
+
+def test_pipeline_gate_and_hub_not_configured(built_pipeline, tmp_path):
+    params, manifests = built_pipeline
+    secret = "hf_SECRET_token_never_written"
+    p = dataclasses.replace(params, promote=dataclasses.replace(params.promote, models_dir=str(tmp_path / "models")))
+    r = promotion.run_gate(p, env={"HF_TOKEN": secret})
+    assert r["event"] == "promoted" and r["hub"] == {"pushed": False, "reason": "promote.hub.model_id is not set"}
+    record = promotion.current(tmp_path / "models")
+    assert record["lineage"]["method"] == "none" and record["metrics"]["model"] == "merged"
+    assert promotion.run_gate(p, env={"HF_TOKEN": secret})["event"] == "kept"  # nothing changed: nothing promoted
+    no_token = promotion.push_to_hub(tmp_path / "models" / "production", "me/model", env={})
+    assert no_token == {"pushed": False, "reason": "HF_TOKEN is not in the environment; set it to push to me/model"}
+    text = promotion.markdown(r)
+    for root, _, files in os.walk(tmp_path / "models"):
+        for f in files:
+            assert secret.encode() not in open(os.path.join(root, f), "rb").read()
+    assert secret not in text
+    # production re-measured on the current eval set agrees with the evaluate table
+    row = promotion.evaluate_production(p, str(tmp_path / "models" / "production"))
+    merged = manifests["evaluate"]["metrics"]["models"]["merged"]
+    assert row["accuracy"] == merged["accuracy"] and row["bleu"] == merged["bleu"]
+
+
+def test_bad_candidate(built_pipeline, tmp_path):
+    params, _ = built_pipeline
+    p = dataclasses.replace(params, promote=dataclasses.replace(params.promote, candidate="nope",
+                                                                models_dir=str(tmp_path)))
+    with pytest.raises(promotion.PromotionError, match="promote.candidate = 'nope': not a row"):
+        promotion.run_gate(p)
+    assert runner.output_dir(params, "evaluate").is_dir()

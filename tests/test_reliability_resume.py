@@ -1,0 +1,156 @@
+"""Crash-resume: a stage killed with SIGKILL mid-run is never accepted, and its rerun resumes and finishes
+exactly as an uninterrupted run does; score resumes from its last finished shard."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import runner
+from stages.config import load_params
+from tests.conftest import ROOT, write_params
+
+STEPS, SAVE = 60, 10
+
+
+def kill_after_first_checkpoint(params_file: Path, stage: str) -> tuple[int, str]:
+    """Run `python -m stages <stage>` as a process, SIGKILL it as soon as a complete checkpoint exists.
+    -> (the step of the checkpoints it left, the log)."""
+    work = params_file.parent / "artifacts" / ".work"
+    log = params_file.parent / f"{stage}-killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stages", stage, "--params", str(params_file)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 240
+        try:
+            while not list(work.glob(f"{stage}-*/checkpoints/checkpoint-*/trainer_state.json")):
+                assert proc.poll() is None, f"{stage} ended before its first checkpoint:\n{log.read_text()}"
+                assert time.time() < deadline, "no checkpoint within 240 s"
+                time.sleep(0.005)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    steps = [int(p.name.split("-")[1]) for p in work.glob(f"{stage}-*/checkpoints/checkpoint-*")]
+    return max(steps), log.read_text()
+
+
+def logged(folder: Path) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in json.loads((folder / "log_history.json").read_text()) if "loss" in h}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert (wa[k] - wb[k]).abs().max() <= 1e-5, k
+
+
+def check_killed_then_resumed(tmp_path: Path, stage: str, section: dict, prepare) -> None:
+    for name in ("clean", "killed"):
+        (tmp_path / name).mkdir()
+    killed_file = write_params(tmp_path / "killed", section)
+    clean, killed = load_params(write_params(tmp_path / "clean", section)), load_params(killed_file)
+    prepare(clean, killed)
+    reference = runner.run_stage(stage, clean)  # uninterrupted
+    assert reference["metrics"]["steps"] == STEPS and reference["metrics"]["resumed_from"] is None
+
+    step, log = kill_after_first_checkpoint(killed_file, stage)
+    assert 0 < step < STEPS, log
+    # nothing partial was ever accepted: no output folder, the status says not current
+    assert not runner.output_dir(killed, stage).exists()
+    row = next(r for r in runner.status(killed) if r["stage"] == stage)
+    assert row["current"] is False and row["reason"] == "missing"
+
+    resumed = runner.run_stage(stage, killed)
+    m = resumed["metrics"]
+    resumed_at = int(m["resumed_from"].rsplit("-", 1)[1])  # the last *complete* checkpoint (one may be partial)
+    assert 0 < resumed_at <= step and resumed_at % SAVE == 0
+    assert m["steps"] == reference["metrics"]["steps"] == STEPS
+    # the loss trajectory continues exactly where the killed run left it, and ends where the clean run ends
+    a, b = logged(runner.output_dir(clean, stage)), logged(runner.output_dir(killed, stage))
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert all(abs(a[s] - b[s]) <= 1e-5 * max(1.0, abs(a[s])) for s in a), [(s, a[s], b[s]) for s in a if a[s] != b[s]]
+    assert_same_weights(runner.output_dir(clean, stage), runner.output_dir(killed, stage))
+    assert runner.inspect(stage, killed).current
+    assert not list(Path(killed.run.output_dir, ".work").glob(f"{stage}-*"))  # checkpoints removed on success
+    assert runner.run_stage("preprocess", killed)["executed"] is False  # stages before it: cache hits
+
+
+@pytest.mark.slow
+def test_sft_killed_mid_run_resumes_to_the_same_result(tmp_path):
+    def prepare(clean, killed):
+        runner.run_stage("preprocess", clean)
+        shutil.copytree(Path(clean.run.output_dir), Path(killed.run.output_dir))
+
+    check_killed_then_resumed(tmp_path, "sft", {"sft": {"max_steps": STEPS, "save_steps": SAVE, "logging_steps": 1,
+                                                        "per_device_train_batch_size": 4}}, prepare)
+
+
+@pytest.mark.slow
+def test_dpo_killed_mid_run_resumes_to_the_same_result(tmp_path, built_pipeline):
+    params, _ = built_pipeline
+
+    def prepare(clean, killed):
+        for p in (clean, killed):
+            shutil.copytree(params.run.output_dir, p.run.output_dir)
+            shutil.rmtree(runner.output_dir(p, "policy"))
+            shutil.rmtree(runner.output_dir(p, "evaluate"))
+
+    check_killed_then_resumed(tmp_path, "policy", {"policy": {"method": "dpo", "max_steps": STEPS, "save_steps": SAVE,
+                                                              "logging_steps": 1, "per_device_train_batch_size": 2}},
+                              prepare)
+
+
+def test_score_resumes_from_its_last_finished_shard(tmp_path, built_pipeline, monkeypatch):
+    """12 prompts in shards of 4: a crash while sampling shard 3 keeps shards 1-2; the rerun samples only
+    shard 3, and the result equals an uninterrupted run's."""
+    import stages.pipeline.score as score
+
+    params, _ = built_pipeline
+    shards = {"score": {"generation": {"batch_size": 4}}}
+    runs = {}
+    for name in ("clean", "crashed"):
+        (tmp_path / name).mkdir()
+        runs[name] = load_params(write_params(tmp_path / name, shards))
+        shutil.copytree(params.run.output_dir, runs[name].run.output_dir)
+        shutil.rmtree(runner.output_dir(runs[name], "score"))
+    calls = []
+    real = score.generate
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[2]))
+        if crash_on and len(calls) == crash_on:
+            raise RuntimeError("killed while sampling")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(score, "generate", counting)
+    crash_on = 0
+    clean = runner.run_stage("score", runs["clean"])
+    assert calls == [4, 4, 4]
+
+    calls.clear()
+    crash_on = 3
+    with pytest.raises(RuntimeError, match="killed while sampling"):
+        runner.run_stage("score", runs["crashed"])
+    assert not runner.output_dir(runs["crashed"], "score").exists()
+    work = list(Path(runs["crashed"].run.output_dir, ".work").glob("score-*/shards"))
+    assert [p.name for p in sorted(work[0].iterdir())] == ["0000.jsonl", "0001.jsonl"]
+
+    calls.clear()
+    crash_on = 0
+    m = runner.run_stage("score", runs["crashed"])
+    assert calls == [4]  # only the unfinished shard was sampled again
+    assert m["metrics"] == clean["metrics"] and m["metrics"]["completions"] == 36
+    for f in ("scores.jsonl", "pairs.jsonl"):
+        assert (runner.output_dir(runs["crashed"], "score") / f).read_bytes() == \
+            (runner.output_dir(runs["clean"], "score") / f).read_bytes()

@@ -1,0 +1,139 @@
+"""Safe loading: safetensors only, no pickle from any artifact, reward functions by import path only, servers
+on loopback, secrets never written out, trust_remote_code off unless the params say so."""
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stages import runner
+from stages.config import Params, load_params
+from tests.conftest import ROOT, write_params
+
+SOURCES = sorted(p for d in ("stages", "flows", "tasks") for p in (ROOT / d).rglob("*.py"))
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (r"\bimport pickle\b|\bpickle\.load|\bdill\b|\bjoblib\.load", "pickle can run code while loading"),
+    (r"torch\.load\((?![^)]*weights_only=True)", "torch.load without weights_only=True unpickles arbitrary objects"),
+    (r"(?<![\w.])(eval|exec)\(", "eval/exec of strings (reward functions are imported by path)"),
+    (r"trust_remote_code\s*=\s*True", "custom model code runs only when params.model.trust_remote_code says so"),
+    (r"0\.0\.0\.0", "servers bind to 127.0.0.1 unless configured otherwise"),
+    (r"use_safetensors\s*=\s*False|safe_serialization\s*=\s*False", "weights are written and read as safetensors"),
+])
+def test_no_unsafe_calls_in_the_code(pattern, why):
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in SOURCES
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(pattern, line) and not line.lstrip().startswith("#")]
+    assert not hits, f"{why}:\n" + "\n".join(hits)
+
+
+def test_transformers_resumes_checkpoints_with_weights_only():
+    """Crash-resume torch.loads optimizer.pt, scheduler.pt and rng_state.pth from `ctx.work`: transformers does
+    every such load with weights_only=True (tensors and an allow-list of numpy types, no arbitrary pickle).
+    This pins that: an upgrade that loosens it fails here."""
+    from transformers import Trainer
+
+    for method in ("_load_rng_state", "_load_optimizer_and_scheduler", "_load_scaler"):
+        calls = inspect.getsource(getattr(Trainer, method)).split("torch.load(")[1:]
+        assert calls, method
+        for call in calls:
+            assert "weights_only=True" in call[:300], f"{method}: torch.load without weights_only=True"
+
+
+def test_stage_outputs_hold_no_pickles(built_pipeline):
+    params, _ = built_pipeline
+    out = Path(params.run.output_dir)
+    pickles = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    assert not pickles, pickles
+    assert (out / "sft" / "model" / "model.safetensors").exists()
+
+
+def test_reward_functions_are_imported_never_evaluated(tmp_path, monkeypatch):
+    from stages.rewards import load_reward_function
+
+    monkeypatch.chdir(tmp_path)
+    for spec in ["__import__('os').system('touch pwned')", "os:system('touch pwned')", "lambda p, c: 1"]:
+        with pytest.raises(ValueError):
+            load_reward_function(spec, key="score.reward_functions[0]")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_servers_default_to_loopback(monkeypatch, tmp_path):
+    from flows import server
+    from stages.config import GenerationParams
+    from stages.generation import vllm
+
+    assert GenerationParams().vllm_url.startswith("http://127.0.0.1:")
+    assert vllm.DEFAULT_BASE_URL.startswith("http://127.0.0.1:")
+    cmd = vllm.serve_command("/models/x")
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+    started = []
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def __init__(self, args, **kwargs):
+            started.append(args)
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setattr(server, "find_server", lambda: None)
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    with pytest.raises(RuntimeError, match="prefect server exited"):
+        server.start_server(port=0, timeout=5)
+    assert started[0][started[0].index("--host") + 1] == "127.0.0.1"
+
+
+def test_secrets_never_reach_params_manifests_or_logs(tmp_path, monkeypatch, caplog, capsys):
+    secrets = {"WANDB_API_KEY": "wandb-fake-0123456789abcdef", "HF_TOKEN": "hf_FakeToken0123456789",
+               "HUGGING_FACE_HUB_TOKEN": "hf_OtherFake0123456789", "VLLM_API_KEY": "vllm-fake-key-0123456789"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    from stages.__main__ import main
+
+    params = write_params(tmp_path, {"sft": {"max_steps": 2}})
+    with caplog.at_level(logging.DEBUG):
+        for stage in ("preprocess", "sft"):
+            assert main([stage, "--params", str(params)]) == 0
+            assert main(["status", "--params", str(params)]) == 0
+    captured = capsys.readouterr()
+    texts = {"log": caplog.text, "stdout": captured.out, "stderr": captured.err}
+    texts.update({str(p): p.read_bytes().decode("utf-8", "replace") for p in tmp_path.rglob("*") if p.is_file()})
+    leaked = [(where, name) for where, text in texts.items() for name, v in secrets.items() if v in text]
+    assert not leaked, leaked
+    assert len(texts) > 10  # manifests, metrics, the model folder, the params file were all searched
+
+
+def test_trust_remote_code_is_off_unless_the_params_say_so(tmp_path, monkeypatch):
+    assert Params().model.trust_remote_code is False
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seen = []
+    real_model, real_tok = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def spy(real):
+        def load(*args, **kwargs):
+            seen.append(kwargs.get("trust_remote_code"))
+            return real(*args, **kwargs)
+        return load
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy(real_model))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy(real_tok))
+    params = load_params(write_params(tmp_path, {"sft": {"max_steps": 1}}))
+    for stage in ("preprocess", "sft"):
+        runner.run_stage(stage, params)
+    assert seen and set(seen) == {False}, seen
+    seen.clear()
+    trusted = load_params(write_params(tmp_path, {"model": {"trust_remote_code": True}, "sft": {"max_steps": 1}}))
+    for stage in ("preprocess", "sft"):
+        runner.run_stage(stage, trusted)
+    assert seen and set(seen) == {True}, seen
