@@ -390,6 +390,7 @@ class GRPOTrainer(Trainer):
 
     def _log_generation(self, rewards, valid, per_function, batch) -> None:
         m, g = self._metrics, self.args.num_generations
+        rewards, valid = self.accelerator.gather(rewards), self.accelerator.gather(valid)  # every rank's groups
         scored = rewards[valid]
         m["reward"].append(scored.mean().item() if scored.numel() else math.nan)
         m["reward_std"].append(scored.std().item() if scored.numel() > 1 else 0.0)

@@ -56,3 +56,16 @@ def test_no_preference_pairs_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="no preference pairs; policy.data = preprocess: data.source has no "
                                         "prompt/chosen/rejected rows"):
         runner.run_stage("reference", params)
+
+
+def test_beta_only_rerun_runs_no_reference_forward(tmp_path, built_pipeline):
+    from stages.trainers import dpo
+
+    params, _ = built_pipeline
+    shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
+    p = load_params(write_params(tmp_path, {"policy": {"dpo": {"beta": 0.3}}}))
+    before = dpo.REFERENCE_FORWARDS
+    assert runner.run_stage("reference", p)["executed"] is False  # beta is not an input of the log-probs
+    m = runner.run_stage("policy", p)
+    assert m["executed"] and m["metrics"]["steps"] == 3
+    assert dpo.REFERENCE_FORWARDS == before  # the reference model never ran
