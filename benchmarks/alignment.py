@@ -6,7 +6,7 @@
 
 Runs the stages directly (`stages.runner.run_stage`, what every entry point calls) in a
 temporary output folder: preprocess, sft, reward and score once, then `reference`,
-`policy` and `evaluate` for each method. Stages shared by the methods are cache hits after
+`policy`, `merge` and `evaluate` for each method. Stages shared by the methods are cache hits after
 the first. Prints the reward model's held-out accuracy, the score stage's pair quality
 (share of pairs whose chosen answer is actually right), and one evaluation table: base,
 SFT, then each method's policy, with its training time.
@@ -59,8 +59,11 @@ def main() -> None:
         runner.run_stage("reference", params)
         policy = runner.run_stage("policy", params)
         elapsed = time.perf_counter() - t0
+        runner.run_stage("merge", params)
         evaluation = runner.run_stage("evaluate", params)["metrics"]["table"]
         for r in evaluation:
+            if r["model"] == "merged":
+                continue  # equal to the policy row (the merge stage checks its logits)
             label = method if r["model"] == "policy" else r["model"]
             table[label] = (r["accuracy"], r["n"], elapsed if r["model"] == "policy" else None,
                             policy["metrics"].get("steps") if r["model"] == "policy" else None)

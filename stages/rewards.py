@@ -213,9 +213,9 @@ class RewardFunctions:
         for name, fn in self.functions:
             try:
                 out = fn(prompts, completions, **columns)
-            except Exception as e:
-                e.add_note(f"in reward function {name!r}")
-                raise
+            except Exception as e:  # a user's function: say which one, keep the original traceback chained
+                raise ValueError(f"reward function {name!r} raised {type(e).__name__}: {e}; it is called as "
+                                 "f(prompts, completions, **columns) -> list[float | None]") from e
             scores[name] = _check_output(name, out, n)
         totals: list[float | None] = []
         for i in range(n):
