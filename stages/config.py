@@ -248,12 +248,14 @@ class ScoreParams:
                              rule="must be -1 or > 0")
     n: int = positive(4, "completions sampled per prompt (>= 2 to form pairs)")
     generation: GenerationParams = param(default_factory=GenerationParams, help="sampling settings")
-    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
+    reward_functions: list[str] = param(default_factory=lambda: ["exact_match", "reward_model"],
                                         help="built-ins or module:function dotted paths")
-    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05],
+                                               help="one weight per reward function (null: all 1.0)")
     pairing: Literal["best_worst", "all_pairs"] = param("best_worst", help="best_worst: one pair per prompt; "
                                                          "all_pairs: every pair whose scores differ by > min_margin")
-    min_score: float | None = param(None, help="drop pairs whose chosen score is below this (null: off)")
+    min_score: float | None = param(0.5, help="drop pairs whose chosen score is below this (null: off); with the "
+                                    "default weights: the chosen answer must be right")
     min_margin: float = non_negative(0.0, "drop pairs whose score difference is <= this (ties always dropped)")
     max_length: int = positive(512, "drop completions whose prompt + completion is longer (tokens)")
     dedup: bool = param(True, help="collapse identical completions of one prompt before pairing")

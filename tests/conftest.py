@@ -28,7 +28,8 @@ SMALL = {
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},
     "sft": {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1},
     "reward": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "min_accuracy": 0.0},
-    "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6}},
+    "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6},  # the small model is never right:
+              "reward_functions": ["reward_model"], "reward_weights": None, "min_score": None},  # RM-only pairs
     "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "num_prompts": 16,
                "grpo": {"num_generations": 2, "max_steps": 3, "per_device_train_batch_size": 4,
                         "generation": {"max_new_tokens": 6}},

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from stages import generation
+from stages.artifacts import write_json_atomic
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
@@ -52,10 +53,16 @@ def run(ctx) -> dict[str, Any]:
 
     outputs = {}
     for label, (path, base) in candidates(ctx).items():
+        saved = ctx.work / "outputs" / f"{label}.json"  # one shard per model: a rerun after a crash skips it
+        if saved.exists():
+            outputs[label] = Outputs(**json.loads(saved.read_text()))
+            ctx.log.info("evaluate: %s outputs reused from %s", label, saved)
+            continue
         model, tokenizer = load_model(path, base, dtype=p.model.dtype, device=device,
                                       trust_remote_code=p.model.trust_remote_code)
         outputs[label] = generate_outputs(model, tokenizer, rows, sampling, batch_size=e.batch_size)
         del model
+        write_json_atomic(saved, asdict(outputs[label]))
 
     rewards = score_rewards(rows, outputs, reward_path, device) if reward_path else {}
     table, predictions = [], []

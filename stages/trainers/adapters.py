@@ -6,6 +6,8 @@ adapters after checking that the target modules exist.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from torch import nn
 
 
@@ -17,11 +19,8 @@ def quantization_config(lora, *, device: str, compute_dtype: str = "bfloat16"):
         raise ValueError(f"lora.quantization = {lora.quantization!r}: QLoRA needs a CUDA GPU (bitsandbytes "
                          f"quantises on the GPU) but this run is on {device}; set lora.quantization: none for "
                          "plain LoRA")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise ValueError(f"lora.quantization = {lora.quantization!r} needs bitsandbytes: pip install bitsandbytes"
-                         ) from None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"lora.quantization = {lora.quantization!r} needs bitsandbytes: pip install bitsandbytes")
     import torch
     from transformers import BitsAndBytesConfig
 

@@ -315,6 +315,19 @@ def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[f
     return total.mean(), stats
 
 
+def tokenized_dataset(rows, marker: str, tokenize: Callable[[list[dict]], list[dict]]):
+    """`rows` (an iterable of dicts, or None) as a `datasets.Dataset`, passed through `tokenize` unless the
+    first row already has the column `marker` (rows tokenized beforehand). None stays None."""
+    import datasets
+
+    if rows is None:
+        return None
+    rows = list(rows)
+    if rows and marker not in rows[0]:
+        rows = tokenize(rows)
+    return datasets.Dataset.from_list(rows)
+
+
 @torch.no_grad()
 def loss_only_prediction_step(trainer: Trainer, model, inputs) -> tuple[torch.Tensor, None, None]:
     """`prediction_step` for trainers whose batches carry no `labels`: the loss only.
@@ -338,15 +351,11 @@ class DPOTrainer(Trainer):
 
     def __init__(self, model, ref_model=None, *, args: DPOConfig, processing_class, train_dataset,
                  eval_dataset=None, **kwargs):
-        import datasets
-
         def prepare(rows):
-            if rows is None:
-                return None
-            rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)
-            if rows and "chosen_input_ids" not in rows[0]:
-                rows = tokenize_pairs(processing_class, rows, args.max_length)
-            return datasets.Dataset.from_list(rows)
+            if rows is not None:
+                rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)
+            return tokenized_dataset(rows, "chosen_input_ids",
+                                     lambda r: tokenize_pairs(processing_class, r, args.max_length))
 
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", PairCollator(processing_class.pad_token_id))

@@ -26,7 +26,7 @@ from transformers import Trainer, TrainingArguments
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
 from stages.trainers.dpo import (flush_metrics, frozen_reference, loss_only_prediction_step, reference_model,
-                                 reference_sequence_logps, sequence_logps)
+                                 reference_sequence_logps, sequence_logps, tokenized_dataset)
 from stages.utils import pad
 
 KL_PREFIX = "kl_"
@@ -122,15 +122,9 @@ class KTOTrainer(Trainer):
 
     def __init__(self, model, ref_model=None, *, args: KTOConfig, processing_class, train_dataset,
                  eval_dataset=None, **kwargs):
-        import datasets
-
         def prepare(rows):
-            if rows is None:
-                return None
-            rows = list(rows)
-            if rows and "prompt_ids" not in rows[0]:
-                rows = tokenize_unpaired(processing_class, rows, args.max_length)
-            return datasets.Dataset.from_list(rows)
+            return tokenized_dataset(rows, "prompt_ids",
+                                     lambda r: tokenize_unpaired(processing_class, r, args.max_length))
 
         train = prepare(train_dataset)
         check_labels(train["label"], args.desirable_weight, args.undesirable_weight)

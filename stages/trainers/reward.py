@@ -40,6 +40,7 @@ from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.losses import reward_loss
+from stages.trainers.dpo import tokenized_dataset
 from stages.trainers.logprobs import unwrap
 from stages.utils import pad
 
@@ -236,15 +237,9 @@ class RewardTrainer(Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, *, args: RewardConfig, processing_class, train_dataset, eval_dataset=None, **kwargs):
-        import datasets
-
         def prepare(rows):
-            if rows is None:
-                return None
-            rows = list(rows)
-            if rows and "chosen_input_ids" not in rows[0]:
-                rows = tokenize_pairs(processing_class, rows, args.max_length)
-            return datasets.Dataset.from_list(rows)
+            return tokenized_dataset(rows, "chosen_input_ids",
+                                     lambda r: tokenize_pairs(processing_class, r, args.max_length))
 
         score_head(model)  # fail early on a model without a reward head
         config = unwrap(model).config

@@ -63,3 +63,31 @@ def test_extract_answer():
     assert extract("the answer is", pat) is None
     assert extract("  Paris ", None) == "Paris"
     assert after_reasoning("a</think>b</think>c") == "c"
+
+
+def test_a_crashed_evaluate_reuses_the_outputs_it_finished(tmp_path, built_pipeline, monkeypatch):
+    """The models evaluated before a crash are not generated again on the rerun."""
+    import shutil
+
+    from stages.config import load_params
+    from stages.pipeline import evaluate
+    from tests.conftest import write_params
+
+    params, _ = built_pipeline
+    shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
+    p = load_params(write_params(tmp_path, {"evaluate": {"max_new_tokens": 5}}))
+    calls, real = [], evaluate.generate_outputs
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "generate_outputs", crash_on_third)
+    with pytest.raises(RuntimeError, match="killed"):
+        runner.run_stage("evaluate", p)
+    calls.clear()
+    monkeypatch.setattr(evaluate, "generate_outputs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    table = runner.run_stage("evaluate", p)["metrics"]["table"]
+    assert len(table) == 4 and len(calls) == 2  # base and sft were reused; policy and merged generated now

@@ -1,23 +1,18 @@
 """DPOTrainer on the built-in model and preference pairs: the loss falls, weights move, the pieces agree."""
-import dataclasses
-
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.trainers.dpo import DPOConfig, DPOTrainer, PairCollator, sequence_logps, tokenize_pairs
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
-                      intermediate_size=128, vocab_size=384, seed=0)
-    cfg = ArithmeticConfig(num_train=10, num_preference=256, num_eval=10)
-    rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
+                      intermediate_size=128)
+    rows = builtin_rows("preference", "preference", num_preference=256)
     return path, AutoTokenizer.from_pretrained(path), rows
 
 

@@ -1,28 +1,23 @@
 """DPO extensions: precomputed reference log-probs, objective combinations, pair/task weights, balanced batches."""
-import dataclasses
 from collections import Counter
 
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.losses import dpo_loss
 from stages.trainers import dpo
 from stages.trainers.dpo import (REF_COLUMNS, DPOConfig, DPOTrainer, completion_token_counts, compute_reference_logps,
                                  reference_logps_table, sequence_logps)
 from stages.trainers.sampling import BalancedBatchSampler
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
-                      intermediate_size=64, vocab_size=384, seed=0)
-    cfg = ArithmeticConfig(num_train=10, num_preference=64, num_eval=10)
-    rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"))
+    rows = builtin_rows("preference", "preference")
     return path, AutoTokenizer.from_pretrained(path), rows
 
 

@@ -1,17 +1,14 @@
 """GRPOTrainer on the built-in model: weights move, masks keep padding and post-EOS tokens out of the loss,
 unscored and equal-reward groups get zero advantage, the num_iterations / reference / reward-head paths work."""
 import copy
-import dataclasses
 
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.losses import grpo_advantages, grpo_loss
 from stages.trainers.grpo import (REWARD_HEAD_FILE, GRPOConfig, GRPOTrainer, RepeatBatchSampler, RewardHead,
                                   completion_tensors, per_token_logps)
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 G = 4
 
@@ -20,11 +17,9 @@ G = 4
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=4,
-                      intermediate_size=64, vocab_size=384, seed=0)
-    splits = arithmetic.generate(**dataclasses.asdict(ArithmeticConfig(num_train=4, num_preference=64, num_eval=4)))
-    prompts = [normalise("prompt_only", r) for r in splits["prompts"]]
-    pairs = [normalise("preference", r) for r in splits["preference"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), num_heads=4)
+    prompts = builtin_rows("prompts", "prompt_only", num_train=4, num_eval=4)
+    pairs = builtin_rows("preference", "preference", num_train=4, num_eval=4)
     return path, AutoTokenizer.from_pretrained(path), prompts, pairs
 
 

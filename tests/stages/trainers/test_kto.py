@@ -1,23 +1,17 @@
 """KTOTrainer on the built-in model and unpaired rows: the loss falls, weights move, the data is checked."""
-import dataclasses
-
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.trainers.kto import KTOCollator, KTOConfig, KTOTrainer, check_labels, tokenize_unpaired
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
-                      intermediate_size=64, vocab_size=384, seed=0)
-    cfg = ArithmeticConfig(num_train=10, num_preference=256, num_eval=10)
-    rows = [normalise("unpaired", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["unpaired"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"))
+    rows = builtin_rows("unpaired", "unpaired", num_preference=256)
     return path, AutoTokenizer.from_pretrained(path), rows
 
 

@@ -3,17 +3,16 @@ import pytest
 import torch
 from torch import nn
 
-from stages.builtin import tiny
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
+from tests.stages.trainers.conftest import build_tiny
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
-                      intermediate_size=64, vocab_size=384, seed=0)
+    path = build_tiny(tmp_path_factory.mktemp("tiny"))
     return AutoModelForCausalLM.from_pretrained(path)
 
 

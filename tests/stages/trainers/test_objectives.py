@@ -1,15 +1,12 @@
 """A user-defined objective, imported by dotted path, trains the built-in model without touching stages/."""
-import dataclasses
 import textwrap
 
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.trainers.dpo import DPOConfig, DPOTrainer
 from stages.trainers.objectives import OBJECTIVES, resolve_objective
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 USER_CODE = textwrap.dedent('''
     """SimPO-style: length-normalised, reference-free, with a target margin gamma."""
@@ -34,11 +31,9 @@ def user_module(tmp_path, monkeypatch):
 def test_user_objective_by_dotted_path_trains(tmp_path, user_module):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny.build(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=384, seed=0)
+    path = build_tiny(tmp_path / "tiny")
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = ArithmeticConfig(num_train=10, num_preference=256, num_eval=10)
-    rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
+    rows = builtin_rows("preference", "preference", num_preference=256)
     model = AutoModelForCausalLM.from_pretrained(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = DPOConfig(output_dir=str(tmp_path / "out"), loss_type=user_module, beta=2.0, reference_free=True,

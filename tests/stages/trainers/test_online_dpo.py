@@ -1,12 +1,9 @@
 """OnlineDPOTrainer: sample two completions per prompt, rank them by a reward, DPO on the fresh pairs."""
-import dataclasses
-
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
 from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, pair_features, rank_pairs
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 def digits(prompts, completions, **columns):
@@ -27,11 +24,9 @@ def test_rank_pairs_and_features():
 def test_online_dpo_trains(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny.build(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=384, seed=0)
+    path = build_tiny(tmp_path / "tiny")
     tok = AutoTokenizer.from_pretrained(path)
-    rows = arithmetic.generate(**dataclasses.asdict(ArithmeticConfig(num_train=10, num_preference=10,
-                                                                     num_eval=10)))["prompts"]
+    rows = builtin_rows("prompts", "prompt_only", num_preference=10)
     model = AutoModelForCausalLM.from_pretrained(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), max_steps=30, per_device_train_batch_size=16,

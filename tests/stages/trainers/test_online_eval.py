@@ -1,21 +1,15 @@
 """OnlineEval: a greedy exact-match evaluation every eval_steps, logged like any training metric."""
-import dataclasses
-
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.models import load_causal_lm, load_tokenizer
 from stages.rewards import exact_match
 from stages.trainers.callbacks import OnlineEval
 from stages.trainers.sft import SFTConfig, SFTTrainer
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 def test_online_eval_logs_every_eval_steps(tmp_path):
-    path = tiny.build(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=384, seed=0)
-    splits = arithmetic.generate(**dataclasses.asdict(ArithmeticConfig(num_train=64, num_preference=4, num_eval=8)))
-    rows = [normalise("messages", r) for r in splits["sft"]][:64]
-    eval_rows = [normalise("messages", r) for r in splits["sft"]][:6]
+    path = build_tiny(tmp_path / "m")
+    rows = builtin_rows("sft", "messages", num_train=64, num_preference=4, num_eval=8)
+    eval_rows = rows[:6]
     tok = load_tokenizer(str(path))
     args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8, logging_steps=1,
                      report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, max_seq_length=64)

@@ -1,27 +1,21 @@
 """PPOTrainer on the built-in model: online and offline smoke runs, masks with pad == EOS, the
 missing-EOS penalty, hand-derived rewards, and configuration errors."""
-import dataclasses
-
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.trainers.ppo import PPOConfig, PPOTrainer, masked_whiten, per_token_rewards
 from stages.trainers.rollout import completion_logps, pad_rollout
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=4,
-                      intermediate_size=64, vocab_size=384, seed=0)
-    splits = arithmetic.generate(**dataclasses.asdict(ArithmeticConfig(num_train=16, num_preference=8, num_eval=8)))
-    prompts = [normalise("prompt", r) for r in splits["prompts"]]
-    sft = [normalise("sft", r) for r in splits["sft"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), num_heads=4)
+    prompts = builtin_rows("prompts", "prompt", num_train=16, num_preference=8, num_eval=8)
+    sft = builtin_rows("sft", "sft", num_train=16, num_preference=8, num_eval=8)
     return path, AutoTokenizer.from_pretrained(path), prompts, sft
 
 

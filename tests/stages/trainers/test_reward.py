@@ -1,29 +1,26 @@
 """RewardTrainer on the built-in model and preference pairs: the loss falls, weights move, rewards are read
 at the right token, and evaluation / scoring agree with training."""
 import copy
-import dataclasses
 
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig, LoraParams
-from stages.data.formats import normalise
+from stages.config import LoraParams
 from stages.losses import reward_loss
 from stages.rewards import load_reward_function
 from stages.trainers.adapters import apply_lora
 from stages.trainers.reward import (RewardCollator, RewardConfig, RewardTrainer, evaluate_reward_model,
                                     load_reward_model, score_texts, sequence_rewards, tokenize_pairs)
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
-                      intermediate_size=128, vocab_size=384, seed=0)
-    cfg = ArithmeticConfig(num_train=10, num_preference=256, num_eval=10)
-    rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
+                      intermediate_size=128)
+    rows = builtin_rows("preference", "preference", num_preference=256)
     return str(path), AutoTokenizer.from_pretrained(path), rows
 
 

@@ -1,21 +1,16 @@
 """SFTTrainer on the built-in model and task: the loss falls, every weight moves, prompts are masked."""
-import dataclasses
-
 import pytest
 import torch
 
-from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
-from stages.data.formats import normalise
 from stages.trainers.sft import SFTConfig, SFTTrainer
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
-                      intermediate_size=128, vocab_size=384, seed=0)
-    cfg = ArithmeticConfig(num_train=512, num_preference=10, num_eval=10)
-    rows = [normalise("messages", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["sft"]]
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
+                      intermediate_size=128)
+    rows = builtin_rows("sft", "messages", num_train=512, num_preference=10)
     return path, rows
 
 

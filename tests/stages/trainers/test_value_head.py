@@ -4,14 +4,13 @@ import json
 import pytest
 import torch
 
-from stages.builtin import tiny
 from stages.trainers.value_head import VALUE_HEAD_FILE, AutoModelForCausalLMWithValueHead
+from tests.stages.trainers.conftest import build_tiny
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=4,
-                      intermediate_size=64, vocab_size=384, seed=0)
+    return build_tiny(tmp_path_factory.mktemp("tiny"), num_heads=4)
 
 
 def _inputs():
