@@ -9,7 +9,8 @@ temporary output folder: preprocess, sft, reward and score once, then `reference
 `policy`, `merge` and `evaluate` for each method. Stages shared by the methods are cache hits after
 the first. Prints the reward model's held-out accuracy, the score stage's pair quality
 (share of pairs whose chosen answer is actually right), and one evaluation table: base,
-SFT, then each method's policy, with its training time.
+SFT, then each method's policy: accuracy, mean reward-model score on the held-out prompts,
+and the time of its `reference` + `policy` stages.
 """
 from __future__ import annotations
 
@@ -66,18 +67,19 @@ def main() -> None:
                 continue  # equal to the policy row (the merge stage checks its logits)
             label = method if r["model"] == "policy" else r["model"]
             table[label] = (r["accuracy"], r["n"], elapsed if r["model"] == "policy" else None,
-                            policy["metrics"].get("steps") if r["model"] == "policy" else None)
+                            policy["metrics"].get("steps") if r["model"] == "policy" else None, r.get("reward"))
     for stage, t in times.items():
         rows.append((f"stage {stage}", f"{t:.1f} s"))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'measure':<{width}}  value")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(f"\n{'model':<12} {'accuracy':>9} {'vs sft':>8} {'train s':>8} {'steps':>6}")
+    print(f"\n{'model':<12} {'accuracy':>9} {'vs sft':>8} {'RM score':>9} {'train s':>8} {'steps':>6}")
     sft = table["sft"][0]
-    for label, (acc, n, t, steps) in table.items():
+    for label, (acc, n, t, steps, reward) in table.items():
         gain = "" if label in ("base", "sft") else f"{(acc - sft) * 100:+.1f}"
-        print(f"{label:<12} {acc:>9.1%} {gain:>8} {'' if t is None else f'{t:.1f}':>8} {steps or '':>6}")
+        rm = "" if reward is None else f"{reward:.2f}"
+        print(f"{label:<12} {acc:>9.1%} {gain:>8} {rm:>9} {'' if t is None else f'{t:.1f}':>8} {steps or '':>6}")
     print(f"\n(n = {next(iter(table.values()))[1]} held-out prompts, greedy decoding, exact match; output in {out})")
 
 
