@@ -10,7 +10,8 @@ nightly deployment: the merged model replaces models/production only if it is be
 Each task finishes "Cached" when its stage's output folder is current (same params, code
 and inputs, files intact), so rerunning the flow only executes what changed downstream of
 a change. Run it with `align run`, or through the deployments (`align serve`, then
-`prefect deployment run align/full`).
+`prefect deployment run align/full`). With `run.parallel_shards` > 1, score's prompt shards and
+evaluate's models are first computed by that many shard tasks at once (tasks/shards.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
@@ -30,9 +32,12 @@ from tasks.reference import reference
 from tasks.reward import reward
 from tasks.score import score
 from tasks.sft import sft
+from tasks.shards import fan_out
 
 
-@flow(name="align")
+# Runs the shard tasks (run.parallel_shards: that many at once); on a cluster, e.g.
+# align.with_options(task_runner=DaskTaskRunner(address=...)) (prefect-dask; README "Scale out").
+@flow(name="align", task_runner=ThreadPoolTaskRunner())
 def align(params_file: str = "params.yaml", overrides: list[str] | None = None, promote: bool = False
           ) -> dict[str, Any]:
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
@@ -47,12 +52,12 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     runs["preprocess"] = preprocess(params, return_state=True)
     runs["sft"] = sft(params, after("preprocess"), return_state=True)
     runs["reward"] = reward(params, after("preprocess", "sft"), return_state=True)
-    runs["score"] = score(params, after("preprocess", "sft", "reward"), return_state=True)
+    runs["score"] = score(params, fan_out("score", params, after("preprocess", "sft", "reward")), return_state=True)
     runs["reference"] = reference(params, after("preprocess", "sft", "score"), return_state=True)
     runs["policy"] = policy(params, after("preprocess", "sft", "reward", "score", "reference"), return_state=True)
     runs["merge"] = merge(params, after("preprocess", "sft", "policy"), return_state=True)
-    runs["evaluate"] = evaluate(params, after("preprocess", "sft", "reward", "score", "policy", "merge"),
-                                return_state=True)
+    runs["evaluate"] = evaluate(params, fan_out("evaluate", params, after("preprocess", "sft", "reward", "score",
+                                                                          "policy", "merge")), return_state=True)
 
     summary = summarise(runs)
     if promote:

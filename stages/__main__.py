@@ -8,6 +8,8 @@ output folder is current, otherwise builds it atomically with a manifest.
     python -m stages sft --set sft.learning_rate=1e-3
     python -m stages status          # which stages are current, and why not
     python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table
+    python -m stages score --shard 0 --num-shards 4   # one share of score's prompts, on any machine
+                                                      # sharing run.output_dir; then `python -m stages score`
 
 Training stages (sft, reward, policy) with `run.launch.num_processes` > 1 (or several machines)
 go through `accelerate launch` (see `stages.launch`); everything else runs in this process.
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a param by its dotted key, e.g. sft.learning_rate=1e-4 (repeatable)")
     p.add_argument("--force", action="store_true", help="rebuild even if the output is current")
+    p.add_argument("--shard", type=int, metavar="K", help="score/evaluate: compute only share K (0-based) of "
+                   "--num-shards into the stage's work folder and publish nothing; the plain stage run assembles")
+    p.add_argument("--num-shards", type=int, metavar="N", help="how many shares --shard counts (with --shard)")
     return p
 
 
@@ -53,6 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from stages import runner
 
+    if (args.shard is None) != (args.num_shards is None) or (args.shard is not None and
+                                                              (args.force or args.stage not in STAGES)):
+        print("error: --shard K needs --num-shards N, a stage and no --force", file=sys.stderr)
+        return 2
+    if args.shard is not None:
+        try:
+            row = runner.run_shard(args.stage, params, args.shard, args.num_shards)
+        except runner.UpstreamMissing as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {args.stage}: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(row, indent=2))
+        return 0
     if args.stage == "status":
         for row in runner.status(params):
             mark = "current" if row["current"] else f"stale: {row['reason']}"

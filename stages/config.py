@@ -559,6 +559,8 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
     schedule: ScheduleConfig = param(default_factory=ScheduleConfig, help="nightly deployment schedule")
     launch: LaunchConfig = param(default_factory=LaunchConfig, help="processes and machines of training stages")
+    parallel_shards: int = positive(1, "the flow computes score's prompt shards and evaluate's models in this many "
+                                    "processes at once, through its task runner (1: in the stage's own run)")
 
 
 @dataclass

@@ -4,6 +4,8 @@
 `stages.artifacts`); if not, it calls the stage's entry point with a `StageContext`
 pointing at a temporary folder, then seals it with a manifest and renames it into place.
 Every entry point goes through here: `python -m stages <stage>`, the Prefect tasks, `dvc repro`.
+`run_shard(name, params, k, n)` computes share k of n of a stage's independent work (score's
+prompt shards, evaluate's models) into the work folder that `run_stage` then assembles from.
 
 Reliability contract:
 - one writer per output folder: a lock file beside it (`stages.artifacts.lock`); a second run
@@ -18,16 +20,20 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import yaml
 
 from stages import artifacts, launch
 from stages.config import Params
@@ -189,6 +195,58 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
     log.info("%s: done in %.1fs -> %s", name, manifest["wall_time_s"], state.folder)
     return {**manifest, "executed": True}
+
+
+def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[str, Any]:
+    """Compute share `shard` of `num_shards` of stage `name`'s independent work into its work folder;
+    publish nothing. Then `run_stage` (same params, so the same fingerprint and work folder) finds the
+    shares saved and only assembles and seals the output.
+
+    For the stages whose module has `run_shard(ctx, shard, num_shards)`: score (prompt shards) and
+    evaluate (models). Shares may run at once, in processes or on machines sharing `run.output_dir`:
+    each writes only its own files, atomically, so no lock is taken. Not in threads of one process:
+    sampling seeds torch's process-wide RNG (use `run_shard_process`). A current stage computes nothing.
+    Returns {"stage", "fingerprint", "shard", "num_shards", "executed", **the module's summary}.
+    """
+    spec = get_stage(name)
+    fn = _shard_entry(spec)
+    if not (isinstance(num_shards, int) and isinstance(shard, int) and 0 <= shard < num_shards):
+        raise ValueError(f"shard {shard} of {num_shards}: need 0 <= shard < num_shards")
+    state = inspect(name, params)
+    row = {"stage": name, "fingerprint": state.fingerprint, "shard": shard, "num_shards": num_shards}
+    if state.current:
+        log.info("%s: up to date (fingerprint %s), no shard to compute", name, state.fingerprint)
+        return {**row, "executed": False}
+    work = work_dir(params, name, state.fingerprint)
+    work.mkdir(parents=True, exist_ok=True)
+    log.info("%s: computing shard %d of %d into %s", name, shard, num_shards, work)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
+        ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
+                           log=logging.getLogger(f"stages.{name}"), work=work)
+        summary = fn(ctx, shard, num_shards) or {}
+    return {**row, "executed": True, **summary}
+
+
+def run_shard_process(name: str, params: Params, shard: int, num_shards: int, *,
+                      on_line: Callable[[str], Any] = print, timeout_s: float | None = None) -> None:
+    """`run_shard` in a fresh `python -m stages <name> --shard K --num-shards N` process (its own RNG and
+    threads: what concurrent shards of one machine need); raises `launch.LaunchFailed` if it fails."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))  # no oversubscription
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(artifacts.CODE_ROOT), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:
+        params_file = Path(tmp) / "params.yaml"  # the resolved params, overrides included
+        params_file.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
+        cmd = [sys.executable, *launch.stage_target(name, params_file),
+               "--shard", str(shard), "--num-shards", str(num_shards)]
+        launch.run_command(cmd, on_line=on_line, timeout_s=timeout_s, env=env)
+
+
+def _shard_entry(spec: StageSpec):
+    module = importlib.import_module(spec.entry.partition(":")[0])
+    if not hasattr(module, "run_shard"):
+        raise ValueError(f"stage {spec.name!r} has no shards to compute apart; sharded stages: score, evaluate")
+    return module.run_shard
 
 
 def work_dir(params: Params, name: str, fingerprint: str) -> Path:

@@ -19,7 +19,13 @@ BLEU and ROUGE go through the `evaluate` library with metric modules shipped in
 one row per model), `predictions.jsonl`, `plots/` (loss curves of each training stage,
 reward distributions, accuracy per stage: PNG + DVC plot data) and `report.md`.
 
+Each model's outputs are saved in the stage's work folder as soon as they are generated: a
+rerun after a crash skips the models already done, and `run_shard` generates a share of the
+models apart (another process or machine sharing `run.output_dir`; the flow does it with
+`run.parallel_shards`), after which the stage run only scores and tabulates.
+
     python -m stages evaluate [--set evaluate.decoding=beam] [--set evaluate.max_samples=100]
+    python -m stages evaluate --shard 0 --num-shards 2 & python -m stages evaluate --shard 1 --num-shards 2; wait
 """
 from __future__ import annotations
 
@@ -43,26 +49,11 @@ THINK = ("<think>", "</think>")
 def run(ctx) -> dict[str, Any]:
     p, e = ctx.params, ctx.params.evaluate
     device = pick_device(p.run.device)
-    rows = read_jsonl(ctx.inputs["preprocess"] / "eval.jsonl")
-    if e.max_samples > 0:
-        rows = rows[: e.max_samples]
-    check_references(rows, e.metrics, ctx.inputs["preprocess"] / "eval.jsonl")  # before any model is loaded
+    rows = eval_rows(ctx)
     reward_path = ctx.inputs["reward"] / "model"
     reward_path = str(reward_path) if reward_path.is_dir() and {"reward", "win_rate"} & set(e.metrics) else None
-    sampling = sampling_params(e, p.run.seed)
-
-    outputs = {}
-    for label, (path, base) in candidates(ctx).items():
-        saved = ctx.work / "outputs" / f"{label}.json"  # one shard per model: a rerun after a crash skips it
-        if saved.exists():
-            outputs[label] = Outputs(**json.loads(saved.read_text()))
-            ctx.log.info("evaluate: %s outputs reused from %s", label, saved)
-            continue
-        model, tokenizer = load_model(path, base, dtype=p.model.dtype, device=device,
-                                      trust_remote_code=p.model.trust_remote_code)
-        outputs[label] = generate_outputs(model, tokenizer, rows, sampling, batch_size=e.batch_size)
-        del model
-        write_json_atomic(saved, asdict(outputs[label]))
+    outputs = {label: model_outputs(ctx, label, path, base, rows, device)
+               for label, (path, base) in candidates(ctx).items()}
 
     rewards = score_rewards(rows, outputs, reward_path, device) if reward_path else {}
     table, predictions = [], []
@@ -94,6 +85,48 @@ def run(ctx) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- models
+
+
+def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
+    """Generate the outputs of share `shard` of `num_shards` of the models (the k-th candidate when
+    k % num_shards == shard) into `ctx.work/outputs/`; the stage's `run` afterwards (same params, so
+    the same work folder) finds them saved and only scores them and writes the table.
+
+    Run through `stages.runner.run_shard` (`python -m stages evaluate --shard K --num-shards N`).
+    Returns {"models": the labels of this share}.
+    """
+    device = pick_device(ctx.params.run.device)
+    rows = eval_rows(ctx)
+    mine = {label: model for k, (label, model) in enumerate(candidates(ctx).items()) if k % num_shards == shard}
+    for label, (path, base) in mine.items():
+        model_outputs(ctx, label, path, base, rows, device)
+    return {"models": list(mine)}
+
+
+def eval_rows(ctx) -> list[dict]:
+    """The held-out rows (at most `evaluate.max_samples`), checked before any model is loaded."""
+    e = ctx.params.evaluate
+    rows = read_jsonl(ctx.inputs["preprocess"] / "eval.jsonl")
+    if e.max_samples > 0:
+        rows = rows[: e.max_samples]
+    check_references(rows, e.metrics, ctx.inputs["preprocess"] / "eval.jsonl")
+    return rows
+
+
+def model_outputs(ctx, label: str, path: str, base: str | None, rows: list[dict], device: str) -> Outputs:
+    """Model `label`'s outputs on `rows`: from `ctx.work/outputs/<label>.json` when a crashed run or a
+    `run_shard` saved them, else generated and saved there (atomically) first."""
+    p, e = ctx.params, ctx.params.evaluate
+    saved = ctx.work / "outputs" / f"{label}.json"
+    if saved.exists():
+        ctx.log.info("evaluate: %s outputs reused from %s", label, saved)
+        return Outputs(**json.loads(saved.read_text()))
+    model, tokenizer = load_model(path, base, dtype=p.model.dtype, device=device,
+                                  trust_remote_code=p.model.trust_remote_code)
+    out = generate_outputs(model, tokenizer, rows, sampling_params(e, p.run.seed), batch_size=e.batch_size)
+    del model
+    write_json_atomic(saved, asdict(out))
+    return out
 
 
 def candidates(ctx) -> dict[str, tuple[str, str | None]]:

@@ -10,20 +10,26 @@ With `score.source: dataset` nothing is generated: the rows of `score.dataset` (
 a list of `completions`) are scored and paired (DPO data from pre-computed generations).
 Sampling and scoring run in shards of `score.generation.batch_size` prompts; every finished
 shard is kept in the stage's work folder, so a rerun after a crash or kill resumes from the
-last finished shard instead of sampling everything again.
+last finished shard instead of sampling everything again. The shards can also be computed
+apart, by several processes or machines sharing `run.output_dir` (`run_shard`; the flow does
+it with `run.parallel_shards`); the stage run then only assembles them.
 
 Writes `pairs.jsonl` (prompt, chosen, rejected, chosen_score, rejected_score + the
 prompt's columns), `scores.jsonl` (every completion with its total and per-function
 scores) and `histogram.json`; the filter counts and the score distribution are in the manifest.
 
     python -m stages score [--set score.n=8] [--set score.reward_functions=[exact_match]]
+    python -m stages score --shard 0 --num-shards 2 & python -m stages score --shard 1 --num-shards 2; wait
+    python -m stages score           # assembles the shards into pairs.jsonl, samples nothing more
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import uuid
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -42,37 +48,13 @@ PAIR_KEYS = ("prompt", "completions", "completion", "chosen", "rejected")  # a p
 
 
 def run(ctx) -> dict[str, Any]:
-    p, s = ctx.params, ctx.params.score
+    s = ctx.params.score
     if not s.enabled:
         ctx.log.info("score: disabled (score.enabled false); no pairs")
         return {"enabled": False}
-    device = pick_device(p.run.device)
-    sft = str(ctx.inputs["sft"] / "model")
-    tokenizer = load_tokenizer(sft, trust_remote_code=p.model.trust_remote_code)
-    # every reward function imported and checked before any sampling
-    rewards = build_reward_functions(s.reward_functions, s.reward_weights, key="score.reward_functions",
-                                     reward_model_path=reward_model_path(ctx), device=device)
-    g = s.generation
-    if s.source == "dataset":
-        rows, everything = load_generations(s.dataset, tokenizer, s.num_prompts)
-        backend, seed = "dataset", everything.seed
-
-        def sample(start: int, stop: int) -> Generations:
-            return slice_generations(everything, start, stop)
-    else:
-        rows = prompt_rows(ctx, s.num_prompts)
-        model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code)
-        backend, seed = g.backend, p.run.seed
-        ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
-
-        def sample(start: int, stop: int) -> Generations:
-            # seeded by the shard's first prompt: a shard sampled again after a crash is the same shard
-            sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True,
-                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=p.run.seed + start)
-            return generate(model if g.backend == "hf" else sft, tokenizer, [r["prompt"] for r in rows[start:stop]],
-                            sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
-    records = sample_and_score(ctx, rows, sample, rewards, tokenizer, shard_size=g.batch_size)
-    model = None  # noqa: F841 (the sampling closure holds it; freed before pairing)
+    rows, sample, rewards, tokenizer, backend, seed = prepare(ctx)
+    records = sample_and_score(ctx, rows, sample, rewards, tokenizer, shard_size=s.generation.batch_size)
+    sample = None  # noqa: F841 (its closure holds the SFT model: freed before pairing)
     prompt_index = [r["prompt_index"] for r in records]
     texts = [r["text"] for r in records]
     totals = [r["score"] for r in records]
@@ -110,11 +92,78 @@ def run(ctx) -> dict[str, Any]:
     }
 
 
-def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard_size: int) -> list[dict]:
+def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
+    """Sample and score share `shard` of `num_shards` of the prompt shards (those numbered k with
+    k % num_shards == shard) into `ctx.work/shards/`, and assemble nothing: the stage's `run`
+    afterwards (same params, so the same work folder) finds them saved and only pairs them.
+
+    Run through `stages.runner.run_shard` (`python -m stages score --shard K --num-shards N`).
+    Returns {"shards": the prompt-shard numbers of this share, "sampled": how many were sampled now}.
+    """
+    s = ctx.params.score
+    if not s.enabled:
+        return {"shards": [], "sampled": 0}
+    rows, sample, rewards, tokenizer, _, _ = prepare(ctx)
+    mine = [k for k in range(num_prompt_shards(len(rows), s.generation.batch_size)) if k % num_shards == shard]
+    sampled = []
+
+    def counting(start: int, stop: int) -> Generations:
+        sampled.append(start)
+        return sample(start, stop)
+
+    sample_and_score(ctx, rows, counting, rewards, tokenizer, shard_size=s.generation.batch_size, only=mine)
+    return {"shards": mine, "sampled": len(sampled)}
+
+
+def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
+    """(prompt rows, sample(start, stop) -> Generations, reward functions, tokenizer, backend, seed).
+
+    The SFT model is loaded on the first `sample` call: a run whose shards are all saved loads none.
+    """
+    p, s = ctx.params, ctx.params.score
+    device = pick_device(p.run.device)
+    sft = str(ctx.inputs["sft"] / "model")
+    tokenizer = load_tokenizer(sft, trust_remote_code=p.model.trust_remote_code)
+    # every reward function imported and checked before any sampling
+    rewards = build_reward_functions(s.reward_functions, s.reward_weights, key="score.reward_functions",
+                                     reward_model_path=reward_model_path(ctx), device=device)
+    g = s.generation
+    if s.source == "dataset":
+        rows, everything = load_generations(s.dataset, tokenizer, s.num_prompts)
+
+        def sample(start: int, stop: int) -> Generations:
+            return slice_generations(everything, start, stop)
+
+        return rows, sample, rewards, tokenizer, "dataset", everything.seed
+    rows = prompt_rows(ctx, s.num_prompts)
+    loaded = []
+
+    def sample(start: int, stop: int) -> Generations:
+        if not loaded:
+            ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
+            loaded.append(load_causal_lm(sft, dtype=p.model.dtype, device=device,
+                                         trust_remote_code=p.model.trust_remote_code) if g.backend == "hf" else sft)
+        # seeded by the shard's first prompt: a shard sampled again after a crash, or in another process, is the same
+        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True,
+                                  temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=p.run.seed + start)
+        return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]],
+                        sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
+
+    return rows, sample, rewards, tokenizer, g.backend, p.run.seed
+
+
+def num_prompt_shards(num_rows: int, shard_size: int) -> int:
+    return -(-num_rows // shard_size)
+
+
+def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard_size: int,
+                     only: Collection[int] | None = None) -> list[dict]:
     """One record per completion: prompts sampled (`sample(start, stop) -> Generations`) and scored in shards.
 
     Each finished shard of `shard_size` prompts is saved to `ctx.work/shards/NNNN.jsonl`
-    (atomically); a rerun after a crash or kill reuses the saved shards and samples only the rest.
+    (atomically); a rerun after a crash or kill reuses the saved shards and samples only the rest,
+    and so does the run after `run_shard`s computed them elsewhere. `only`: just these shard
+    numbers (their records are returned); None: all.
     Records: prompt_index, text (the assistant message, reasoning kept), answer (what reward
     functions scored), finished, length (prompt + completion tokens), score, scores (per function).
     """
@@ -122,13 +171,15 @@ def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard
     starts = range(0, len(rows), shard_size)
     records: list[dict] = []
     for k, start in enumerate(starts):
+        if only is not None and k not in only:
+            continue
         path, stop = folder / f"{k:04d}.jsonl", min(start + shard_size, len(rows))
         if path.exists():
             part = read_jsonl(path)
             ctx.log.info("score: shard %d/%d reused from %s (%d completions)", k + 1, len(starts), path, len(part))
         else:
             part = score_shard(rows[start:stop], sample(start, stop), rewards, tokenizer, offset=start)
-            tmp = path.with_name(f".{path.name}.tmp")
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # concurrent writers never share one
             folder.mkdir(parents=True, exist_ok=True)
             write_jsonl(tmp, part)
             os.replace(tmp, path)  # a shard file exists only once it is complete
