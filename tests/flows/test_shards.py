@@ -2,11 +2,14 @@
 each) through the flow's task runner; the stages then only assemble, and equal the sequential build."""
 import shutil
 
+import pytest
 import torch
 
 from stages import runner
 from stages.config import load_params
 from tests.conftest import STAGE_ORDER, write_params
+
+pytestmark = pytest.mark.slow
 
 FILES = {"score": ("pairs.jsonl", "scores.jsonl", "histogram.json"), "evaluate": ("metrics.json", "predictions.jsonl")}
 
