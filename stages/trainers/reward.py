@@ -25,8 +25,10 @@ adapters and the whole `score` head (PEFT adds it to modules_to_save for SEQ_CLS
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -43,6 +45,8 @@ from stages.losses import reward_loss
 from stages.trainers.dpo import tokenized_dataset
 from stages.trainers.logprobs import unwrap
 from stages.utils import pad
+
+log = logging.getLogger("stages")
 
 HEAD_NAMES = ("score", "classifier")
 
@@ -104,8 +108,25 @@ def load_reward_model(path: str, tokenizer=None, *, dtype: str = "float32", devi
         if quantization_config is not None:
             return _with_pad(AutoModelForSequenceClassification.from_pretrained(
                 path, quantization_config=quantization_config, device_map={"": 0}, **kwargs), tokenizer)
-        model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        if heads:
+            model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        else:  # a causal LM: its lm_head is dropped and a fresh score head added, as intended; no load report
+            with _quiet_transformers():
+                model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+            log.info("reward model: %s's trunk under a fresh one-output score head", path)
     return _with_pad(model.to(device), tokenizer)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _classifier_from_causal_adapter(path: str, *, dtype: str, trust_remote_code: bool):
