@@ -18,7 +18,7 @@ from __future__ import annotations
 from stages.generation import hf, vllm
 from stages.generation.common import Generations, SamplingParams
 
-__all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
+__all__ = ["BACKENDS", "Generations", "SamplingParams", "generate", "sample_policy"]
 
 BACKENDS = {"hf": hf.generate, "vllm": vllm.generate}
 
@@ -49,3 +49,13 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
                          "(build one: SamplingParams(max_new_tokens=..., n=..., do_sample=...))")
     return BACKENDS[backend](model, tokenizer, list(prompts), sampling, batch_size=batch_size, progress=progress,
                              **backend_options)
+
+
+def sample_policy(policy, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str, batch_size: int,
+                  options: dict | None = None) -> Generations:
+    """What online trainers sample from: the policy in this process ("hf"), or a vLLM server serving
+    `options["model"]`. The server keeps its own copy of the weights, not synced from the trainer, so its
+    samples go off-policy once training moves the policy."""
+    options = dict(options or {})
+    source = options.pop("model") if backend == "vllm" else policy
+    return generate(source, tokenizer, prompts, sampling, backend=backend, batch_size=batch_size, **options)

@@ -106,6 +106,14 @@ class Generations:
     def __len__(self) -> int:
         return len(self.completion_ids)
 
+    def reward_columns(self, rows: list[dict], skip: tuple[str, ...] = ("prompt",)) -> dict[str, list]:
+        """The `**columns` of reward functions: each prompt row's other columns repeated per completion
+        (`rows[i]` is prompt i's row), plus completion_ids, reasoning and finished."""
+        names = dict.fromkeys(k for r in rows for k in r if k not in skip)
+        columns = {k: [rows[i].get(k) for i in self.prompt_index] for k in names}
+        columns.update(completion_ids=self.completion_ids, reasoning=self.reasoning, finished=self.finished)
+        return columns
+
 
 def eos_token_ids(tokenizer, model=None) -> list[int]:
     """The stop ids: the tokenizer's EOS plus any the model's generation config lists (in that order)."""

@@ -190,7 +190,7 @@ def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard
 
 def score_shard(rows: list[dict], gens: Generations, rewards, tokenizer, *, offset: int) -> list[dict]:
     """Records of one shard's completions (`gens` indexes `rows` from 0; `offset` makes the indices global)."""
-    columns = completion_columns(rows, gens)
+    columns = gens.reward_columns(rows, skip=COLUMNS_NOT_PASSED)
     totals, per_function = rewards([rows[i]["prompt"] for i in gens.prompt_index], gens.completions, **columns)
     texts = completion_texts(tokenizer, gens.completion_ids)
     return [{"prompt_index": i + offset, "text": texts[k], "answer": gens.completions[k],
@@ -206,14 +206,6 @@ def slice_generations(gens: Generations, start: int, stop: int) -> Generations:
                        prompt_ids=gens.prompt_ids[start:stop], completion_ids=[gens.completion_ids[k] for k in keep],
                        completions=[gens.completions[k] for k in keep], reasoning=[gens.reasoning[k] for k in keep],
                        finished=[gens.finished[k] for k in keep], seed=gens.seed, backend=gens.backend)
-
-
-def completion_columns(rows: list[dict], gens: Generations) -> dict[str, list]:
-    """The prompt rows' extra columns repeated per completion, plus the generation's own columns."""
-    names = sorted({k for r in rows for k in r if k not in COLUMNS_NOT_PASSED})
-    columns = {k: [rows[i].get(k) for i in gens.prompt_index] for k in names}
-    columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
-    return columns
 
 
 def completion_texts(tokenizer, completion_ids: list[list[int]]) -> list[str]:

@@ -191,7 +191,7 @@ def completion_tensors(prompt_ids: list[list[int]], completion_ids: list[list[in
 
 def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, chunked: bool = True,
                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logps, entropy or None), each (B, C): `stages.trainers.rollout.completion_logps` on a completion_tensors batch."""
+    """(logps, entropy or None), each (B, C): `rollout.completion_logps` on a completion_tensors batch."""
     out = completion_logps(model, batch, temperature=temperature, chunked=chunked, with_entropy=entropy)
     return out["logps"], (out["entropy"].detach() if entropy else None)
 
@@ -317,7 +317,7 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Generate, score and compute advantages (and old / reference log-probs) for one micro-batch."""
-        from stages.generation import SamplingParams, generate
+        from stages.generation import SamplingParams, sample_policy
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
@@ -328,12 +328,8 @@ class GRPOTrainer(Trainer):
                                   temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                   seed=a.seed + 100_003 * self._generations + a.process_index)
         self._generations += 1
-        options = dict(a.generation_kwargs or {})
-        # vllm: a separate server with its own copy of the weights, named by generation_kwargs["model"]; they are
-        # not synced from this process, so its samples are off-policy once training moves the policy.
-        source = options.pop("model") if a.generation_backend == "vllm" else policy
-        gens = generate(source, tok, prompts, sampling, backend=a.generation_backend,
-                        batch_size=a.generation_batch_size, **options)
+        gens = sample_policy(policy, tok, prompts, sampling, backend=a.generation_backend,
+                             batch_size=a.generation_batch_size, options=a.generation_kwargs)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -342,9 +338,7 @@ class GRPOTrainer(Trainer):
         batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
                                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
         batch = {k: v.to(a.device) for k, v in batch.items()}
-        columns = {k: [rows[i].get(k) for i in index] for k in dict.fromkeys(k for r in rows for k in r)
-                   if k != "prompt"}
-        columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
+        columns = gens.reward_columns(rows)
         totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)
         self._tick("scoring_s", time.perf_counter() - start)
 

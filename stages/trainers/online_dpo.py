@@ -141,7 +141,7 @@ class OnlineDPOTrainer(Trainer):
     @torch.no_grad()
     def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor] | None:
         """Sample two completions per prompt, score and rank them: a `PairCollator` batch, or None."""
-        from stages.generation import SamplingParams, generate
+        from stages.generation import SamplingParams, sample_policy
 
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
@@ -149,14 +149,11 @@ class OnlineDPOTrainer(Trainer):
                                   top_p=a.top_p, top_k=a.top_k,
                                   seed=a.seed + 100_003 * self._generations + a.process_index)
         self._generations += 1
-        options = dict(a.generation_kwargs or {})
-        source = options.pop("model") if a.generation_backend == "vllm" else self.accelerator.unwrap_model(self.model)
-        gens = generate(source, tok, prompts, sampling, backend=a.generation_backend,
-                        batch_size=a.generation_batch_size, **options)
+        gens = sample_policy(self.accelerator.unwrap_model(self.model), tok, prompts, sampling,
+                             backend=a.generation_backend, batch_size=a.generation_batch_size,
+                             options=a.generation_kwargs)
         index = gens.prompt_index
-        columns = {k: [rows[i][k] for i in index] for k in rows[0] if k != "prompt"}
-        columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
-        scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **columns)
+        scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
         pairs, dropped = rank_pairs(scores)
         self._metrics["pairs/dropped"].append(dropped)
         scored = [v for v in scores if v is not None]

@@ -314,22 +314,18 @@ class PPOTrainer(Trainer):
 
     def sample(self, model, rows: list[dict]) -> tuple[list, list, list[float | None]]:
         """One completion per prompt from the current policy, scored by the reward functions."""
-        from stages.generation import SamplingParams, generate
+        from stages.generation import SamplingParams, sample_policy
 
         prompts = [r["prompt"] for r in rows]
         a = self.args
         sampling = SamplingParams(max_new_tokens=a.max_new_tokens, do_sample=True, temperature=a.temperature,
                                   top_p=a.top_p, top_k=a.top_k,
                                   seed=a.seed * 100_003 + self.state.global_step * 1_009 + a.process_index)
-        options = dict(a.generation_kwargs or {})
-        # vllm: a separate server with its own copy of the weights, not synced from here; its samples become
-        # off-policy once training moves the policy (old log-probs are still the current policy's, as offline).
-        source = options.pop("model") if a.generation_backend == "vllm" else unwrap(model).pretrained_model
-        gens = generate(source, self.processing_class, prompts, sampling, backend=a.generation_backend,
-                        batch_size=a.generation_batch_size, **options)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-        columns.update(completion_ids=gens.completion_ids, reasoning=gens.reasoning, finished=gens.finished)
-        totals, per_function = self.reward_fn(prompts, gens.completions, **columns)
+        # vllm: off-policy once training moves the policy (old log-probs are still the current policy's)
+        gens = sample_policy(unwrap(model).pretrained_model, self.processing_class, prompts, sampling,
+                             backend=a.generation_backend, batch_size=a.generation_batch_size,
+                             options=a.generation_kwargs)
+        totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         for name, values in per_function.items():
             got = [v for v in values if v is not None]
             if got:
