@@ -16,9 +16,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
+
+from stages.fields import fraction, non_negative, param, positive  # noqa: F401 (re-exported)
+from stages.trainers.dpo_params import DPOParams
+from stages.trainers.grpo_params import GRPOParams
+from stages.trainers.kto_params import KTOParams
+from stages.trainers.online_dpo_params import OnlineDPOParams
+from stages.trainers.online_sampling import GenerationParams
+from stages.trainers.ppo_params import PPOParams
 
 
 class ParamsError(ValueError):
@@ -29,29 +37,6 @@ class ParamsError(ValueError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source}: {len(problems)} problem(s) in params; nothing was run or written:\n{lines}")
-
-
-def param(default: Any = dataclasses.MISSING, *, help: str, check: Callable[[Any], bool] | None = None,
-          rule: str = "", default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a help text and an optional range check (`rule` says the fix)."""
-    meta = {"help": help, "check": check, "rule": rule}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def positive(default: float | int, help: str) -> Any:
-    return param(default, help=help, check=lambda v: v > 0, rule="must be > 0")
-
-
-def non_negative(default: float | int, help: str) -> Any:
-    return param(default, help=help, check=lambda v: v >= 0, rule="must be >= 0")
-
-
-def fraction(default: float, help: str, *, open_right: bool = True) -> Any:
-    if open_right:
-        return param(default, help=help, check=lambda v: 0 <= v < 1, rule="must be in [0, 1)")
-    return param(default, help=help, check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
 
 
 # --------------------------------------------------------------------------- sections
@@ -203,21 +188,6 @@ def check_reward_functions(names: list[str], weights: list[float] | None) -> lis
 
 
 @dataclass
-class GenerationParams:
-    """How completions are sampled (`stages.generation`): backend and decoding settings."""
-
-    backend: Literal["hf", "vllm"] = param("hf", help="hf: batched transformers generate; vllm: a vLLM server "
-                                           "(OpenAI API) started in its own environment, see README")
-    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
-    temperature: float = positive(1.0, "sampling temperature")
-    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
-    top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
-    batch_size: int = positive(64, "prompts per generate call")
-    vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
-    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
-
-
-@dataclass
 class RewardParams(TrainingParams):
     """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs."""
 
@@ -286,106 +256,54 @@ class MethodOverrides:
     num_train_epochs: float | None = _override("passes over the training rows")
 
 
+# Each method's own settings are declared once, in stages/trainers/<method>_params.py, and shared with its
+# trainer config (DPOConfig, ...). A section adds what only the pipeline has: the training overrides above
+# and, for online methods, the reward functions it builds by name.
+
+
+def _reward_functions(default: list[str], help: str) -> Any:
+    return param(default_factory=lambda: list(default), help=f"{help}: built-ins ({', '.join(REWARD_BUILTINS)}) "
+                 "or module:function dotted paths")
+
+
 @dataclass
-class DPOParams(MethodOverrides):
-    beta: float = positive(0.1, "KL strength to the reference (the SFT model)")
-    loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
-                                       "module:function objective, or a list of them combined with loss_weights")
-    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
-    label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
-                                   rule="must be in [0, 0.5)")
-    reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
-    precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once in stage `reference` "
-                                           "(cached: a rerun with another beta or loss_type skips them)")
-    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
-    task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
-                                                  "(multi-task mixtures; tasks not listed: 1.0)")
-    balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+class DPOSection(DPOParams, MethodOverrides):
+    pass
+
+
+@dataclass
+class KTOSection(KTOParams, MethodOverrides):
+    pass
+
+
+@dataclass
+class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
+    reward_functions: list[str] = _reward_functions(["reward_model"], "rank the two completions with these")
 
     def validate(self) -> list[tuple[str, str]]:
-        types = [self.loss_type] if isinstance(self.loss_type, str) else self.loss_type
-        if not types:
-            return [("loss_type", "= []: name at least one loss")]
-        if self.loss_weights is not None and len(self.loss_weights) != len(types):
-            return [("loss_weights", f"= {self.loss_weights}: {len(self.loss_weights)} weight(s) for "
-                     f"{len(types)} loss type(s)")]
-        return []
+        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
 @dataclass
-class KTOParams(MethodOverrides):
-    beta: float = positive(0.1, "KL strength to the reference")
-    desirable_weight: float = positive(1.0, "loss weight of desirable rows")
-    undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
-    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
-
-
-@dataclass
-class OnlineDPOParams(MethodOverrides):
-    beta: float = positive(0.1, "KL strength to the reference")
-    loss_type: str = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES)")
-    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the two completions")
-    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
-                                        help="rank the two completions with these")
-    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
-    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
-
-    def validate(self) -> list[tuple[str, str]]:
-        return check_reward_functions(self.reward_functions, self.reward_weights)
-
-
-@dataclass
-class GRPOParams(MethodOverrides):
+class GRPOSection(GRPOParams, MethodOverrides):
     learning_rate: float | None = _override("peak learning rate", default=1.5e-4)
     per_device_train_batch_size: int | None = _override("completions per micro-batch (num_generations per prompt)",
                                                         integer=True, default=128)
     max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True, default=150)
-    num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
-                                 rule="must be >= 2 (advantages compare completions within a group)")
-    beta: float = non_negative(0.0, "KL strength to the reference (0: no reference model)")
-    epsilon: float = positive(0.2, "lower clip of the importance ratio")
-    epsilon_high: float | None = param(None, help="upper clip (null: epsilon; DAPO uses 0.28)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = param("grpo", help="token aggregation of the loss")
-    scale_rewards: Literal["group", "batch", "none"] = param("group", help="divide advantages by this std")
-    num_iterations: int = positive(1, "updates per generation (importance ratio to the sampling policy)")
-    mask_truncated_completions: bool = param(False, help="no loss on completions cut at max_new_tokens")
-    generation: GenerationParams = param(default_factory=lambda: GenerationParams(max_new_tokens=32),
-                                          help="sampling of the groups")
-    reward_functions: list[str] = param(default_factory=lambda: ["exact_match"],
-                                        help="built-ins or module:function dotted paths")
-    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
-    reward_head: Literal["separate", "shared"] = param("separate", help="shared: the policy trains its own reward "
-                                                       "head on preference pairs in the same update (self-rewarding)")
+    reward_functions: list[str] = _reward_functions(["exact_match"], "score each completion with these")
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_reward_functions(self.reward_functions, self.reward_weights)
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            problems.append(("epsilon_high", f"= {self.epsilon_high}: must be >= epsilon ({self.epsilon})"))
-        return problems
+        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
 @dataclass
-class PPOParams(MethodOverrides):
+class PPOSection(PPOParams, MethodOverrides):
     learning_rate: float | None = _override("peak learning rate (3e-4 collapses the reward here)", default=3e-5)
-    num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")
-    num_mini_batches: int = positive(1, "minibatches per PPO epoch")
-    kl_coef: float = non_negative(0.05, "per-token KL penalty to the reference")
-    kl_estimator: Literal["k1", "k3"] = param("k1", help="per-token KL estimator")
-    cliprange: float = positive(0.2, "policy ratio clip")
-    cliprange_value: float = positive(0.2, "value clip")
-    vf_coef: float = positive(0.1, "value loss weight")
-    gamma: float = fraction(1.0, "discount", open_right=False)
-    lam: float = fraction(0.95, "GAE lambda", open_right=False)
-    whiten_rewards: bool = param(False, help="whiten the per-token rewards of each batch")
-    missing_eos_penalty: float | None = param(1.0, help="subtracted from the score of completions without EOS",
-                                              check=lambda v: v >= 0, rule="must be >= 0 or null")
-    generation: GenerationParams = param(default_factory=GenerationParams, help="rollout sampling")
-    reward_functions: list[str] = param(default_factory=lambda: ["reward_model"],
-                                        help="score of each rollout (the reward model by default)")
-    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    reward_functions: list[str] = _reward_functions(["reward_model"], "score of each rollout (the reward model "
+                                                    "by default)")
 
     def validate(self) -> list[tuple[str, str]]:
-        return check_reward_functions(self.reward_functions, self.reward_weights)
+        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
 POLICY_METHODS = ("dpo", "kto", "online_dpo", "grpo", "ppo", "none")
@@ -403,11 +321,11 @@ class PolicyParams(TrainingParams):
                                                  "scored) or preprocess (the preference data of data.source)")
     num_prompts: int = param(-1, help="online methods: train on at most N prompts (-1: all)",
                              check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    dpo: DPOParams = param(default_factory=DPOParams, help="policy.method: dpo")
-    kto: KTOParams = param(default_factory=KTOParams, help="policy.method: kto")
-    online_dpo: OnlineDPOParams = param(default_factory=OnlineDPOParams, help="policy.method: online_dpo")
-    grpo: GRPOParams = param(default_factory=GRPOParams, help="policy.method: grpo")
-    ppo: PPOParams = param(default_factory=PPOParams, help="policy.method: ppo")
+    dpo: DPOSection = param(default_factory=DPOSection, help="policy.method: dpo")
+    kto: KTOSection = param(default_factory=KTOSection, help="policy.method: kto")
+    online_dpo: OnlineDPOSection = param(default_factory=OnlineDPOSection, help="policy.method: online_dpo")
+    grpo: GRPOSection = param(default_factory=GRPOSection, help="policy.method: grpo")
+    ppo: PPOSection = param(default_factory=PPOSection, help="policy.method: ppo")
 
 
 EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "length")

@@ -240,6 +240,31 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
+# Per-token KL estimators (GRPO's penalty, PPO's per-token rewards)
+# ---------------------------------------------------------------------------------------------
+
+def kl_k1(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """k1 = log π(x) - log π_ref(x) per sampled token: unbiased for KL(π || π_ref), but can be < 0.
+
+    logps, ref_logps: same shape (e.g. (B, T)). Schulman, "Approximating KL Divergence" (2020).
+    """
+    return logps - ref_logps
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """k3 = r - 1 - log r with r = π_ref(x) / π(x), i.e. exp(d) - 1 - d for d = ref_logps - logps.
+
+    Unbiased for KL(π || π_ref) and never < 0 (exp(d) >= 1 + d); exactly 0 where the two agree.
+    expm1 keeps it accurate for small d. Same shapes as `kl_k1`.
+    """
+    d = ref_logps - logps
+    return torch.expm1(d) - d
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+# ---------------------------------------------------------------------------------------------
 # GRPO
 # ---------------------------------------------------------------------------------------------
 
@@ -322,7 +347,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
 
       ℓ = -min(ρ·A, clip(ρ, 1 - ε_low, 1 + ε_h)·A) + β·KL,  KL = exp(d) - d - 1,  d = ref_logps - logps
 
-    (the k3 estimator, always >= 0; skipped when β = 0, where ref_logps may be None). Then
+    (the k3 estimator `kl_k3`, always >= 0; skipped when β = 0, where ref_logps may be None). Then
 
       grpo     mean over each sequence's tokens, then over the B sequences
       bnpo     sum over all tokens / number of tokens
@@ -355,8 +380,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     per_token = -torch.min(ratio * adv, clipped * adv)
     metrics = {}
     if beta > 0:
-        d = _upcast(ref_logps) - logps
-        kl = torch.exp(d) - d - 1
+        kl = kl_k3(logps, _upcast(ref_logps))
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl, mask).detach()
     loss = aggregate(per_token, mask, num_items_in_batch)
@@ -449,6 +473,51 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
             "approx_kl": _masked_mean(0.5 * log_ratio ** 2, mask),
         }
     return policy + vf_coef * value, metrics
+
+
+def per_token_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, *,
+                      kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token rewards: r_t = -kl_coef·KL_t on every completion token, plus the score on the last.
+
+    logps, ref_logps, mask: (B, T); scores: (B,); KL_t by `KL_ESTIMATORS[kl_estimator]`.
+    Returns (rewards, kl), both (B, T), 0 where mask is 0. The last token is the last 1 of
+    the mask (holes allowed); a row with an empty mask gets no score.
+    """
+    estimator = _pick(KL_ESTIMATORS, kl_estimator, "kl_estimator")
+    mask = mask.to(logps.dtype)
+    kl = estimator(logps, ref_logps) * mask
+    rewards = -kl_coef * kl
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = (positions * mask).argmax(-1)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows, last] += scores.to(rewards.dtype) * (mask.sum(-1) > 0)
+    return rewards, kl
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the entries where mask is 1 (unbiased variance).
+
+    x, mask: same shape; 0 where mask is 0. shift_mean=False adds the mean back (PPO whitens
+    per-token rewards that way, so their sign is kept).
+    """
+    mask = mask.to(x.dtype)
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    return (out if shift_mean else out + mean) * mask
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the valid tokens: 1 perfect, 0 no better than a constant.
+
+    values, returns, mask: (B, T). NaN with fewer than 2 valid tokens.
+    """
+    select = mask.bool()
+    returns, residual = returns[select], (returns - values)[select]
+    if returns.numel() < 2:
+        return torch.tensor(float("nan"))
+    return 1 - residual.var() / returns.var().clamp(min=1e-8)
 
 
 # ---------------------------------------------------------------------------------------------

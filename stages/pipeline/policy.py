@@ -16,12 +16,12 @@ in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.pipeline.prompts import (backend_options, preference_pairs, prompt_rows, reward_model_path,
-                                     unpaired_rows)
+from stages.pipeline.prompts import preference_pairs, prompt_rows, reward_model_path, unpaired_rows
 from stages.rewards import build_reward_functions
 
 
@@ -86,48 +86,42 @@ def online_data(section: str):
     def data(ctx):
         p = ctx.params
         s = getattr(p.policy, section)
-        rewards = build_reward_functions(s.reward_functions, s.reward_weights,
-                                         key=f"policy.{section}.reward_functions",
+        rewards = build_reward_functions(s.reward_functions, key=f"policy.{section}.reward_functions",
                                          reward_model_path=reward_model_path(ctx), device=pick_device(p.run.device))
-        return prompt_rows(ctx, p.policy.num_prompts), rewards
+        return prompt_rows(ctx, p.policy.num_prompts), rewards.functions  # the trainer applies reward_weights
     return data
 
 
 # --------------------------------------------------------------------------- trainer per method
 
 
+def trainer_config(config_cls, section, args: dict[str, Any]):
+    """`config_cls` (e.g. GRPOConfig: the method's params + TrainingArguments) from the training keywords
+    `args` and every method field of the params `section`, as they are: no field is named here."""
+    own = {f.name for f in dataclasses.fields(config_cls)}
+    method = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+              if f.name in own and f.name not in args}  # args already holds the section's training overrides
+    return config_cls(**args, **method)
+
+
 def dpo_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
     from stages.trainers.dpo import DPOConfig, DPOTrainer
 
-    d = ctx.params.policy.dpo
-    config = DPOConfig(**args, beta=d.beta, loss_type=d.loss_type, loss_weights=d.loss_weights,
-                       label_smoothing=d.label_smoothing, reference_free=d.reference_free, max_length=d.max_length,
-                       task_weights=d.task_weights, balance_column=d.balance_column)
+    config = trainer_config(DPOConfig, ctx.params.policy.dpo, args)
     return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
 def kto_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
     from stages.trainers.kto import KTOConfig, KTOTrainer
 
-    k = ctx.params.policy.kto
-    config = KTOConfig(**args, beta=k.beta, desirable_weight=k.desirable_weight,
-                       undesirable_weight=k.undesirable_weight, max_length=k.max_length)
+    config = trainer_config(KTOConfig, ctx.params.policy.kto, args)
     return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
-
-
-def generation_kwargs(ctx, g) -> dict[str, Any]:
-    return backend_options(g, str(ctx.inputs["sft"] / "model"))
 
 
 def online_dpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    o = ctx.params.policy.online_dpo
-    g = o.generation
-    config = OnlineDPOConfig(**args, beta=o.beta, loss_type=o.loss_type, max_length=o.max_length,
-                             max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                             generation_backend=g.backend, generation_batch_size=g.batch_size,
-                             generation_kwargs=generation_kwargs(ctx, g))
+    config = trainer_config(OnlineDPOConfig, ctx.params.policy.online_dpo, args)
     return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
@@ -136,32 +130,17 @@ def grpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.grpo import GRPOConfig, GRPOTrainer
 
     s = ctx.params.policy.grpo
-    g = s.generation
-    config = GRPOConfig(**args, num_generations=s.num_generations, max_completion_length=g.max_new_tokens,
-                        beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high, temperature=g.temperature,
-                        top_p=g.top_p, top_k=g.top_k, loss_type=s.loss_type, scale_rewards=s.scale_rewards,
-                        num_iterations=s.num_iterations, mask_truncated_completions=s.mask_truncated_completions,
-                        generation_backend=g.backend, generation_batch_size=g.batch_size,
-                        generation_kwargs=generation_kwargs(ctx, g), reward_head=s.reward_head)
     preference = None
     if s.reward_head == "shared":
         preference = preference_pairs(ctx, "preprocess", key="policy.grpo.reward_head")[1]
-    return GRPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
-                       preference_dataset=preference, callbacks=callbacks)
+    return GRPOTrainer(model, rewards, args=trainer_config(GRPOConfig, s, args), processing_class=tokenizer,
+                       train_dataset=rows, preference_dataset=preference, callbacks=callbacks)
 
 
 def ppo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.ppo import PPOConfig, PPOTrainer
 
-    s = ctx.params.policy.ppo
-    g = s.generation
-    config = PPOConfig(**args, num_ppo_epochs=s.num_ppo_epochs, num_mini_batches=s.num_mini_batches,
-                       kl_coef=s.kl_coef, kl_estimator=s.kl_estimator, cliprange=s.cliprange,
-                       cliprange_value=s.cliprange_value, vf_coef=s.vf_coef, gamma=s.gamma, lam=s.lam,
-                       whiten_rewards=s.whiten_rewards, missing_eos_penalty=s.missing_eos_penalty,
-                       max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                       generation_backend=g.backend, generation_batch_size=g.batch_size,
-                       generation_kwargs=generation_kwargs(ctx, g))
+    config = trainer_config(PPOConfig, ctx.params.policy.ppo, args)
     return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
                       callbacks=callbacks)
 

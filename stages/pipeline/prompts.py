@@ -14,6 +14,7 @@ from typing import Any
 
 from stages.data import DataError, read_jsonl
 from stages.data.templates import unpair_preference_dataset
+from stages.trainers import online_sampling
 
 PAIR_SOURCES = ("score", "preprocess")
 
@@ -76,8 +77,4 @@ def reward_model_path(ctx) -> str | None:
     return str(folder) if folder.is_dir() else None
 
 
-def backend_options(g, model_path: str) -> dict[str, Any]:
-    """Options of the generation backend in GenerationParams `g`: the vLLM server's URL and served model name."""
-    if g.backend != "vllm":
-        return {}
-    return {"base_url": g.vllm_url, "model": g.vllm_model or model_path}
+backend_options = online_sampling.backend_options  # one definition, shared with the online trainers

@@ -17,7 +17,7 @@ from typing import Any
 from stages.data import write_jsonl
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import preference_pairs
-from stages.trainers.dpo import compute_reference_logps
+from stages.trainers.reference import compute_reference_logps
 
 
 def needed(pol) -> str | None:

@@ -12,7 +12,8 @@ reach the reward functions repeated once per completion. Every optimizer step:
    `stages.trainers.logprobs`), then `stages.losses.grpo_loss`.
 
     args = GRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=128,
-                      max_completion_length=32, learning_rate=1.5e-4, lr_scheduler_type="cosine")
+                      generation=GenerationParams(max_new_tokens=32), learning_rate=1.5e-4,
+                      lr_scheduler_type="cosine")
     GRPOTrainer(model, ["exact_match"], args=args, processing_class=tokenizer, train_dataset=rows).train()
 
 `per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
@@ -22,9 +23,12 @@ repeats each accumulation window's prompts), the later ones weighted by the impo
 ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ties the policy
 to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
 Generation runs per micro-batch, so `loss_type="dapo"` normalises by the micro-batch's token
-count (not the whole accumulation window's). `generation_backend="vllm"` asks a separate vLLM
-server (`generation_kwargs`: model, base_url); its weights are not synced from the trainer, so
-it suits only the first steps or a frozen-sampler ablation; "hf" generates with the policy.
+count (not the whole accumulation window's). Sampling (`generation`, a
+`stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
+"vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
+trainer, so it suits only the first steps or a frozen-sampler ablation. `GRPOConfig` is
+`GRPOParams` (stages.trainers.grpo_params, shared with params.yaml's `policy.grpo`) combined
+with `transformers.TrainingArguments`.
 
 Self-rewarding (`reward_head="shared"`): a `RewardHead` (Linear(hidden, 1) on the final hidden
 state of the last token) sits on the policy's own trunk. Each step it is trained on a
@@ -42,13 +46,11 @@ Cumulative seconds and token counts are kept in `trainer.timing`.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,88 +58,27 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer, TrainingArguments
 
-from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, grpo_advantages, grpo_loss
+from stages.fields import SectionsAsDicts, raise_problems
+from stages.losses import grpo_advantages, grpo_loss
 from stages.rewards import build_reward_functions
-from stages.trainers.dpo import PairCollator, tokenize_pairs
+from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.logprobs import unwrap
+from stages.trainers.online_sampling import sample_online, sampling_seed
+from stages.trainers.preference import PairCollator, tokenize_pairs
+from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
-REWARD_HEAD_MODES = ("separate", "shared")
-GENERATION_BACKENDS = ("hf", "vllm")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
-    num_generations: int = field(default=8, metadata={"help": "completions sampled per prompt (the group), >= 2"})
-    max_completion_length: int = field(default=64, metadata={"help": "generated tokens per completion at most"})
-    beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the reference (0: no reference model)"})
-    epsilon: float = field(default=0.2, metadata={"help": "lower clip range of the importance ratio"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "upper clip range (None: epsilon)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also used for the log-probs)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
-    loss_type: str = field(default="grpo", metadata={"help": f"one of {', '.join(GRPO_AGGREGATIONS)}"})
-    scale_rewards: str = field(default="group", metadata={"help": f"one of {', '.join(GRPO_REWARD_SCALES)}"})
-    num_iterations: int = field(default=1, metadata={"help": "optimizer steps per generation (mu in the paper)"})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "no loss on completions without EOS"})
-    generation_backend: str = field(default="hf", metadata={"help": "hf (in-process) or vllm"})
-    generation_batch_size: int = field(default=64, metadata={"help": "prompts per generate call"})
-    generation_kwargs: dict | None = field(default=None, metadata={"help": "backend options (vllm: base_url, ...)"})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "one weight per reward function"})
-    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
-    reward_head: str = field(default="separate", metadata={"help": "separate: the given reward functions only; "
-                             "shared: also a reward head on the policy's trunk, trained on preference pairs"})
-    reward_head_coef: float = field(default=1.0, metadata={"help": "weight of the reward head's BT loss"})
-    reward_head_weight: float = field(default=1.0, metadata={"help": "weight of the head's score in the reward"})
-    reward_head_batch_size: int = field(default=8, metadata={"help": "preference pairs per step for the head"})
-    max_length: int = field(default=512, metadata={"help": "truncate preference prompt + completion (tokens)"})
+class GRPOConfig(GRPOParams, SectionsAsDicts, TrainingArguments):
+    """TrainingArguments plus the GRPO settings of `GRPOParams` (stages.trainers.grpo_params), sampling
+    included (`generation`), checked there."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        problems = []
-        if self.num_generations < 2:
-            problems.append(f"num_generations = {self.num_generations}: must be >= 2 (the group baseline needs at "
-                            "least two completions per prompt; 8 is typical)")
-        elif self.per_device_train_batch_size % self.num_generations:
-            problems.append(f"per_device_train_batch_size = {self.per_device_train_batch_size}: counts completions "
-                            f"and must be divisible by num_generations = {self.num_generations} (it holds "
-                            "batch / num_generations prompts x num_generations completions); use a multiple")
-        if self.max_completion_length < 1:
-            problems.append(f"max_completion_length = {self.max_completion_length}: must be >= 1")
-        if self.beta < 0:
-            problems.append(f"beta = {self.beta}: must be >= 0 (the KL penalty; 0 turns it off)")
-        if self.epsilon < 0:
-            problems.append(f"epsilon = {self.epsilon}: must be >= 0 (0.2 is typical)")
-        if self.epsilon_high < self.epsilon:
-            problems.append(f"epsilon_high = {self.epsilon_high} < epsilon = {self.epsilon}: the upper clip range "
-                            "must be at least the lower one (DAPO's clip-higher uses 0.28 with 0.2)")
-        if self.temperature <= 0:
-            problems.append(f"temperature = {self.temperature}: must be > 0 (GRPO samples; 1.0 is typical)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p = {self.top_p}: must be in (0, 1] (1.0 = off)")
-        if self.top_k < 0:
-            problems.append(f"top_k = {self.top_k}: must be >= 0 (0 = off)")
-        for name, value, table in (("loss_type", self.loss_type, GRPO_AGGREGATIONS),
-                                   ("scale_rewards", self.scale_rewards, GRPO_REWARD_SCALES),
-                                   ("generation_backend", self.generation_backend, GENERATION_BACKENDS),
-                                   ("reward_head", self.reward_head, REWARD_HEAD_MODES)):
-            if value not in table:
-                problems.append(f"{name} = {value!r}: supported: {', '.join(table)}")
-        if self.num_iterations < 1:
-            problems.append(f"num_iterations = {self.num_iterations}: must be >= 1 (updates per generation)")
-        if self.generation_batch_size < 1:
-            problems.append(f"generation_batch_size = {self.generation_batch_size}: must be >= 1")
-        if self.generation_backend == "vllm" and "model" not in (self.generation_kwargs or {}):
-            problems.append("generation_backend = 'vllm' needs generation_kwargs = {'model': <the served model "
-                            "path or name>, 'base_url': ...}; the server's weights are not synced from the trainer")
-        if self.reward_head_coef < 0 or self.reward_head_batch_size < 1:
-            problems.append(f"reward_head_coef = {self.reward_head_coef}, reward_head_batch_size = "
-                            f"{self.reward_head_batch_size}: must be >= 0 and >= 1")
-        if problems:
-            raise ValueError("invalid GRPO config:\n  " + "\n  ".join(problems))
+        raise_problems("GRPOConfig", self.validate())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,11 +207,7 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
         self.reward_functions = build_reward_functions(reward_functions, args.reward_weights) \
             if reward_functions is not None else None
-        inner = self.accelerator.unwrap_model(self.model)
-        self.is_peft = hasattr(inner, "peft_config")
-        if args.beta > 0 and ref_model is None and not self.is_peft:
-            ref_model = copy.deepcopy(unwrap(self.model))
-        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None and args.beta > 0 else None
+        self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
 
         self.reward_head, self.preference_rows = None, None
         if args.reward_head == "shared":
@@ -317,19 +254,15 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Generate, score and compute advantages (and old / reference log-probs) for one micro-batch."""
-        from stages.generation import SamplingParams, sample_policy
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        sampling = SamplingParams(max_new_tokens=a.max_completion_length, n=a.num_generations, do_sample=True,
-                                  temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                  seed=a.seed + 100_003 * self._generations + a.process_index)
+        gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
+                             seed=sampling_seed(a.seed, self._generations, a.process_index))
         self._generations += 1
-        gens = sample_policy(policy, tok, prompts, sampling, backend=a.generation_backend,
-                             batch_size=a.generation_batch_size, options=a.generation_kwargs)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -352,12 +285,12 @@ class GRPOTrainer(Trainer):
         batch["loss_mask"] = loss_mask
         chunked = a.use_chunked_logprobs
         if a.num_iterations > 1:  # later updates reuse these samples: weight them by the ratio to the sampler
-            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.temperature, chunked=chunked)
+            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.generation.temperature,
+                                                    chunked=chunked)
         if a.beta > 0:
-            ctx = contextlib.nullcontext() if self.ref_model is not None else policy.disable_adapter()
-            ref = self.ref_model.to(a.device) if self.ref_model is not None else self.model
-            with ctx:
-                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.temperature, chunked=chunked)
+            with reference_model(self.model, self.ref_model) as ref:
+                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.generation.temperature,
+                                                        chunked=chunked)
         self._tick("training_s", time.perf_counter() - start)
         self._log_generation(rewards, valid, per_function, batch)
         return batch
@@ -407,8 +340,8 @@ class GRPOTrainer(Trainer):
     # ---- the loss ----
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args
-        logps, entropy = per_token_logps(model, inputs, temperature=a.temperature, chunked=a.use_chunked_logprobs,
-                                         entropy=True)
+        logps, entropy = per_token_logps(model, inputs, temperature=a.generation.temperature,
+                                         chunked=a.use_chunked_logprobs, entropy=True)
         mask = inputs["loss_mask"]
         loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,

@@ -7,8 +7,8 @@ reference). z comes from mismatched pairs inside the batch: prompt i with the co
 row i + 1 (the last with the first), whose mean log-ratio is a sample of the KL (detached,
 and clamped at 0 in kto_loss). So the batch needs at least 2 rows.
 
-The reference is the same as DPO's (shared helpers in `stages.trainers.dpo`): a frozen copy,
-or with a PEFT model the base weights with the adapter disabled.
+The reference is every method's (`stages.trainers.reference`): a frozen copy, or with a PEFT
+model the base weights with the adapter disabled.
 
 The KTO paper (Ethayarajh et al. 2024) recommends weights with
 desirable_weight·n_desirable / (undesirable_weight·n_undesirable) in [1, 4/3]; the trainer
@@ -18,41 +18,29 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import Trainer, TrainingArguments
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.trainers.dpo import (flush_metrics, frozen_reference, loss_only_prediction_step, reference_model,
-                                 reference_sequence_logps, sequence_logps, tokenized_dataset)
+from stages.fields import raise_problems
+from stages.trainers.kto_params import KTOParams
+from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
 
 KL_PREFIX = "kl_"
 
 
 @dataclass
-class KTOConfig(TrainingArguments):
-    beta: float = field(default=0.1, metadata={"help": "KL strength (> 0; 0.1 is typical)"})
-    desirable_weight: float = field(default=1.0, metadata={"help": "loss weight of desirable rows (> 0)"})
-    undesirable_weight: float = field(default=1.0, metadata={"help": "loss weight of undesirable rows (> 0)"})
-    max_length: int = field(default=1024, metadata={"help": "truncate prompt + completion to this many tokens"})
-    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
+class KTOConfig(KTOParams, TrainingArguments):
+    """TrainingArguments plus the KTO settings of `KTOParams` (stages.trainers.kto_params), checked there."""
 
     def __post_init__(self):
         super().__post_init__()
-        problems = []
-        if self.beta <= 0:
-            problems.append(f"beta = {self.beta}: must be > 0 (the KL strength; 0.1 is typical)")
-        for key in ("desirable_weight", "undesirable_weight"):
-            if not getattr(self, key) > 0:
-                problems.append(f"{key} = {getattr(self, key)}: must be > 0")
-        if self.per_device_train_batch_size < 2:
-            problems.append(f"per_device_train_batch_size = {self.per_device_train_batch_size}: must be >= 2 (the KL "
-                            "reference point pairs each prompt with another row's completion)")
-        if problems:
-            raise ValueError("KTO config: " + "; ".join(problems))
+        raise_problems("KTOConfig", self.validate())
 
 
 def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:

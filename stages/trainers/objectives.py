@@ -87,3 +87,21 @@ def check_objective_output(name: str, out, batch_size: int) -> tuple[torch.Tenso
         raise ValueError(f"objective {name!r} returned losses of shape {shape}: expected ({batch_size},), one loss "
                          "per pair (do not reduce; the trainer weights and averages)")
     return out
+
+
+def objective_problems(loss_type: str | list[str]) -> list[tuple[str, str]]:
+    """Each objective named in `loss_type` is known or imports (user code, by dotted path)."""
+    problems = []
+    for i, name in enumerate([loss_type] if isinstance(loss_type, str) else loss_type):
+        key = "loss_type" if isinstance(loss_type, str) else f"loss_type[{i}]"
+        if name in OBJECTIVES:
+            continue
+        if ":" not in name:
+            problems.append((key, f"= {name!r}: supported: {', '.join(OBJECTIVES)}, or a dotted import path "
+                             "'package.module:function'"))
+            continue
+        try:
+            resolve_objective(name)
+        except ValueError as e:
+            problems.append((key, f"= {e}"))
+    return problems

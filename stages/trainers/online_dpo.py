@@ -4,7 +4,8 @@ Rows are prompts (plus any columns the reward functions read, e.g. `answer`). Ea
 step samples two completions per prompt from the current policy (`stages.generation.generate`),
 scores both with the reward functions (`stages.rewards.RewardFunctions`), takes the higher-scored
 one as chosen and the other as rejected, and applies the DPO loss to those fresh pairs, with the
-same objectives, reference and loss path as `stages.trainers.dpo`. Pairs whose two scores tie
+same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
+`stages.trainers.reference`). Pairs whose two scores tie
 (identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
 carry no preference: they are dropped and counted.
 
@@ -20,63 +21,29 @@ logps/*.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import Trainer, TrainingArguments
 
+from stages.fields import SectionsAsDicts, raise_problems
 from stages.rewards import build_reward_functions
-from stages.trainers.dpo import (PairCollator, completion_token_counts, flush_metrics, frozen_reference,
-                                 preference_loss, reference_model, reference_sequence_logps, sequence_logps)
-from stages.trainers.objectives import OBJECTIVES, resolve_objective
-
-GENERATION_BACKENDS = ("hf", "vllm")
+from stages.trainers.objectives import objective_problems, resolve_objective
+from stages.trainers.online_dpo_params import OnlineDPOParams
+from stages.trainers.online_sampling import sample_online, sampling_seed
+from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
+                                        sequence_logps)
+from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 
 
 @dataclass
-class OnlineDPOConfig(TrainingArguments):
-    beta: float = field(default=0.1, metadata={"help": "KL strength (> 0; 0.1 is typical)"})
-    loss_type: str | list[str] = field(default="sigmoid", metadata={
-        "help": f"objective(s) as in DPOConfig: {', '.join(OBJECTIVES)}, or 'package.module:function'"})
-    loss_weights: list[float] | None = field(default=None, metadata={"help": "one weight per loss_type entry"})
-    max_length: int = field(default=512, metadata={"help": "truncate prompt + completion to this many tokens"})
-    max_new_tokens: int = field(default=64, metadata={"help": "generated tokens per completion at most"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (> 0)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
-    generation_backend: str = field(default="hf", metadata={"help": "hf (in-process) or vllm"})
-    generation_batch_size: int = field(default=64, metadata={"help": "prompts per generate call"})
-    generation_kwargs: dict | None = field(default=None, metadata={"help": "backend options (vllm: model, base_url)"})
-    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
+class OnlineDPOConfig(OnlineDPOParams, SectionsAsDicts, TrainingArguments):
+    """TrainingArguments plus the online DPO settings of `OnlineDPOParams` (stages.trainers.online_dpo_params),
+    sampling included (`generation`), checked there."""
 
     def __post_init__(self):
         super().__post_init__()
-        problems = []
-        if self.beta <= 0:
-            problems.append(f"beta = {self.beta}: must be > 0 (the KL strength; 0.1 is typical)")
-        names = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-        for i, name in enumerate(names):
-            try:
-                resolve_objective(name)
-            except ValueError as e:
-                problems.append(f"loss_type = {e}" if isinstance(self.loss_type, str) else f"loss_type[{i}] = {e}")
-        if self.loss_weights is not None and len(self.loss_weights) != len(names):
-            problems.append(f"loss_weights = {self.loss_weights}: one weight per loss_type entry ({len(names)})")
-        if self.temperature <= 0:
-            problems.append(f"temperature = {self.temperature}: must be > 0 (online DPO samples; 1.0 is typical)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p = {self.top_p}: must be in (0, 1] (1.0 = off)")
-        if self.max_new_tokens < 1 or self.generation_batch_size < 1 or self.top_k < 0:
-            problems.append(f"max_new_tokens = {self.max_new_tokens}, generation_batch_size = "
-                            f"{self.generation_batch_size}, top_k = {self.top_k}: must be >= 1, >= 1, >= 0")
-        if self.generation_backend not in GENERATION_BACKENDS:
-            problems.append(f"generation_backend = {self.generation_backend!r}: supported: "
-                            f"{', '.join(GENERATION_BACKENDS)}")
-        elif self.generation_backend == "vllm" and "model" not in (self.generation_kwargs or {}):
-            problems.append("generation_backend = 'vllm' needs generation_kwargs = {'model': <the served model>, "
-                            "'base_url': ...}; the server's weights are not synced from the trainer")
-        if problems:
-            raise ValueError("online DPO config: " + "; ".join(problems))
+        raise_problems("OnlineDPOConfig", self.validate() + objective_problems(self.loss_type))
 
 
 def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
@@ -120,13 +87,12 @@ class OnlineDPOTrainer(Trainer):
         if kwargs.get("eval_dataset") is not None:
             raise ValueError("eval_dataset: online DPO has no offline evaluation loss; evaluate the saved model "
                              "(stage evaluate) instead")
-        self.reward_functions = build_reward_functions(reward_functions)
+        self.reward_functions = build_reward_functions(reward_functions, args.reward_weights)
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", list)  # rows pass through; prompts are rendered by the generator
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
-        names = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
-        self.objectives = [(name, resolve_objective(name)) for name in names]
-        self.loss_weights = args.loss_weights or [1.0] * len(names)
+        self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
+        self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         self.ref_model = frozen_reference(self.model, ref_model)
         self.pair_collator = PairCollator(processing_class.pad_token_id)
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -141,17 +107,11 @@ class OnlineDPOTrainer(Trainer):
     @torch.no_grad()
     def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor] | None:
         """Sample two completions per prompt, score and rank them: a `PairCollator` batch, or None."""
-        from stages.generation import SamplingParams, sample_policy
-
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
-        sampling = SamplingParams(max_new_tokens=a.max_new_tokens, n=2, do_sample=True, temperature=a.temperature,
-                                  top_p=a.top_p, top_k=a.top_k,
-                                  seed=a.seed + 100_003 * self._generations + a.process_index)
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
+                             seed=sampling_seed(a.seed, self._generations, a.process_index))
         self._generations += 1
-        gens = sample_policy(self.accelerator.unwrap_model(self.model), tok, prompts, sampling,
-                             backend=a.generation_backend, batch_size=a.generation_batch_size,
-                             options=a.generation_kwargs)
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
         pairs, dropped = rank_pairs(scores)

@@ -9,7 +9,8 @@ One Trainer step = one rollout batch + its PPO epochs:
    model, your own) - or, offline, take rows that already hold prompt, completion and score;
 2. per-token log-probs under the policy (old) and the frozen reference, values V(s_t);
    per-token rewards r_t = -kl_coef·KL_t, plus the score at the last completion token
-   (score - missing_eos_penalty where the completion has no EOS); optional reward whitening;
+   (score - missing_eos_penalty where the completion has no EOS; `stages.losses.per_token_rewards`);
+   optional reward whitening (`stages.losses.masked_whiten`);
    advantages and returns by `stages.losses.gae`; advantages whitened over the batch;
 3. num_ppo_epochs passes over the rollout in num_mini_batches shuffled minibatches, each an
    optimizer step on `stages.losses.ppo_loss` (clipped policy + vf_coef·clipped value loss).
@@ -23,7 +24,10 @@ Policy and critic share one trunk (`AutoModelForCausalLMWithValueHead`: the LM p
 scalar head). This halves memory and forward passes against a separate critic model (as in
 the InstructGPT setup TRL follows); the price is that the value loss also moves the policy's
 trunk, which `vf_coef` (0.1 by default) keeps small. The reference: a frozen copy of the
-starting LM, or with a PEFT model the same weights with the adapter disabled (no copy).
+starting LM, or with a PEFT model the same weights with the adapter disabled (no copy), as for
+every method (`stages.trainers.reference`). `PPOConfig` is `PPOParams` (stages.trainers.ppo_params,
+shared with params.yaml's `policy.ppo`) combined with `transformers.TrainingArguments`; sampling
+settings are its `generation` field.
 
 Offline mode (rows with prompt, completion, score and no reward functions) runs the same
 updates on fixed completions: the ratio starts at 1 on each batch, so it is PPO's clipped
@@ -31,141 +35,37 @@ update on off-policy samples, useful for scoring a dataset once with an expensiv
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from stages.data.tokenize import tokenize_sft
-from stages.losses import gae, ppo_loss
+from stages.fields import SectionsAsDicts, raise_problems
+from stages.losses import explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss
 from stages.rewards import build_reward_functions
 from stages.trainers.logprobs import unwrap
+from stages.trainers.online_sampling import sample_online, sampling_seed
+from stages.trainers.ppo_params import PPOParams
+from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    # (logps, ref_logps) of the sampled tokens -> per-token KL estimate (Schulman, "Approximating KL")
-    "k1": lambda logps, ref: logps - ref,
-    "k3": lambda logps, ref: torch.expm1(ref - logps) - (ref - logps),
-}
-GENERATION_BACKENDS = ("hf", "vllm")
 
 
 @dataclass
-class PPOConfig(TrainingArguments):
-    """`per_device_train_batch_size` prompts per rollout; every value checked in __post_init__."""
-
-    num_ppo_epochs: int = field(default=4, metadata={"help": "passes over each rollout batch"})
-    num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass; divides the batch size"})
-    kl_coef: float = field(default=0.05, metadata={"help": "per-token KL penalty against the reference (>= 0)"})
-    kl_estimator: str = field(default="k1", metadata={"help": f"one of {', '.join(KL_ESTIMATORS)}"})
-    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip (> 0)"})
-    cliprange_value: float = field(default=0.2, metadata={"help": "value clip around the rollout values (> 0)"})
-    vf_coef: float = field(default=0.1, metadata={"help": "value-loss weight (>= 0)"})
-    gamma: float = field(default=1.0, metadata={"help": "discount in [0, 1]"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda in [0, 1]"})
-    whiten_rewards: bool = field(default=False, metadata={"help": "scale per-token rewards to unit variance"})
-    missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a "
-                                                                               "completion without EOS (>= 0)"})
-    max_new_tokens: int = field(default=64, metadata={"help": "completion length (offline: completions are cut)"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature; log-probs use the same"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1 = off"})
-    top_k: int = field(default=0, metadata={"help": "sample from the k most likely tokens; 0 = off"})
-    generation_backend: str = field(default="hf", metadata={"help": f"one of {', '.join(GENERATION_BACKENDS)}"})
-    generation_kwargs: dict | None = field(default=None, metadata={"help": "backend options (vllm: model, base_url)"})
-    generation_batch_size: int = field(default=64, metadata={"help": "prompts per generate call"})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "one weight per reward function"})
-    disable_dropout: bool = field(default=True, metadata={"help": "dropout off: rollout and update log-probs agree"})
-    use_chunked_logprobs: bool = field(default=True, metadata={"help": "log-probs without full logits if possible"})
+class PPOConfig(PPOParams, SectionsAsDicts, TrainingArguments):
+    """TrainingArguments plus the PPO settings of `PPOParams` (stages.trainers.ppo_params), sampling included
+    (`generation`), checked there. `per_device_train_batch_size` prompts per rollout."""
 
     def __post_init__(self):
         super().__post_init__()
-        problems = _config_problems(self)
-        if problems:
-            raise ValueError("invalid PPO configuration:\n  " + "\n  ".join(problems))
-
-
-def _config_problems(c: PPOConfig) -> list[str]:
-    checks = [
-        (c.num_ppo_epochs >= 1, f"num_ppo_epochs = {c.num_ppo_epochs}: must be >= 1 (4 is typical)"),
-        (c.num_mini_batches >= 1, f"num_mini_batches = {c.num_mini_batches}: must be >= 1"),
-        (c.num_mini_batches < 1 or c.per_device_train_batch_size % c.num_mini_batches == 0,
-         f"per_device_train_batch_size = {c.per_device_train_batch_size} is not divisible by num_mini_batches = "
-         f"{c.num_mini_batches}: every minibatch must hold the same number of rollouts"),
-        (c.gradient_accumulation_steps == 1, f"gradient_accumulation_steps = {c.gradient_accumulation_steps}: must "
-         "be 1; PPO makes num_ppo_epochs × num_mini_batches optimizer steps per rollout batch itself (raise "
-         "num_mini_batches to use less memory per step)"),
-        (c.kl_coef >= 0, f"kl_coef = {c.kl_coef}: must be >= 0 (the KL penalty strength; 0.05 is typical)"),
-        (c.kl_estimator in KL_ESTIMATORS, f"kl_estimator = {c.kl_estimator!r}: supported: {', '.join(KL_ESTIMATORS)}"),
-        (c.cliprange > 0, f"cliprange = {c.cliprange}: must be > 0 (0.2 is typical)"),
-        (c.cliprange_value > 0, f"cliprange_value = {c.cliprange_value}: must be > 0 (0.2 is typical)"),
-        (c.vf_coef >= 0, f"vf_coef = {c.vf_coef}: must be >= 0 (0.1 is typical)"),
-        (0 <= c.gamma <= 1, f"gamma = {c.gamma}: must be in [0, 1] (1.0: no discount, the usual for text)"),
-        (0 <= c.lam <= 1, f"lam = {c.lam}: must be in [0, 1] (0.95 is typical)"),
-        (c.missing_eos_penalty is None or c.missing_eos_penalty >= 0,
-         f"missing_eos_penalty = {c.missing_eos_penalty}: must be >= 0 (it is subtracted from the score of a "
-         "completion cut without EOS; e.g. 1.0), or None for no penalty"),
-        (c.max_new_tokens >= 1, f"max_new_tokens = {c.max_new_tokens}: must be >= 1"),
-        (c.temperature > 0, f"temperature = {c.temperature}: must be > 0 (PPO samples; 0.7-1.0 is typical)"),
-        (c.generation_backend in GENERATION_BACKENDS,
-         f"generation_backend = {c.generation_backend!r}: supported: {', '.join(GENERATION_BACKENDS)}"),
-        (c.generation_backend != "vllm" or "model" in (c.generation_kwargs or {}),
-         "generation_backend = 'vllm' needs generation_kwargs = {'model': <the served model name or path>, "
-         "'base_url': ...}"),
-        (0 < c.top_p <= 1, f"top_p = {c.top_p}: must be in (0, 1] (1.0 = off)"),
-        (c.top_k >= 0, f"top_k = {c.top_k}: must be >= 0 (0 = off)"),
-        (c.generation_batch_size >= 1, f"generation_batch_size = {c.generation_batch_size}: must be >= 1"),
-    ]
-    return [message for ok, message in checks if not ok]
-
-
-# ------------------------------------------------------------------------------------ pure pieces
-
-
-def per_token_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, *,
-                      kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
-    """r_t = -kl_coef·KL_t on every completion token, plus the score on the last one.
-
-    logps, ref_logps, mask: (B, T); scores: (B,). Returns (rewards, kl), both (B, T), 0 where
-    mask is 0. A row with an empty mask gets no score.
-    """
-    mask = mask.to(logps.dtype)
-    kl = KL_ESTIMATORS[kl_estimator](logps, ref_logps) * mask
-    rewards = -kl_coef * kl
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = (positions * mask).argmax(-1)  # last valid token (holes in the mask allowed)
-    rows = torch.arange(mask.shape[0], device=mask.device)
-    rewards[rows, last] += scores.to(rewards.dtype) * (mask.sum(-1) > 0)
-    return rewards, kl
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the entries where mask is 1 (unbiased variance); mean kept if not shift_mean.
-
-    x, mask: same shape; 0 where mask is 0.
-    """
-    mask = mask.to(x.dtype)
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
-    return (out if shift_mean else out + mean) * mask
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var(returns - values) / Var(returns) over the valid tokens: 1 perfect, 0 no better than a constant."""
-    select = mask.bool()
-    returns, residual = returns[select], (returns - values)[select]
-    if returns.numel() < 2:
-        return torch.tensor(float("nan"))
-    return 1 - residual.var() / returns.var().clamp(min=1e-8)
+        raise_problems("PPOConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ rows
@@ -237,11 +137,7 @@ class PPOTrainer(Trainer):
 
         self.eos_ids = eos_token_ids(processing_class, model.pretrained_model)
         self.pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else self.eos_ids[0]
-        if ref_model is None and not model.is_peft_model:
-            ref_model = copy.deepcopy(model.pretrained_model)
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False)
-        self.ref_model = ref_model
+        self.ref_model = frozen_reference(model.pretrained_model, ref_model)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
     # ---- one step: rollout, then the PPO epochs
@@ -271,7 +167,7 @@ class PPOTrainer(Trainer):
     def minibatch_loss(self, model, rollout: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         mb = {k: v[idx] for k, v in rollout.items()}
         with self.compute_loss_context_manager():
-            out = completion_logps(model, mb, temperature=self.args.temperature,
+            out = completion_logps(model, mb, temperature=self.args.generation.temperature,
                                    chunked=self.args.use_chunked_logprobs)
             loss, metrics = ppo_loss(out["logps"], mb["old_logps"], mb["advantages"], out["values"],
                                      mb["old_values"], mb["returns"], mb["completion_mask"],
@@ -287,7 +183,7 @@ class PPOTrainer(Trainer):
     def rollout(self, model, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Samples, scores, old log-probs/values, reference log-probs, rewards, advantages and returns: (B, C)."""
         prompt_ids, completion_ids, scores = self.sample(model, rows) if self.online else offline_samples(
-            self.processing_class, rows, self.args.max_new_tokens)
+            self.processing_class, rows, self.args.generation.max_new_tokens)
         batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                             device=self.args.device)
         mask = batch["completion_mask"]
@@ -299,7 +195,7 @@ class PPOTrainer(Trainer):
         score = raw - (self.args.missing_eos_penalty or 0.0) * ~eos
 
         with self.compute_loss_context_manager():
-            old = completion_logps(model, batch, temperature=self.args.temperature, with_entropy=True,
+            old = completion_logps(model, batch, temperature=self.args.generation.temperature, with_entropy=True,
                                    chunked=self.args.use_chunked_logprobs)
             ref_logps = self.reference_logps(model, batch)
         rewards, kl = per_token_rewards(old["logps"], ref_logps, score, mask, kl_coef=self.args.kl_coef,
@@ -314,17 +210,11 @@ class PPOTrainer(Trainer):
 
     def sample(self, model, rows: list[dict]) -> tuple[list, list, list[float | None]]:
         """One completion per prompt from the current policy, scored by the reward functions."""
-        from stages.generation import SamplingParams, sample_policy
-
         prompts = [r["prompt"] for r in rows]
         a = self.args
-        sampling = SamplingParams(max_new_tokens=a.max_new_tokens, do_sample=True, temperature=a.temperature,
-                                  top_p=a.top_p, top_k=a.top_k,
-                                  seed=a.seed * 100_003 + self.state.global_step * 1_009 + a.process_index)
         # vllm: off-policy once training moves the policy (old log-probs are still the current policy's)
-        gens = sample_policy(unwrap(model).pretrained_model, self.processing_class, prompts, sampling,
-                             backend=a.generation_backend, batch_size=a.generation_batch_size,
-                             options=a.generation_kwargs)
+        gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.generation, n=1,
+                             seed=sampling_seed(a.seed, self.state.global_step, a.process_index))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         for name, values in per_function.items():
             got = [v for v in values if v is not None]
@@ -336,13 +226,9 @@ class PPOTrainer(Trainer):
         return [gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids, totals
 
     def reference_logps(self, model, batch) -> torch.Tensor:
-        if self.ref_model is not None:
-            ctx, ref = contextlib.nullcontext(), self.ref_model.to(self.args.device)
-        else:  # PEFT: the base weights with the adapter switched off are the reference
-            ref = unwrap(model).pretrained_model
-            ctx = ref.disable_adapter()
-        with ctx:
-            return completion_logps(ref, batch, temperature=self.args.temperature,
+        """Per-token log-probs of the reference LM (no value head): (B, C)."""
+        with reference_model(unwrap(model).pretrained_model, self.ref_model) as ref:
+            return completion_logps(ref, batch, temperature=self.args.generation.temperature,
                                     chunked=self.args.use_chunked_logprobs)["logps"]
 
     # ---- metrics, saving

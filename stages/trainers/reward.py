@@ -42,7 +42,7 @@ from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.losses import reward_loss
-from stages.trainers.dpo import tokenized_dataset
+from stages.trainers.preference import tokenized_dataset
 from stages.trainers.logprobs import unwrap
 from stages.utils import pad
 

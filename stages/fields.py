@@ -1,0 +1,92 @@
+"""Declared params fields: `param(...)` and its range shorthands, and the checks they carry.
+
+A field declared with `param(default, help=..., check=..., rule=...)` states its default, what it
+means and its valid range once. Two readers use the same declaration:
+
+- `stages.config.build` (params.yaml and `--set`), which checks each value as it reads it;
+- `check_fields(obj)`, which checks an object built directly in Python, e.g. a trainer config
+  (`GRPOConfig(output_dir=..., num_generations=1)`) that never went through params.yaml.
+
+Both report `(dotted key, message)` pairs, so a problem reads the same from either side.
+This module imports nothing heavy: params validation stays fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import field
+from typing import Any, Callable, Literal
+
+
+def param(default: Any = dataclasses.MISSING, *, help: str, check: Callable[[Any], bool] | None = None,
+          rule: str = "", default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a help text and an optional range check (`rule` says the fix)."""
+    meta = {"help": help, "check": check, "rule": rule}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def positive(default: float | int, help: str) -> Any:
+    return param(default, help=help, check=lambda v: v > 0, rule="must be > 0")
+
+
+def non_negative(default: float | int, help: str) -> Any:
+    return param(default, help=help, check=lambda v: v >= 0, rule="must be >= 0")
+
+
+def fraction(default: float, help: str, *, open_right: bool = True) -> Any:
+    if open_right:
+        return param(default, help=help, check=lambda v: 0 <= v < 1, rule="must be in [0, 1)")
+    return param(default, help=help, check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
+
+
+def is_param(f: dataclasses.Field) -> bool:
+    """Whether a dataclass field was declared with `param` (TrainingArguments' own fields were not)."""
+    return "rule" in f.metadata
+
+
+def check_fields(obj: Any, cls: type | None = None) -> list[tuple[str, str]]:
+    """Range checks and Literal choices of the `param` fields of `obj` (declared on `cls`, default its
+    type), nested sections included with their own `validate`: [(dotted key, message)]."""
+    cls = cls or type(obj)
+    hints = typing.get_type_hints(cls)
+    problems: list[tuple[str, str]] = []
+    for f in dataclasses.fields(cls):
+        if not is_param(f):
+            continue
+        value, hint = getattr(obj, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            nested = check_fields(value) + list(getattr(value, "validate", lambda: [])())
+            problems += [(f"{f.name}.{key}", message) for key, message in dict.fromkeys(nested)]
+            continue
+        choices = _literal_choices(hint)
+        if choices and value not in choices and value is not None:
+            problems.append((f.name, f"= {value!r}: one of {', '.join(repr(c) for c in choices)}"))
+            continue
+        check = f.metadata.get("check")
+        if check is not None and value is not None and not check(value):
+            problems.append((f.name, f"= {value!r}: {f.metadata['rule']} ({f.metadata['help']})"))
+    return problems
+
+
+def _literal_choices(hint: Any) -> tuple:
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return tuple(c for a in typing.get_args(hint) if typing.get_origin(a) is Literal for c in typing.get_args(a))
+
+
+def raise_problems(what: str, problems: list[tuple[str, str]]) -> None:
+    """Raise one ValueError naming every problem of a config built in Python (`what`: e.g. "GRPOConfig")."""
+    if problems:
+        lines = "\n".join(f"  - {key} {message}" for key, message in problems)
+        raise ValueError(f"{what}: {len(problems)} problem(s):\n{lines}")
+
+
+class SectionsAsDicts:
+    """Mixin for a trainer config (params + TrainingArguments) with nested sections (`generation`):
+    `to_dict` gives them as plain dicts, so the arguments still log as JSON (TensorBoard, checkpoints)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in super().to_dict().items()}

@@ -1,0 +1,27 @@
+"""KTO's settings: `policy.kto` in params.yaml and the method fields of `KTOConfig`, declared once.
+
+See `stages.trainers.dpo_params` for how the params section and the trainer config share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.fields import check_fields, param, positive
+
+
+@dataclass
+class KTOParams:
+    beta: float = positive(0.1, "KL strength to the reference; 0.1 is typical")
+    desirable_weight: float = positive(1.0, "loss weight of desirable rows")
+    undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    use_chunked_logprobs: bool = param(True, help="log-probs from the final hidden states in chunks, without the "
+                                       "full logits, where the model allows")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, KTOParams)
+        batch = getattr(self, "per_device_train_batch_size", None)  # the trainer's, or the section's override
+        if batch is not None and batch < 2:
+            problems.append(("per_device_train_batch_size", f"= {batch}: must be >= 2 (the KL reference point "
+                             "pairs each prompt with another row's completion)"))
+        return problems

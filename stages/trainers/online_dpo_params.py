@@ -1,0 +1,37 @@
+"""Online DPO's settings: `policy.online_dpo` in params.yaml and the method fields of `OnlineDPOConfig`.
+
+See `stages.trainers.dpo_params` for how the params section and the trainer config share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.fields import check_fields, param, positive
+from stages.trainers.online_sampling import GenerationParams
+
+
+@dataclass
+class OnlineDPOParams:
+    beta: float = positive(0.1, "KL strength to the reference; 0.1 is typical")
+    loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
+                                       "module:function objective, or a list of them combined with loss_weights")
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling of the two completions")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    use_chunked_logprobs: bool = param(True, help="log-probs from the final hidden states in chunks, without the "
+                                       "full logits, where the model allows")
+
+    @property
+    def objective_names(self) -> list[str]:
+        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, OnlineDPOParams)
+        names = self.objective_names
+        if not names:
+            problems.append(("loss_type", "= []: name at least one loss"))
+        if self.loss_weights is not None and len(self.loss_weights) != len(names):
+            problems.append(("loss_weights", f"= {self.loss_weights}: {len(self.loss_weights)} weight(s) for "
+                             f"{len(names)} loss type(s); give one per entry or null for all 1.0"))
+        return problems

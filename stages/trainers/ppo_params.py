@@ -1,0 +1,50 @@
+"""PPO's settings: `policy.ppo` in params.yaml and the method fields of `PPOConfig`, declared once.
+
+See `stages.trainers.dpo_params` for how the params section and the trainer config share them.
+The choices of `kl_estimator` are the keys of `stages.losses.KL_ESTIMATORS` (a test keeps them
+equal; this module imports no torch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stages.fields import check_fields, fraction, non_negative, param, positive
+from stages.trainers.online_sampling import GenerationParams
+
+
+@dataclass
+class PPOParams:
+    """`per_device_train_batch_size` prompts per rollout."""
+
+    num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")
+    num_mini_batches: int = positive(1, "minibatches (optimizer steps) per PPO epoch; divides the batch size")
+    kl_coef: float = non_negative(0.05, "per-token KL penalty to the reference")
+    kl_estimator: Literal["k1", "k3"] = param("k1", help="per-token KL estimator")
+    cliprange: float = positive(0.2, "policy ratio clip")
+    cliprange_value: float = positive(0.2, "value clip around the rollout values")
+    vf_coef: float = non_negative(0.1, "value loss weight")
+    gamma: float = fraction(1.0, "discount (1.0: none, the usual for text)", open_right=False)
+    lam: float = fraction(0.95, "GAE lambda", open_right=False)
+    whiten_rewards: bool = param(False, help="whiten the per-token rewards of each batch")
+    missing_eos_penalty: float | None = param(1.0, help="subtracted from the score of completions without EOS "
+                                              "(null: none)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="rollout sampling (offline: "
+                                         "max_new_tokens cuts the given completions)")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    disable_dropout: bool = param(True, help="dropout off, so rollout and update log-probs agree")
+    use_chunked_logprobs: bool = param(True, help="log-probs from the final hidden states in chunks, without the "
+                                       "full logits, where the model allows")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, PPOParams)
+        batch = getattr(self, "per_device_train_batch_size", None)  # the trainer's, or the section's override
+        if batch is not None and batch % self.num_mini_batches:
+            problems.append(("per_device_train_batch_size", f"= {batch} is not divisible by num_mini_batches = "
+                             f"{self.num_mini_batches}: every minibatch must hold the same number of rollouts"))
+        steps = getattr(self, "gradient_accumulation_steps", 1)
+        if steps != 1:
+            problems.append(("gradient_accumulation_steps", f"= {steps}: must be 1; PPO makes num_ppo_epochs x "
+                             "num_mini_batches optimizer steps per rollout batch itself (raise num_mini_batches "
+                             "to use less memory per step)"))
+        return problems

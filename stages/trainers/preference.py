@@ -1,0 +1,160 @@
+"""Preference pairs as the trainers see them: tokenisation, collation and sequence log-probs.
+
+Shared by DPO, online DPO, KTO, GRPO's reward head, the reward trainer and the pipeline's
+`reference` stage. A pair row holds chosen_input_ids / chosen_completion_mask and the same for
+rejected (`tokenize_pairs`); `PairCollator` stacks a batch of B pairs into 2B right-padded rows,
+chosen first; `sequence_logps` gives each row's summed completion log-prob, from the final
+hidden states through `stages.kernels.chunked_logprobs` where the model allows (see
+`stages.trainers.logprobs`), else from the logits through `stages.kernels.selective_log_softmax`.
+`preference_loss` combines the named objectives (`stages.trainers.objectives`) on those sums.
+
+The small trainer plumbing the preference trainers share (a tokenised `datasets.Dataset`,
+a loss-only prediction step, metric averaging) sits at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import Trainer
+
+from stages.data.tokenize import tokenize_sft
+from stages.kernels import selective_log_softmax
+from stages.trainers.logprobs import head_logprobs, lm_head_for_chunking, selected_hidden
+from stages.trainers.objectives import check_objective_output
+from stages.utils import pad
+
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed reference log-probs (summed) per pair
+
+
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = ()) -> list[dict]:
+    """Each prompt/chosen/rejected row -> chosen_* and rejected_* input_ids and completion_mask.
+
+    The columns REF_COLUMNS, "weight" and `keep` are carried over when present.
+    """
+    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+    if identical:
+        raise ValueError(f"{len(identical)} preference row(s) have identical chosen and rejected (first: row "
+                         f"{identical[0]}); they carry no preference: drop them in preprocess")
+    carry = set(REF_COLUMNS) | {"weight"} | set(keep)
+    out = []
+    for side in ("chosen", "rejected"):
+        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side]} for r in rows],
+                            max_length=max_length)
+        for i, t in enumerate(toks):
+            if not any(t["completion_mask"]):
+                raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the {side} "
+                                 "completion is left (raise max_length or filter long prompts)")
+            if side == "chosen":
+                out.append({k: v for k, v in rows[i].items() if k in carry})
+            out[i].update({f"{side}_input_ids": t["input_ids"], f"{side}_completion_mask": t["completion_mask"]})
+    return out
+
+
+
+@dataclass
+class PairCollator:
+    """Features -> one batch of 2B rows: chosen first, then rejected; right-padded."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [torch.tensor(f[f"{s}_input_ids"]) for s in ("chosen", "rejected") for f in features]
+        masks = [torch.tensor(f[f"{s}_completion_mask"]) for s in ("chosen", "rejected") for f in features]
+        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id),
+                 "attention_mask": pad([torch.ones_like(i) for i in ids]),
+                 "completion_mask": pad(masks)}
+        for col in (*REF_COLUMNS, "weight"):
+            if col in features[0]:
+                batch[col] = torch.tensor([f[col] for f in features], dtype=torch.float32)
+        return batch
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = False, chunked: bool = True
+                   ) -> torch.Tensor:
+    """Summed (or per-token averaged) completion log-probs of every row: (rows,)."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    targets = batch["input_ids"][:, 1:]
+    select = batch["completion_mask"][:, 1:].bool()
+    head = lm_head_for_chunking(model) if chunked else None
+    per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
+    if head is not None:
+        hidden, _ = selected_hidden(model, inputs, select)
+        per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        per_token = torch.where(select, selective_log_softmax(logits, targets).float(), per_token)
+    total = per_token.sum(-1)
+    return total / completion_token_counts(batch).clamp(min=1) if average else total
+
+
+def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Completion tokens scored per row (the first token is never predicted): (rows,)."""
+    return batch["completion_mask"][:, 1:].sum(-1)
+
+
+def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[float], logps: torch.Tensor,
+                    num_tokens: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None, *,
+                    weight: torch.Tensor | None = None, beta: float, label_smoothing: float = 0.0,
+                    reference_free: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The weighted sum of the objectives per pair, times the pair weights, averaged over pairs.
+
+    logps, num_tokens: (2B,) summed completion log-probs and token counts, chosen rows first;
+    ref_chosen, ref_rejected: (B,) summed reference log-probs (None with reference_free);
+    weight: (B,) per-pair loss scale or None. Returns (loss, per-pair metrics (B,), detached):
+    the implicit rewards of the first objective that has them, logps, and "loss/<name>" per
+    objective when there are several.
+    """
+    chosen, rejected = logps.chunk(2)
+    n_chosen, n_rejected = num_tokens.chunk(2)
+    total, rewards, stats = 0.0, None, {}
+    for (name, fn), w in zip(objectives, loss_weights):
+        out = fn(chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_num_tokens=n_chosen,
+                 rejected_num_tokens=n_rejected, label_smoothing=label_smoothing, reference_free=reference_free)
+        losses, chosen_rewards, rejected_rewards = check_objective_output(name, out, chosen.shape[0])
+        total = total + w * losses
+        if len(objectives) > 1:
+            stats[f"loss/{name}"] = losses.detach()
+        if rewards is None and chosen_rewards is not None:
+            rewards = (chosen_rewards.detach(), rejected_rewards.detach())
+    if weight is not None:
+        total = total * weight.to(total.dtype)
+    if rewards is not None:
+        c, r = rewards
+        stats.update({"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).float(),
+                      "rewards/margins": c - r})
+    stats.update({"logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()})
+    return total.mean(), stats
+
+
+def tokenized_dataset(rows, marker: str, tokenize: Callable[[list[dict]], list[dict]]):
+    """`rows` (an iterable of dicts, or None) as a `datasets.Dataset`, passed through `tokenize` unless the
+    first row already has the column `marker` (rows tokenized beforehand). None stays None."""
+    import datasets
+
+    if rows is None:
+        return None
+    rows = list(rows)
+    if rows and marker not in rows[0]:
+        rows = tokenize(rows)
+    return datasets.Dataset.from_list(rows)
+
+
+@torch.no_grad()
+def loss_only_prediction_step(trainer: Trainer, model, inputs) -> tuple[torch.Tensor, None, None]:
+    """`prediction_step` for trainers whose batches carry no `labels`: the loss only.
+
+    (Trainer's own would run a bare forward, find no labels, and report no eval_loss.)
+    """
+    inputs = trainer._prepare_inputs(inputs)
+    with trainer.compute_loss_context_manager():
+        return trainer.compute_loss(model, inputs).detach(), None, None
+
+
+def flush_metrics(metrics: dict[str, list[float]], logs: dict[str, float], prefix: str = "") -> None:
+    """Average each accumulated metric into `logs` (keys prefixed) and clear them."""
+    for key, values in metrics.items():
+        logs[f"{prefix}{key}"] = sum(values) / len(values)
+    metrics.clear()
+
