@@ -5,7 +5,7 @@ and proof that a rerun with only `beta` changed runs no reference forward at all
     python benchmarks/dpo_reference.py --output-dir /tmp/a        # reuse a pipeline already built there
 
 Runs the stages in-process (`stages.runner.run_stage`) so the reference forwards can be
-counted (`stages.trainers.dpo.REFERENCE_FORWARDS` counts every reference forward pass:
+counted (`stages.trainers.reference.REFERENCE_FORWARDS` counts every reference forward pass:
 live, precomputed, KTO, online DPO). Three policy runs on the same pairs:
   1. precompute on (default): stage `reference` computes the log-probs once, `policy` trains;
   2. `policy.dpo.beta` changed: `reference` is a cache hit, `policy` retrains, 0 reference forwards;
@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
 from stages.config import load_params  # noqa: E402
-from stages.trainers import dpo  # noqa: E402
+from stages.trainers import reference  # noqa: E402
 
 
 def timed_policy(base: list[str], extra: list[str]) -> dict:
     params = load_params(ROOT / "params.yaml", [*base, "policy.method=dpo", *extra])
-    before = dpo.REFERENCE_FORWARDS
+    before = reference.REFERENCE_FORWARDS
     t0 = time.perf_counter()
     ref = runner.run_stage("reference", params)
     t1 = time.perf_counter()
@@ -38,7 +38,7 @@ def timed_policy(base: list[str], extra: list[str]) -> dict:
     m = policy["metrics"]
     return {"reference": "cached" if not ref["executed"] else f"{t1 - t0:.1f} s",
             "policy_s": t2 - t1, "steps": m["steps"], "step_s": m["train_runtime_s"] / max(m["steps"], 1),
-            "ref_forwards": dpo.REFERENCE_FORWARDS - before, "loss": m["train_loss"]}
+            "ref_forwards": reference.REFERENCE_FORWARDS - before, "loss": m["train_loss"]}
 
 
 def main() -> None:

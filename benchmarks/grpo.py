@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 
 # The settings proposed as params.yaml defaults (see RESULTS-grpo.md): 32 prompts x 4 completions per step,
 # a cosine decay from 1.5e-4 over 150 steps, no KL; completions of this task are ~20 tokens, so 32 covers them.
-DEFAULTS = dict(
-    num_generations=4, per_device_train_batch_size=128, max_completion_length=32, learning_rate=1.5e-4,
-    lr_scheduler_type="cosine", warmup_steps=0, max_steps=150, beta=0.0, temperature=1.0, loss_type="grpo",
-    scale_rewards="group", num_iterations=1, generation_batch_size=64,
-)
+DEFAULTS = {
+    "num_generations": 4, "per_device_train_batch_size": 128, "learning_rate": 1.5e-4, "lr_scheduler_type": "cosine",
+    "warmup_steps": 0, "max_steps": 150, "beta": 0.0, "loss_type": "grpo", "scale_rewards": "group",
+    "num_iterations": 1, "generation.max_new_tokens": 32, "generation.temperature": 1.0, "generation.batch_size": 64,
+}
 SWEEP_MARKER = "## Sweep"
 
 
@@ -93,6 +93,7 @@ def main() -> None:
     from stages.data import read_jsonl
     from stages.models import load_causal_lm, load_tokenizer
     from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+    from stages.trainers.online_sampling import GenerationParams
 
     load_before = os.getloadavg()[0]
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="grpo-bench-"))
@@ -112,9 +113,10 @@ def main() -> None:
           flush=True)
 
     settings = {**DEFAULTS, **{k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}}
+    sampling = GenerationParams(**{k.partition(".")[2]: v for k, v in settings.items() if k.startswith("generation.")})
     config = GRPOConfig(**{"output_dir": tempfile.mkdtemp(prefix="grpo-run-"), "report_to": "none", "use_cpu": True,
                            "save_strategy": "no", "disable_tqdm": True, "logging_steps": 10, "seed": args.seed,
-                           **settings})
+                           "generation": sampling, **{k: v for k, v in settings.items() if "." not in k}})
     trainer = GRPOTrainer(model, ["exact_match"], args=config, processing_class=tokenizer, train_dataset=prompts)
     start = time.perf_counter()
     trainer.train()

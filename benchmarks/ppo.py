@@ -108,6 +108,7 @@ def main() -> None:
     from stages.rewards import RewardFunctions, load_reward_function
     from transformers.trainer_callback import PrinterCallback
 
+    from stages.trainers.online_sampling import GenerationParams
     from stages.trainers.ppo import PPOConfig, PPOTrainer
 
     model_dir, data = sft_model_and_data(a)
@@ -124,7 +125,8 @@ def main() -> None:
                      learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=max(a.steps // 10, 1),
                      report_to="none", save_strategy="no", disable_tqdm=True, seed=a.seed,
                      use_cpu=a.device == "cpu", num_ppo_epochs=4, num_mini_batches=2, kl_coef=a.kl_coef,
-                     temperature=a.temperature, max_new_tokens=a.max_new_tokens, missing_eos_penalty=1.0)
+                     generation=GenerationParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens),
+                     missing_eos_penalty=1.0)
     trainer = PPOTrainer(model, args=args, processing_class=tok, train_dataset=train_rows, reward_funcs=reward_fn)
     trainer.remove_callback(PrinterCallback)  # the table below shows the log
     start = time.perf_counter()

@@ -62,7 +62,8 @@ def check_fields(obj: Any, cls: type | None = None) -> list[tuple[str, str]]:
             continue
         choices = _literal_choices(hint)
         if choices and value not in choices and value is not None:
-            problems.append((f.name, f"= {value!r}: one of {', '.join(repr(c) for c in choices)}"))
+            problems.append((f.name, f"= {value!r}: expected one of {', '.join(repr(c) for c in choices)}; "
+                                     f"{f.metadata['help']}"))
             continue
         check = f.metadata.get("check")
         if check is not None and value is not None and not check(value):

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from stages.losses import GRPO_AGGREGATIONS, gae, grpo_advantages, grpo_loss, ppo_loss
+from stages.losses import (GRPO_AGGREGATIONS, KL_ESTIMATORS, explained_variance, gae, grpo_advantages, grpo_loss,
+                           kl_k1, kl_k3, masked_whiten, per_token_rewards, ppo_loss)
 
 F64 = torch.float64
 
@@ -327,3 +328,76 @@ def test_ppo_loss_bad_shapes():
     logps, old, adv, values, old_values, returns = _ppo_inputs()
     with pytest.raises(ValueError, match=r"returns has shape \(1, 2\): expected \(1, 3\)"):
         ppo_loss(logps, old, adv, values, old_values, returns[:, :2], torch.ones(1, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators, per-token rewards, whitening (PPO's rollout maths)
+# ---------------------------------------------------------------------------------------------
+# logps = [-1.0, -2.0, -0.5], ref = [-1.2, -1.9, -0.5]: d = ref - logps = [-0.2, 0.1, 0].
+# k1 = logps - ref = [0.2, -0.1, 0];  k3 = e^d - 1 - d = [e^-0.2 - 0.8, e^0.1 - 1.1, 0]
+#    = [0.8187307531 - 0.8, 1.1051709181 - 1.1, 0] = [0.0187307531, 0.0051709181, 0].
+KL_LOGPS = torch.tensor([-1.0, -2.0, -0.5], dtype=F64)
+KL_REF = torch.tensor([-1.2, -1.9, -0.5], dtype=F64)
+
+
+def test_kl_estimators_hand_computed():
+    """k1 can be negative; k3 never is, and both are 0 where policy and reference agree."""
+    _close(kl_k1(KL_LOGPS, KL_REF), [0.2, -0.1, 0.0])
+    _close(kl_k3(KL_LOGPS, KL_REF), [0.0187307531, 0.0051709181, 0.0], tol=1e-9)
+    assert set(KL_ESTIMATORS) == {"k1", "k3"}
+
+
+def test_kl_estimators_are_unbiased():
+    """Over samples weighted by π, both estimators average to KL(π || π_ref) exactly.
+
+    π = [0.25, 0.75], π_ref = [0.5, 0.5]: KL = 0.25·ln(0.5) + 0.75·ln(1.5) = 0.1308120.
+    E_π[k1] = Σ π·log(π/π_ref) = KL; E_π[k3] = Σ π·(π_ref/π - 1 - log(π_ref/π)) = Σ π_ref - 1 + KL = KL.
+    """
+    pi, ref = torch.tensor([0.25, 0.75], dtype=F64), torch.tensor([0.5, 0.5], dtype=F64)
+    for name, estimator in KL_ESTIMATORS.items():
+        _close((pi * estimator(pi.log(), ref.log())).sum().item(), 0.1308120, tol=1e-7)
+
+
+def test_per_token_rewards_hand_derived():
+    """k1: KL_t = logp - ref; r_t = -0.5·KL_t, + score at the last valid token.
+    row 0: KL = [0.2, -0.1, (masked)]   -> r = [-0.1, 0.05 + 2.0, 0]
+    row 1: KL = [0.4, 0.0, 0.0]         -> r = [-0.2, 0, 0 - 1.0]
+    k3 at d = ref - logp = -0.2: e^-0.2 - 1 + 0.2 = 0.0187308."""
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]], dtype=F64)
+    ref = torch.tensor([[-1.2, -1.9, -9.0], [-0.9, -0.5, -0.5]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards, kl = per_token_rewards(logps, ref, torch.tensor([2.0, -1.0]), mask, kl_coef=0.5)
+    _close(rewards, [[-0.1, 2.05, 0.0], [-0.2, 0.0, -1.0]])
+    _close(kl, [[0.2, -0.1, 0.0], [0.4, 0.0, 0.0]])
+    _, k3 = per_token_rewards(logps, ref, torch.zeros(2), mask, kl_coef=0.5, kl_estimator="k3")
+    _close(k3, [[0.0187307531, 0.0051709181, 0.0], [math.exp(-0.4) - 0.6, 0.0, 0.0]], tol=1e-9)
+
+
+def test_per_token_rewards_score_goes_to_the_last_valid_token_and_empty_rows_get_none():
+    """A hole in the mask does not move the score: it lands on the last 1 (column 2 of row 0); a row
+    with no valid token gets no score at all."""
+    zeros = torch.zeros(2, 4, dtype=F64)
+    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])
+    rewards, _ = per_token_rewards(zeros, zeros, torch.tensor([3.0, 5.0]), mask, kl_coef=1.0)
+    _close(rewards, [[0.0, 0.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"kl_estimator = 'k2' is not supported; choose one of \['k1', 'k3'\]"):
+        per_token_rewards(zeros, zeros, torch.zeros(2), mask, kl_coef=1.0, kl_estimator="k2")
+
+
+def test_masked_whiten_hand_computed():
+    """x = [1, 3, (100 masked)]: mean 2, unbiased variance ((1-2)² + (3-2)²) / (2-1) = 2, so
+    (x - 2)/√2 = [-0.7071068, 0.7071068]; shift_mean=False adds the mean back: [1.2928932, 2.7071068]."""
+    x = torch.tensor([[1.0, 3.0, 100.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0]])
+    _close(masked_whiten(x, mask), [[-0.7071068, 0.7071068, 0.0]])
+    _close(masked_whiten(x, mask, shift_mean=False), [[1.2928932, 2.7071068, 0.0]])
+
+
+def test_explained_variance_hand_computed():
+    """returns [1, 2, 3]: perfect values -> 1; constant values 2 -> residual [-1, 0, 1], variance 1 =
+    Var(returns) -> 0; the masked 50 is ignored; fewer than 2 valid tokens -> NaN."""
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    _close(explained_variance(returns, returns, mask).item(), 1.0)
+    _close(explained_variance(torch.full_like(returns, 2.0), returns, mask).item(), 0.0)
+    assert math.isnan(explained_variance(returns, returns, torch.tensor([[1, 0, 0, 0]])).item())

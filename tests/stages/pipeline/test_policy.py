@@ -59,13 +59,13 @@ def test_no_preference_pairs_is_a_clear_error(tmp_path):
 
 
 def test_beta_only_rerun_runs_no_reference_forward(tmp_path, built_pipeline):
-    from stages.trainers import dpo
+    from stages.trainers import reference
 
     params, _ = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
     p = load_params(write_params(tmp_path, {"policy": {"dpo": {"beta": 0.3}}}))
-    before = dpo.REFERENCE_FORWARDS
+    before = reference.REFERENCE_FORWARDS
     assert runner.run_stage("reference", p)["executed"] is False  # beta is not an input of the log-probs
     m = runner.run_stage("policy", p)
     assert m["executed"] and m["metrics"]["steps"] == 3
-    assert dpo.REFERENCE_FORWARDS == before  # the reference model never ran
+    assert reference.REFERENCE_FORWARDS == before  # the reference model never ran

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from stages.trainers.dpo import DPOConfig, DPOTrainer, PairCollator, sequence_logps, tokenize_pairs
+from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.trainers.preference import PairCollator, sequence_logps, tokenize_pairs
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
@@ -18,7 +19,8 @@ def setup(tmp_path_factory):
 
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=15, per_device_train_batch_size=16, learning_rate=2e-3,
-                logging_steps=5, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+                logging_steps=5, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                precompute_ref_log_probs=False)  # the live reference; test_dpo_extensions covers precomputing
     return DPOConfig(**{**base, **kw})
 
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from stages.losses import dpo_loss
-from stages.trainers import dpo
-from stages.trainers.dpo import (REF_COLUMNS, DPOConfig, DPOTrainer, completion_token_counts, compute_reference_logps,
-                                 reference_logps_table, sequence_logps)
+from stages.trainers import reference
+from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.trainers.preference import REF_COLUMNS, completion_token_counts, sequence_logps
+from stages.trainers.reference import compute_reference_logps, reference_logps_table
 from stages.trainers.sampling import BalancedBatchSampler
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
@@ -39,7 +40,7 @@ def _load(path, noise=0.0):
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, per_device_eval_batch_size=16,
                 learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                disable_tqdm=True, seed=0)
+                disable_tqdm=True, seed=0, precompute_ref_log_probs=False)
     return DPOConfig(**{**base, **kw})
 
 
@@ -77,18 +78,18 @@ def test_precomputed_reference_matches_live(setup, tmp_path, loss_type):
 
 def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
     path, tok, rows = setup
-    before = dpo.REFERENCE_FORWARDS
+    before = reference.REFERENCE_FORWARDS
     trainer = DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
                          train_dataset=rows, eval_dataset=rows[:16])
-    assert dpo.REFERENCE_FORWARDS - before == 5  # (64 train + 16 eval rows) / eval batch 16: one precompute pass
-    start = dpo.REFERENCE_FORWARDS
+    assert reference.REFERENCE_FORWARDS - before == 5  # (64 train + 16 eval rows) / eval batch 16: one precompute pass
+    start = reference.REFERENCE_FORWARDS
     assert trainer.evaluate()["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
     trainer.train()
     assert trainer.evaluate()["eval_loss"] < 0.6931
-    assert dpo.REFERENCE_FORWARDS == start and trainer.ref_model is None
+    assert reference.REFERENCE_FORWARDS == start and trainer.ref_model is None
     live = DPOTrainer(_load(path), args=_args(tmp_path), processing_class=tok, train_dataset=rows)
     live.train()
-    assert dpo.REFERENCE_FORWARDS - start == 3  # the counter does see live reference passes
+    assert reference.REFERENCE_FORWARDS - start == 3  # the counter does see live reference passes
 
 
 def test_combination_is_the_weighted_sum_of_its_parts(setup, tmp_path):
@@ -173,8 +174,8 @@ def test_config_errors(tmp_path):
     assert "loss_weights = [1.0]: 1 weight(s) for 2" in str(e.value) and "beta = -1.0" in str(e.value)
     with pytest.raises(ValueError, match=r"loss_type = 'no_such_module:f': cannot import"):
         _args(tmp_path, loss_type="no_such_module:f")
-    with pytest.raises(ValueError, match="precompute_ref_log_probs = True with reference_free = True"):
-        _args(tmp_path, precompute_ref_log_probs=True, reference_free=True)
+    # reference_free wins over precompute_ref_log_probs (the pipeline's default is true): nothing to precompute
+    assert _args(tmp_path, precompute_ref_log_probs=True, reference_free=True).reference_free
 
 
 def test_precompute_with_lora_uses_the_adapter_disabled_base(setup, tmp_path):

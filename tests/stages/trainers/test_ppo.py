@@ -3,7 +3,8 @@ missing-EOS penalty, hand-derived rewards, and configuration errors."""
 import pytest
 import torch
 
-from stages.trainers.ppo import PPOConfig, PPOTrainer, masked_whiten, per_token_rewards
+from stages.trainers.online_sampling import GenerationParams
+from stages.trainers.ppo import PPOConfig, PPOTrainer
 from stages.trainers.rollout import completion_logps, pad_rollout
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
@@ -22,7 +23,7 @@ def setup(tmp_path_factory):
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=3e-3,
                 logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
-                num_ppo_epochs=2, num_mini_batches=2, max_new_tokens=8, temperature=1.0)
+                num_ppo_epochs=2, num_mini_batches=2, generation=GenerationParams(max_new_tokens=8, temperature=1.0))
     return PPOConfig(**{**base, **kw})
 
 
@@ -159,31 +160,14 @@ def test_padding_and_tokens_after_eos_do_not_reach_logps_or_values(setup):
     assert got["logps"][0, :3].ne(0).all()
 
 
-def test_per_token_rewards_hand_derived():
-    """k1: KL_t = logp - ref; r_t = -0.5·KL_t, + score at the last valid token.
-    row 0: KL = [0.2, -0.1, (masked)]   -> r = [-0.1, 0.05 + 2.0, 0]
-    row 1: KL = [0.4, 0.0, 0.0]         -> r = [-0.2, 0, 0 - 1.0]
-    k3 at d = ref - logp = -0.2: e^-0.2 - 1 + 0.2 = 0.0187308."""
-    logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
-    ref = torch.tensor([[-1.2, -1.9, -9.0], [-0.9, -0.5, -0.5]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    rewards, kl = per_token_rewards(logps, ref, torch.tensor([2.0, -1.0]), mask, kl_coef=0.5)
-    assert torch.allclose(rewards, torch.tensor([[-0.1, 2.05, 0.0], [-0.2, 0.0, -1.0]]))
-    assert torch.allclose(kl, torch.tensor([[0.2, -0.1, 0.0], [0.4, 0.0, 0.0]]))
-    _, k3 = per_token_rewards(logps, ref, torch.zeros(2), mask, kl_coef=0.5, kl_estimator="k3")
-    assert k3[0, 0].item() == pytest.approx(0.0187308, abs=1e-6) and (k3 >= 0).all() and k3[0, 2] == 0
-    x = torch.tensor([[1.0, 3.0, 100.0]])
-    assert torch.allclose(masked_whiten(x, torch.tensor([[1, 1, 0]])), torch.tensor([[-0.7071, 0.7071, 0.0]]),
-                          atol=1e-4)  # mean 2, unbiased std sqrt(2); the masked 100 is ignored
-
-
 def test_missing_eos_penalty_reaches_the_returns(setup, tmp_path):
     """kl_coef = 0, gamma = lam = 1: the return of the first completion token is the score itself,
     minus 1.5 for a completion cut before its EOS (max_new_tokens = 2 cuts every one)."""
     path, tok, _, sft = setup
     rows = _offline_rows(sft, n=4)
     for cut, penalty in ((2, 1.5), (64, 1.5), (2, None)):
-        args = _args(tmp_path, kl_coef=0.0, gamma=1.0, lam=1.0, max_new_tokens=cut, missing_eos_penalty=penalty,
+        args = _args(tmp_path, kl_coef=0.0, gamma=1.0, lam=1.0, generation=GenerationParams(max_new_tokens=cut),
+                     missing_eos_penalty=penalty,
                      per_device_train_batch_size=4)
         trainer = PPOTrainer(_lm(path), args=args, processing_class=tok, train_dataset=rows)
         rollout = trainer.rollout(trainer.model, rows)
@@ -196,11 +180,11 @@ def test_errors_before_the_first_step(setup, tmp_path):
     path, tok, prompts, sft = setup
     with pytest.raises(ValueError) as err:
         _args(tmp_path, kl_coef=-1.0, kl_estimator="k9", num_mini_batches=3, missing_eos_penalty=-1.0,
-              gradient_accumulation_steps=2, generation_backend="vllm", top_p=0.0)
-    for part in ("kl_coef = -1.0: must be >= 0", "kl_estimator = 'k9': supported: k1, k3",
+              gradient_accumulation_steps=2, generation=GenerationParams(top_p=0.0))
+    for part in ("kl_coef = -1.0: must be >= 0", "kl_estimator = 'k9': expected one of 'k1', 'k3'",
                  "per_device_train_batch_size = 8 is not divisible by num_mini_batches = 3",
                  "missing_eos_penalty = -1.0: must be >= 0", "gradient_accumulation_steps = 2: must be 1",
-                 "generation_backend = 'vllm' needs generation_kwargs", "top_p = 0.0"):
+                 "generation.top_p = 0.0"):
         assert part in str(err.value)
     with pytest.raises(ValueError, match="row 0 has no 'completion' column: no reward functions were given"):
         PPOTrainer(_lm(path), args=_args(tmp_path), processing_class=tok, train_dataset=prompts)
