@@ -104,3 +104,17 @@ def test_params_validation_imports_no_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_params_yaml_lists_every_policy_key():
+    """params.yaml stays the full, commented listing of the policy section (the one other place a new
+    method parameter goes): every key of every method, nested sections included."""
+    import yaml
+
+    def leaves(d, prefix=""):
+        return {k for key, v in d.items() for k in (leaves(v, f"{prefix}{key}.") if isinstance(v, dict)
+                                                       else {prefix + key})}
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())["policy"]
+    declared = leaves(Params().to_dict()["policy"])
+    assert sorted(declared - leaves(raw)) == []
