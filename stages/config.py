@@ -27,6 +27,8 @@ from stages.trainers.kto_params import KTOParams
 from stages.trainers.online_dpo_params import OnlineDPOParams
 from stages.trainers.online_sampling import GenerationParams
 from stages.trainers.ppo_params import PPOParams
+from stages.trainers.reward_params import RewardModelParams
+from stages.trainers.sft_params import SFTParams
 
 
 class ParamsError(ValueError):
@@ -139,16 +141,12 @@ class TrainingParams:
 
 
 @dataclass
-class SFTParams(TrainingParams):
+class SFTSection(SFTParams, TrainingParams):
+    """`sft`: the SFT settings shared with SFTConfig (stages/trainers/sft_params.py), the training settings, and
+    what only the pipeline has."""
+
     weight_decay: float = non_negative(0.0, "AdamW weight decay")
-    max_seq_length: int = positive(512, "truncate tokenised rows to this many tokens")
-    completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
-    assistant_only_loss: bool = param(False, help="loss on every assistant turn of multi-turn conversations only "
-                                      "(needs {% generation %} markers in the chat template)")
-    dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
     formatting_func: str | None = param(None, help="module:function turning a row into a training text")
-    packing: bool = param(False, help="pack rows into max_seq_length sequences, padding-free")
-    packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
     streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
     gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
     gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
@@ -158,7 +156,7 @@ class SFTParams(TrainingParams):
     eval_samples: int = positive(32, "validation prompts of the online evaluation")
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = []
+        problems = super().validate()
         if self.streaming and self.max_steps <= 0:
             problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
         if self.streaming and self.packing:
@@ -188,15 +186,13 @@ def check_reward_functions(names: list[str], weights: list[float] | None) -> lis
 
 
 @dataclass
-class RewardParams(TrainingParams):
-    """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs."""
+class RewardSection(RewardModelParams, TrainingParams):
+    """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs
+    (its own settings shared with RewardConfig: stages/trainers/reward_params.py)."""
 
     learning_rate: float = positive(3e-4, "peak learning rate")
     num_train_epochs: float = positive(10.0, "passes over the training pairs (the built-in task's wrong answers "
                                        "that contradict a correct reasoning block need ~10 to pass the 0.9 gate)")
-    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
-    center_rewards_coefficient: float | None = param(None, help="weight of mean((r_c + r_r)^2), keeps rewards "
-                                                     "centred at 0 (null: off; 0.01 is typical)")
     eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
                                  check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
     min_accuracy: float = fraction(0.9, "quality gate: held-out pair accuracy below this fails the stage and "
@@ -487,8 +483,8 @@ class Params:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
-    sft: SFTParams = field(default_factory=SFTParams)
-    reward: RewardParams = field(default_factory=RewardParams)
+    sft: SFTSection = field(default_factory=SFTSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     score: ScoreParams = field(default_factory=ScoreParams)
     policy: PolicyParams = field(default_factory=PolicyParams)
     merge: MergeParams = field(default_factory=MergeParams)

@@ -16,7 +16,6 @@ in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, NamedTuple
 
 from stages.models import load_tokenizer, pick_device
@@ -95,33 +94,24 @@ def online_data(section: str):
 # --------------------------------------------------------------------------- trainer per method
 
 
-def trainer_config(config_cls, section, args: dict[str, Any]):
-    """`config_cls` (e.g. GRPOConfig: the method's params + TrainingArguments) from the training keywords
-    `args` and every method field of the params `section`, as they are: no field is named here."""
-    own = {f.name for f in dataclasses.fields(config_cls)}
-    method = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-              if f.name in own and f.name not in args}  # args already holds the section's training overrides
-    return config_cls(**args, **method)
-
-
 def dpo_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
     from stages.trainers.dpo import DPOConfig, DPOTrainer
 
-    config = trainer_config(DPOConfig, ctx.params.policy.dpo, args)
+    config = training.trainer_config(DPOConfig, ctx.params.policy.dpo, args)
     return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
 def kto_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
     from stages.trainers.kto import KTOConfig, KTOTrainer
 
-    config = trainer_config(KTOConfig, ctx.params.policy.kto, args)
+    config = training.trainer_config(KTOConfig, ctx.params.policy.kto, args)
     return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
 def online_dpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    config = trainer_config(OnlineDPOConfig, ctx.params.policy.online_dpo, args)
+    config = training.trainer_config(OnlineDPOConfig, ctx.params.policy.online_dpo, args)
     return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
@@ -133,14 +123,14 @@ def grpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     preference = None
     if s.reward_head == "shared":
         preference = preference_pairs(ctx, "preprocess", key="policy.grpo.reward_head")[1]
-    return GRPOTrainer(model, rewards, args=trainer_config(GRPOConfig, s, args), processing_class=tokenizer,
+    return GRPOTrainer(model, rewards, args=training.trainer_config(GRPOConfig, s, args), processing_class=tokenizer,
                        train_dataset=rows, preference_dataset=preference, callbacks=callbacks)
 
 
 def ppo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.ppo import PPOConfig, PPOTrainer
 
-    config = trainer_config(PPOConfig, ctx.params.policy.ppo, args)
+    config = training.trainer_config(PPOConfig, ctx.params.policy.ppo, args)
     return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
                       callbacks=callbacks)
 

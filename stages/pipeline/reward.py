@@ -43,8 +43,7 @@ def run(ctx) -> dict[str, Any]:
     if r.lora.enabled:
         model = apply_lora(model, r.lora, task_type="SEQ_CLS")
     trainable, total = trainable_fraction(model)
-    args = RewardConfig(**training.trainer_args(ctx, r, device=device, section="reward"), max_length=r.max_length,
-                        center_rewards_coefficient=r.center_rewards_coefficient)
+    args = training.trainer_config(RewardConfig, r, training.trainer_args(ctx, r, device=device, section="reward"))
     logger, callbacks = training.callbacks(ctx, r.report_to)
     trainer = RewardTrainer(model, args=args, processing_class=tokenizer, train_dataset=train_pairs,
                             callbacks=callbacks)

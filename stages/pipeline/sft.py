@@ -35,13 +35,9 @@ def run(ctx) -> dict[str, Any]:
         else None)
 
     precision = training.mixed_precision(s.mixed_precision, device, "sft")
-    args = SFTConfig(
+    args = training.trainer_config(SFTConfig, s, {
         **training.trainer_args(ctx, s, device=device, precision=precision, section="sft"),
-        weight_decay=s.weight_decay, max_seq_length=s.max_seq_length, completion_only_loss=s.completion_only_loss,
-        assistant_only_loss=s.assistant_only_loss, dataset_text_field=s.dataset_text_field,
-        packing=s.packing, packing_strategy=s.packing_strategy,
-        eval_strategy="epoch" if val and not s.streaming else "no",
-    )
+        "weight_decay": s.weight_decay, "eval_strategy": "epoch" if val and not s.streaming else "no"})
     logger, callbacks = training.callbacks(ctx, s.report_to)
     trainer = SFTTrainer(model, args, processing_class=tokenizer, train_dataset=train, eval_dataset=val or None,
                          formatting_func=load_formatting_func(s.formatting_func), callbacks=callbacks)

@@ -5,6 +5,7 @@ helpers keep checkpoints, crash-resume, TensorBoard and the saved outputs identi
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -15,6 +16,7 @@ from typing import Any
 from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from stages.fields import is_param
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
@@ -50,6 +52,13 @@ def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) ->
         seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
         disable_tqdm=not sys.stderr.isatty(), bf16=precision == "bf16", fp16=precision == "fp16",
     )
+
+
+def trainer_config(config_cls, section, args: dict[str, Any]):
+    """`config_cls` (a method's params class + TrainingArguments, e.g. GRPOConfig) from the training keywords
+    `args` and the section's value of every field the params class declares: no field is named here."""
+    own = {f.name: getattr(section, f.name) for f in dataclasses.fields(config_cls) if is_param(f)}
+    return config_cls(**args, **own)
 
 
 def callbacks(ctx, report_to: list[str]) -> tuple[LogToLogger, list]:

@@ -31,7 +31,7 @@ import json
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +41,10 @@ from transformers import Trainer, TrainingArguments
 from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
+from stages.fields import raise_problems
 from stages.losses import reward_loss
 from stages.trainers.preference import tokenized_dataset
+from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
 from stages.utils import pad
 
@@ -52,21 +54,13 @@ HEAD_NAMES = ("score", "classifier")
 
 
 @dataclass
-class RewardConfig(TrainingArguments):
-    max_length: int = field(default=1024, metadata={"help": "truncate prompt + completion to this many tokens"})
-    center_rewards_coefficient: float | None = field(
-        default=None, metadata={"help": "weight of mean((r_c + r_r)^2): pulls rewards to zero mean (0.01 is typical)"})
+class RewardConfig(RewardModelParams, TrainingArguments):
+    """TrainingArguments plus the reward model's settings of `RewardModelParams` (stages.trainers.reward_params,
+    shared with params.yaml's `reward`), checked there."""
 
     def __post_init__(self):
         super().__post_init__()
-        problems = []
-        if self.max_length <= 0:
-            problems.append(f"max_length = {self.max_length}: must be > 0 (tokens of prompt + completion)")
-        c = self.center_rewards_coefficient
-        if c is not None and not (math.isfinite(c) and c >= 0):
-            problems.append(f"center_rewards_coefficient = {c}: must be >= 0 or None (0.01 is typical)")
-        if problems:
-            raise ValueError("; ".join(problems))
+        raise_problems("RewardConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ model

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,20 +23,20 @@ from transformers import Trainer, TrainingArguments
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
+from stages.fields import raise_problems
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
+from stages.trainers.sft_params import SFTParams
 
 
 @dataclass
-class SFTConfig(TrainingArguments):
-    max_seq_length: int = field(default=1024, metadata={"help": "truncate tokenised rows to this length"})
-    completion_only_loss: bool = field(default=True, metadata={"help": "loss on completion tokens only"})
-    assistant_only_loss: bool = field(default=False, metadata={"help": "loss on every assistant turn only"})
-    dataset_text_field: str = field(default="text", metadata={"help": "column of raw-text rows"})
-    packing: bool = field(default=False, metadata={"help": "pack rows into max_seq_length sequences, padding-free"})
-    packing_strategy: str = field(default="bfd", metadata={"help": "bfd or wrapped (stages.data.packing)"})
-    use_chunked_logprobs: bool = field(default=True, metadata={
-        "help": "loss from hidden states through the chunked lm-head kernel (no full logits) where the model allows"})
+class SFTConfig(SFTParams, TrainingArguments):
+    """TrainingArguments plus the SFT settings of `SFTParams` (stages.trainers.sft_params, shared with
+    params.yaml's `sft`), checked there."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        raise_problems("SFTConfig", self.validate())
 
 
 class SFTTrainer(Trainer):

@@ -16,53 +16,66 @@ from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.kto_params import KTOParams
 from stages.trainers.online_dpo_params import OnlineDPOParams
 from stages.trainers.ppo_params import PPOParams
+from stages.trainers.reward_params import RewardModelParams
+from stages.trainers.sft_params import SFTParams
 from tests.conftest import ROOT
 
 
 def trainer_configs():
+    """{dotted params section: (the method's params class, its trainer config)} for every trainer."""
     from stages.trainers.dpo import DPOConfig
     from stages.trainers.grpo import GRPOConfig
     from stages.trainers.kto import KTOConfig
     from stages.trainers.online_dpo import OnlineDPOConfig
     from stages.trainers.ppo import PPOConfig
+    from stages.trainers.reward import RewardConfig
+    from stages.trainers.sft import SFTConfig
 
-    return {"dpo": (DPOParams, DPOConfig), "kto": (KTOParams, KTOConfig),
-            "online_dpo": (OnlineDPOParams, OnlineDPOConfig), "grpo": (GRPOParams, GRPOConfig),
-            "ppo": (PPOParams, PPOConfig)}
+    return {"policy.dpo": (DPOParams, DPOConfig), "policy.kto": (KTOParams, KTOConfig),
+            "policy.online_dpo": (OnlineDPOParams, OnlineDPOConfig), "policy.grpo": (GRPOParams, GRPOConfig),
+            "policy.ppo": (PPOParams, PPOConfig), "sft": (SFTParams, SFTConfig),
+            "reward": (RewardModelParams, RewardConfig)}
+
+
+def section(params, dotted: str):
+    for part in dotted.split("."):
+        params = getattr(params, part)
+    return params
 
 
 def disagreeing_defaults(tmp_path) -> list[str]:
-    """`policy.<method>.<field>: pipeline vs Python API` for every method field whose defaults differ."""
+    """`<section>.<field>: pipeline vs Python API` for every method field whose defaults differ."""
     out = []
-    for method, (params_cls, config_cls) in trainer_configs().items():
-        section = getattr(Params().policy, method)
+    for key, (params_cls, config_cls) in trainer_configs().items():
+        pipeline = section(Params(), key)
         config = config_cls(output_dir=str(tmp_path), use_cpu=True)
         for f in dataclasses.fields(params_cls):
-            if getattr(section, f.name) != getattr(config, f.name):
-                out.append(f"policy.{method}.{f.name}: {getattr(section, f.name)!r} vs {getattr(config, f.name)!r}")
+            if getattr(pipeline, f.name) != getattr(config, f.name):
+                out.append(f"{key}.{f.name}: {getattr(pipeline, f.name)!r} vs {getattr(config, f.name)!r}")
     return out
 
 
 def test_python_api_defaults_equal_the_pipelines(tmp_path):
-    """GRPOConfig(output_dir=...) and Params().policy.grpo (and every other method) share every method default."""
+    """GRPOConfig(output_dir=...) and Params().policy.grpo (and every other trainer) share every method default."""
     assert disagreeing_defaults(tmp_path) == []
 
 
 def test_section_and_trainer_config_are_the_same_declaration():
     """No method field is restated: the section and the trainer config subclass the method's params class
     and declare no method field of their own."""
-    for method, (params_cls, config_cls) in trainer_configs().items():
-        section_cls = type(getattr(Params().policy, method))
+    for key, (params_cls, config_cls) in trainer_configs().items():
+        section_cls = type(section(Params(), key))
         assert issubclass(section_cls, params_cls) and issubclass(config_cls, params_cls)
         names = {f.name for f in dataclasses.fields(params_cls)}
         for cls in (section_cls, config_cls):
-            assert not names & set(cls.__dict__.get("__annotations__", {})), (method, cls)
+            assert not names & set(cls.__dict__.get("__annotations__", {})), (key, cls)
 
 
 def test_choices_match_the_loss_tables():
     """The Literal choices of the light params modules are the keys of the tables the losses use."""
     import typing
 
+    from stages.data.packing import PACKING_STRATEGIES
     from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, KL_ESTIMATORS
 
     def choices(cls, name):
@@ -71,6 +84,7 @@ def test_choices_match_the_loss_tables():
     assert choices(GRPOParams, "loss_type") == set(GRPO_AGGREGATIONS)
     assert choices(GRPOParams, "scale_rewards") == set(GRPO_REWARD_SCALES)
     assert choices(PPOParams, "kl_estimator") == set(KL_ESTIMATORS)
+    assert choices(SFTParams, "packing_strategy") == set(PACKING_STRATEGIES)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -87,7 +101,7 @@ def test_one_check_from_params_yaml_and_from_python(tmp_path, key, value, messag
         load_params(ROOT / "params.yaml", {f"policy.{key}": value})
     assert f"policy.{key.split('.')[0]}.{message}" in str(from_params.value)
     method, _, field = key.partition(".")
-    _, config_cls = trainer_configs()[method]
+    _, config_cls = trainer_configs()[f"policy.{method}"]
     kwargs = {field: value}
     if field.startswith("generation."):
         from stages.trainers.online_sampling import GenerationParams

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from stages.config import load_params
-from stages.pipeline.policy import trainer_config
+from stages.pipeline.training import trainer_config
 from tests.conftest import ROOT
 
 CHANGED = {  # non-default values, nested sections included, so a dropped field cannot go unnoticed
