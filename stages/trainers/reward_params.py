@@ -18,7 +18,7 @@ class RewardModelParams:
     center_rewards_coefficient: float | None = param(None, help="weight of mean((r_c + r_r)^2), keeps rewards "
                                                      "centred at 0 (null: off; 0.01 is typical)",
                                                      check=lambda v: math.isfinite(v) and v >= 0,
-                                                     rule="must be a finite number >= 0 or null")
+                                                     rule="must be >= 0 and finite, or null")
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, RewardModelParams)
