@@ -39,7 +39,7 @@ def _args(tmp_path, **kw):
 
 def low_ids(prompts, completions, completion_ids, **_):
     """Share of completion tokens with an id below 192 (half the vocabulary): about 0.5 with a wide spread on
-    the untrained model (which rarely stops before max_completion_length), and easy to learn."""
+    the untrained model (which rarely stops before generation.max_new_tokens), and easy to learn."""
     return [sum(t < 192 for t in ids) / len(ids) for ids in completion_ids]
 
 
@@ -144,7 +144,7 @@ def test_unscored_rows_are_excluded(setup, tmp_path):
 
 
 def test_mask_truncated_completions(setup, tmp_path):
-    """Completions cut at max_completion_length (no EOS) get no loss; the others keep their completion mask."""
+    """Completions cut at generation.max_new_tokens (no EOS) get no loss; the others keep their completion mask."""
     path, tok, prompts, _ = setup
     trainer = GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
                           args=_args(tmp_path, mask_truncated_completions=True,
@@ -153,7 +153,7 @@ def test_mask_truncated_completions(setup, tmp_path):
     cut = batch["truncated"]
     assert cut.any() and (batch["loss_mask"][cut] == 0).all()
     assert torch.equal(batch["loss_mask"][~cut], batch["completion_mask"][~cut])
-    assert (batch["completion_mask"].sum(1)[cut] == 4).all()  # the cut ones are exactly max_completion_length
+    assert (batch["completion_mask"].sum(1)[cut] == 4).all()  # the cut ones are exactly max_new_tokens
 
 
 def test_equal_rewards_give_zero_advantage_and_no_update(setup, tmp_path):
