@@ -52,7 +52,6 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str
     return out
 
 
-
 @dataclass
 class PairCollator:
     """Features -> one batch of 2B rows: chosen first, then rejected; right-padded."""
