@@ -48,13 +48,15 @@ class DataShape:
     prompts_derivable: bool = False  # some SFT/preference row has a prompt score could sample from
     complete: bool = True  # False when a big file was only partly read: absent kinds are not certain
 
-    def add(self, destination: str, row: dict[str, Any]) -> None:
+    def add(self, fmt: str, row: dict[str, Any]) -> None:
+        """Count one row of format `fmt` (as read, or canonical)."""
+        destination = FORMATS[fmt][2]
         self.destinations.add(destination)
-        if is_conversational(row):
+        if fmt == "alpaca" or is_conversational(row):  # alpaca rows become chat messages
             self.conversational = True
-        elif any(isinstance(row.get(k), str) for k in ("prompt", "completion", "chosen", "text")):
+        else:
             self.plain = True
-        if destination in ("preference", "unpaired", "prompts") or (destination == "sft" and "prompt" in row):
+        if fmt != "text" or "prompt" in row:  # text rows alone give score nothing to sample from
             self.prompts_derivable = True
 
     @property
@@ -108,7 +110,7 @@ def peek(data) -> DataShape:
                     shape.complete = False
                     continue
                 recognised += 1
-                shape.add(FORMATS[fmt][2], row.value)
+                shape.add(fmt, row.value)
         except DataError:  # unreadable file: preprocess says why, naming the file
             shape.complete = False
         if not recognised:

@@ -121,9 +121,11 @@ def load_groups(data) -> tuple[dict[str, list], list | None, list[dict]]:
 def shape_of(groups: dict[str, list], eval_rows: list | None) -> DataShape:
     """The DataShape of every loaded row (complete: preprocess has read them all)."""
     shape = DataShape()
+    canonical = {"sft": "prompt_completion", "preference": "preference", "unpaired": "unpaired",
+                 "prompts": "prompt_only"}  # the format of a normalised row of each destination
     for dest, rows in groups.items():
         for row in rows:
-            shape.add(dest, row)
+            shape.add("text" if dest == "sft" and "prompt" not in row else canonical[dest], row)
     if eval_rows:
         shape.destinations.add("eval")
     return shape

@@ -7,6 +7,8 @@ from stages.config import load_params
 from stages.data import read_jsonl
 from tests.conftest import write_params
 
+RULE_REWARDS = {"score": {"reward_functions": ["exact_match"]}}  # SFT-only files train no reward model
+
 
 def test_builtin_outputs(built_pipeline):
     params, manifests = built_pipeline
@@ -29,7 +31,7 @@ def test_real_file_dedup_length_filter_and_skipped_rows(tmp_path):
     lines = [json.dumps(r) for r in rows] + ["{broken"]
     (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
     params = load_params(write_params(tmp_path, {
-        "data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"},
+        "data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"}, **RULE_REWARDS,
         "preprocess": {"max_length": 64, "eval_fraction": 0.1, "validation_fraction": 0.1}}))
     m = runner.run_stage("preprocess", params)["metrics"]
     assert m["invalid_rows"] == 1
@@ -41,7 +43,7 @@ def test_real_file_dedup_length_filter_and_skipped_rows(tmp_path):
 
 def test_bad_file_fails_the_stage_and_writes_nothing(tmp_path):
     (tmp_path / "data.jsonl").write_text('{"prompt": "q", "completion": ""}\n')
-    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "data.jsonl")}}))
+    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "data.jsonl")}, **RULE_REWARDS}))
     with pytest.raises(ValueError, match=r"data.jsonl:1: field 'completion' is empty"):
         runner.run_stage("preprocess", params)
     assert not (tmp_path / "artifacts" / "preprocess").exists()
