@@ -147,6 +147,10 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
             problems.append(("policy.data", f"= preprocess, but the data has no preference rows for policy.method "
                                             f"= {pol.method}: set --set policy.data=score (pairs sampled from the "
                                             "SFT model and scored) or give data.preference"))
+        if pol.method == "grpo" and pol.grpo.reward_head == "shared":
+            problems.append(("policy.grpo.reward_head", "= shared trains a reward head on preference pairs, but the "
+                                                        "data has none: set --set policy.grpo.reward_head=separate "
+                                                        "or give data.preference"))
     if not shape.prompts_derivable:
         if params.score.enabled and params.score.source == "generate":
             problems.append(("score.enabled", "= true, but the data has no prompts to sample from (text rows "

@@ -42,6 +42,10 @@ def run(ctx) -> dict[str, Any]:
     if p.preprocess.streaming and not (p.data.source or "").startswith("builtin:"):
         return run_streaming(ctx, tokenizer)
     groups, eval_rows, sources = load_groups(p.data)
+    for s in sources:
+        if len(s.get("formats", {})) > 1:
+            ctx.log.info("preprocess: %s mixes formats %s (each row goes to its kind's split)", s["source"],
+                         s["formats"])
     check_shape(p, tokenizer, shape_of(groups, eval_rows))
     rng = random.Random(p.run.seed)
     dropped: dict[str, dict[str, int]] = {}
