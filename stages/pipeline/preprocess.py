@@ -37,11 +37,14 @@ EVAL_FORMATS = ("prompt_completion", "messages", "alpaca")
 
 def run(ctx) -> dict[str, Any]:
     p = ctx.params
-    tokenizer = load_tokenizer(resolve_model(p.model, p.run.output_dir),
-                               trust_remote_code=p.model.trust_remote_code)
+
+    def tokenizer_of_the_model():  # built or loaded once the data is known to be readable
+        return load_tokenizer(resolve_model(p.model, p.run.output_dir), trust_remote_code=p.model.trust_remote_code)
+
     if p.preprocess.streaming and not (p.data.source or "").startswith("builtin:"):
-        return run_streaming(ctx, tokenizer)
+        return run_streaming(ctx, tokenizer_of_the_model())
     groups, eval_rows, sources = load_groups(p.data)
+    tokenizer = tokenizer_of_the_model()
     for s in sources:
         if len(s.get("formats", {})) > 1:
             ctx.log.info("preprocess: %s mixes formats %s (each row goes to its kind's split)", s["source"],
