@@ -18,6 +18,7 @@ is built; preprocess calls `needs` again with the shape of every row it loaded.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,7 +34,7 @@ ACCEPTS: dict[str, frozenset | None] = {
     "prompts": frozenset({"prompts"}),
 }
 BUILTIN_SHAPE = frozenset({"sft", "preference", "unpaired", "prompts", "eval"})
-PEEK_BYTES = 64 * 2**20  # files up to this size are peeked whole: absence of a kind of row is then certain
+PEEK_BYTES = 16 * 2**20  # files up to this size are peeked whole: absence of a kind of row is then certain
 PEEK_ROWS = 2000
 REWARD_MODEL = "reward_model"
 
@@ -88,8 +89,6 @@ def missing_files(data) -> list[tuple[str, str]]:
 def peek(data) -> DataShape:
     """The shape of the data the `data` section names (see the module docstring). Unreadable rows are skipped:
     preprocess reports them with their file and line."""
-    from stages.data.io import DataError, read_rows
-
     shape = DataShape()
     if str(data.source or "").startswith("builtin:"):
         shape.destinations |= BUILTIN_SHAPE
@@ -98,23 +97,43 @@ def peek(data) -> DataShape:
         if key == "data.eval_source":
             shape.destinations.add("eval")
             continue
-        big = _size(path) > PEEK_BYTES
-        recognised = 0
-        try:
-            for n, row in enumerate(read_rows(path)):
-                if big and n >= PEEK_ROWS:
-                    shape.complete = False
-                    break
-                fmt = detect_format(row.value) if row.value is not None else None
-                if fmt is None:  # preprocess names the row and why: its message beats a guess made here
-                    shape.complete = False
-                    continue
-                recognised += 1
-                shape.add(fmt, row.value)
-        except DataError:  # unreadable file: preprocess says why, naming the file
-            shape.complete = False
-        if not recognised:
-            shape.complete = False
+        stat = path.stat() if path.is_file() else None
+        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        shape.destinations |= part.destinations
+        shape.conversational |= part.conversational
+        shape.plain |= part.plain
+        shape.prompts_derivable |= part.prompts_derivable
+        shape.complete &= part.complete
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
+    """The shape of one file; cached by path, size and modification time (params are validated at every entry)."""
+    from stages.data.io import DataError, read_rows
+
+    path = Path(path_text)
+    shape = DataShape()
+    big = _size(path) > PEEK_BYTES
+    if big and path.suffix != ".jsonl":  # tables and saved datasets are read whole: leave them to preprocess
+        shape.complete = False
+        return shape
+    recognised = 0
+    try:
+        for n, row in enumerate(read_rows(path)):
+            if big and n >= PEEK_ROWS:
+                shape.complete = False
+                break
+            fmt = detect_format(row.value) if row.value is not None else None
+            if fmt is None:  # preprocess names the row and why: its message beats a guess made here
+                shape.complete = False
+                continue
+            recognised += 1
+            shape.add(fmt, row.value)
+    except DataError:  # unreadable file: preprocess says why, naming the file
+        shape.complete = False
+    if not recognised:
+        shape.complete = False
     return shape
 
 

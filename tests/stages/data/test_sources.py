@@ -87,6 +87,7 @@ def test_partly_read_or_unreadable_files_defer_absences_to_preprocess(tmp_path, 
     assert needs(p, peek(p.data))  # whole file read: the missing pairs are certain
     monkeypatch.setattr(sources, "PEEK_BYTES", 10)
     monkeypatch.setattr(sources, "PEEK_ROWS", 2)
+    sources._peek_file.cache_clear()  # peeks are cached by path, size and modification time
     assert not peek(p.data).complete and needs(p, peek(p.data)) == []
     monkeypatch.undo()
     (tmp_path / "bad.jsonl").write_text(json.dumps(SFT[0]) + "\n{broken\n")
