@@ -54,6 +54,8 @@ def test_preference_only_trains_sft_on_the_chosen_side_and_reaches_evaluate(tmp_
     manifests = run_pipeline(params)
     pre = manifests["preprocess"]["metrics"]
     assert pre["sft_from"] == "the chosen side of the preference rows"
+    assert set(pre["dropped"]["preference"]) == {"duplicate", "eval_prompt"} and pre["dropped"]["preference"][
+        "eval_prompt"] > 0  # the carved eval prompts left the preference data
     out = Path(params.run.output_dir) / "preprocess"
     eval_prompts = {json.dumps(r["prompt"]) for r in read_jsonl(out / "eval.jsonl")}
     # held-out prompts are trained on neither through SFT nor through the preference pairs

@@ -70,7 +70,8 @@ def run(ctx) -> dict[str, Any]:
         eval_rows, groups["sft"] = carve_eval(groups.get("sft", []), p.preprocess.eval_fraction, rng,
                                               describe_sources(p.data))
         if derived:  # the eval prompts must not be trained on through the preference data either
-            dropped["preference"] = drop_prompts(groups, eval_rows)
+            for name, n in drop_prompts(groups, eval_rows).items():
+                dropped.setdefault(name, {})["eval_prompt"] = n
     eval_rows, n = dedup(eval_rows)
     dropped["eval"] = {"duplicate": n}
 
@@ -178,7 +179,7 @@ def drop_prompts(groups: dict[str, list], eval_rows: list[dict]) -> dict[str, in
     for name in ("preference", "unpaired"):
         if name in groups:
             kept = [r for r in groups[name] if json.dumps(r.get("prompt"), sort_keys=True) not in held_out]
-            removed[f"{name}_eval_prompt"] = len(groups[name]) - len(kept)
+            removed[name] = len(groups[name]) - len(kept)
             groups[name] = kept
     return removed
 
