@@ -9,7 +9,7 @@ config carries what makes the architecture different:
 |---------|--------------------|--------------------------------------------------------------------|
 | qwen2   | Qwen2ForCausalLM   | tied input/output embeddings, ChatML template, grouped-query attention |
 | gpt2    | GPT2LMHeadModel    | no chat template (plain-string data), pad == EOS, learned positions |
-| gemma2  | Gemma2ForCausalLM  | final and attention logit soft-capping (the log-prob logits path), BOS in the template |
+| gemma2  | Gemma2ForCausalLM  | final and attention logit soft-capping (the logits path), BOS in the template |
 | mistral | MistralForCausalLM | [INST] template without a generation prompt, EOS written by the template |
 
 (Llama is the built-in `builtin:tiny`.)

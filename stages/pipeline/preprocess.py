@@ -26,7 +26,8 @@ import random
 from typing import Any
 
 from stages.builtin import BUILTIN_DATA, arithmetic
-from stages.data import FORMATS, DataError, LoadReport, check_report, iter_rows, load_grouped, load_source, write_jsonl
+from stages.data import (FORMATS, DataError, LoadReport, check_report, iter_rows, iter_source, load_grouped,
+                         load_source, write_jsonl)
 from stages.data.formats import normalise, validate
 from stages.data.sources import DataShape, data_files, needs
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft

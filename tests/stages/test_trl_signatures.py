@@ -67,7 +67,8 @@ def test_apply_chat_template_agrees_with_trl(tok, example):
 
 def test_apply_chat_template_docs_call(tok):
     out = apply_chat_template({"prompt": SKY, "completion": BLUE}, tok)
-    assert out == {"prompt": "<|user|>\nWhat color is the sky?<|end|><|assistant|>\n", "completion": "It is blue.<|end|>"}
+    assert out == {"prompt": "<|user|>\nWhat color is the sky?<|end|><|assistant|>\n",
+                   "completion": "It is blue.<|end|>"}
 
 
 def test_maybe_extract_prompt_docs_call():

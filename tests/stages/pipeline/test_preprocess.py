@@ -66,3 +66,17 @@ def test_streaming_matches_in_memory_counts_and_is_deterministic(tmp_path):
     first = (folder / "eval.jsonl").read_text()
     runner.run_stage("preprocess", params, force=True)
     assert (folder / "eval.jsonl").read_text() == first  # the hash split is deterministic
+
+
+def test_streaming_reads_every_data_key_and_the_eval_source(tmp_path):
+    sft = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(60)]
+    pairs = [{"prompt": f"p{i}", "chosen": "y", "rejected": "n"} for i in range(10)]
+    for name, rows in (("sft", sft), ("pairs", pairs), ("eval", sft[:5])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = load_params(write_params(tmp_path, {
+        "data": {"source": None, "sft": str(tmp_path / "sft.jsonl"), "preference": str(tmp_path / "pairs.jsonl"),
+                 "eval_source": str(tmp_path / "eval.jsonl")},
+        "preprocess": {"streaming": True, "validation_fraction": 0.1}}))
+    m = runner.run_stage("preprocess", params)["metrics"]
+    assert m["rows"]["eval"] == 5 and m["rows"]["preference"] == 10
+    assert m["rows"]["sft_train"] + m["rows"]["sft_validation"] == 60  # nothing carved: eval_source is given
