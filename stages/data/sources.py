@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from stages.data.formats import FORMATS, detect_format, is_conversational
 
@@ -44,8 +44,7 @@ class DataShape:
     """What the data holds: destinations with rows, and the kind of their fields."""
 
     destinations: set[str] = field(default_factory=set)  # sft, preference, unpaired, prompts, eval
-    conversational: bool = False  # some row holds chat messages
-    plain: bool = False  # some row holds plain strings
+    conversational: bool = False  # some row holds chat messages (they need a chat template)
     prompts_derivable: bool = False  # some SFT/preference row has a prompt score could sample from
     complete: bool = True  # False when a big file was only partly read: absent kinds are not certain
 
@@ -55,8 +54,6 @@ class DataShape:
         self.destinations.add(destination)
         if fmt == "alpaca" or is_conversational(row):  # alpaca rows become chat messages
             self.conversational = True
-        else:
-            self.plain = True
         if fmt != "text" or "prompt" in row:  # text rows alone give score nothing to sample from
             self.prompts_derivable = True
 
@@ -101,7 +98,6 @@ def peek(data) -> DataShape:
         part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
         shape.destinations |= part.destinations
         shape.conversational |= part.conversational
-        shape.plain |= part.plain
         shape.prompts_derivable |= part.prompts_derivable
         shape.complete &= part.complete
     return shape
@@ -219,7 +215,3 @@ def destination_problem(key: str, fmt: str) -> str:
     formats = ", ".join(f for f, (_, _, d) in FORMATS.items() if d in accepts)
     return (f"row looks like format {fmt!r} ({dest} data) but data.{key} takes {formats} rows; "
             f"put {dest} rows in data.{right} (or data.source, which takes a file of mixed formats)")
-
-
-def keys_for(destinations: Iterable[str]) -> list[str]:
-    return [k for k in FILE_KEYS if ACCEPTS[k] is not None and ACCEPTS[k] & set(destinations)]

@@ -40,7 +40,7 @@ def test_mixed_file_kinds_and_forms(tmp_path):
     p = params(source=write(tmp_path / "m.jsonl", SFT + PAIRS + PROMPTS))
     shape = peek(p.data)
     assert shape.destinations == {"sft", "preference", "prompts"}
-    assert shape.conversational and shape.plain and shape.complete and shape.prompts_derivable
+    assert shape.conversational and shape.complete and shape.prompts_derivable
 
 
 def test_sft_only_with_default_params_names_every_list_that_needs_the_reward_model(tmp_path):
@@ -120,4 +120,4 @@ def test_shape_add_by_format():
     assert shape.conversational and shape.prompts_derivable and shape.destinations == {"sft"}
     shape = DataShape()
     shape.add("text", {"text": "x"})
-    assert shape.plain and not shape.prompts_derivable
+    assert not shape.conversational and not shape.prompts_derivable
