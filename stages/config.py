@@ -86,12 +86,32 @@ class ArithmeticConfig:
 
 @dataclass
 class DataConfig:
-    source: str = param("builtin:arithmetic", help="builtin:arithmetic, or a local .jsonl/.json/.parquet/.csv file "
-                        "or datasets.save_to_disk directory")
-    eval_source: str | None = param(None, help="held-out eval prompts with references; default: carved from source")
+    """Where the rows come from (`stages.data.sources`): one mixed file or built-in task, and/or a file per kind."""
+
+    source: str | None = param("builtin:arithmetic", help="builtin:arithmetic, or one local .jsonl/.json/.parquet/"
+                               ".csv file or datasets.save_to_disk folder whose rows may mix formats (null: none)")
+    sft: str | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a local file")
+    preference: str | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
+                                   "(prompt/completion/label): a local file")
+    prompts: str | None = param(None, help="prompt-only rows for score and the online methods: a local file")
+    eval_source: str | None = param(None, help="held-out eval prompts with references; default: carved from the "
+                                    "SFT rows (or the preference rows' chosen side)")
     on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
                                                   "skip: drop bad rows and count them in the manifest")
     builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
+
+    def validate(self) -> list[tuple[str, str]]:
+        from stages.data.sources import missing_files
+
+        problems = []
+        own = [k for k in ("sft", "preference", "prompts") if getattr(self, k)]
+        if (self.source or "").startswith("builtin:") and own:
+            problems.append(("source", f"= {self.source!r} together with data.{own[0]}: the built-in task's rows "
+                             f"would be mixed into yours; set --set data.source=null to use only your files"))
+        if not self.source and not own:
+            problems.append(("source", "= null and no data.sft, data.preference or data.prompts: name at least "
+                             "one data file (or builtin:arithmetic)"))
+        return problems + [(key.removeprefix("data."), why) for key, why in missing_files(self)]
 
 
 @dataclass
@@ -492,8 +512,14 @@ class Params:
     promote: PromoteParams = field(default_factory=PromoteParams)
 
     def validate(self) -> list[tuple[str, str]]:
-        """Rules across sections."""
-        problems = []
+        """Rules across sections, and what the data holds against what the chosen stages and methods need."""
+        from stages.data.sources import needs, peek
+
+        problems = list(needs(self, peek(self.data)))
+        if self.score.enabled and self.score.source == "dataset" and self.score.dataset and \
+                not Path(self.score.dataset).expanduser().exists():
+            problems.append(("score.dataset", f"= {self.score.dataset!r}: no such file (relative paths are from "
+                             f"the working directory {Path.cwd()})"))
         if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))

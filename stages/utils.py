@@ -1,7 +1,9 @@
 """Tensor and text plumbing shared by the alignment stages.
 
 - :func:`pad`, :func:`pad_to_length`, :func:`flush_left`: batch shaping for
-  variable-length sequences;
+  variable-length sequences (``pad`` and ``pad_to_length`` with TRL's signatures);
+- :func:`selective_log_softmax` (from :mod:`stages.kernels`): ``log_softmax(logits)`` read at
+  ``index``, TRL's ``selective_log_softmax(logits, index)``;
 - :func:`completion_mask_from_eos`: which generated tokens belong to the completion;
 - :func:`parse_completions` / :func:`decode_and_strip_padding`: generated token ids to
   the strings reward functions see, with the reasoning-block policy spelled out below.
@@ -19,6 +21,8 @@ import re
 
 import torch
 
+from stages.kernels import selective_log_softmax
+
 __all__ = [
     "Completion",
     "clean_decoded_text",
@@ -28,6 +32,7 @@ __all__ = [
     "pad",
     "pad_to_length",
     "parse_completions",
+    "selective_log_softmax",
 ]
 
 
@@ -90,31 +95,25 @@ def pad(
 def pad_to_length(
     tensor: torch.Tensor,
     length: int,
-    padding_value: float | int | bool = 0,
+    pad_value: float | int | bool = 0,
     dim: int = -1,
     padding_side: str = "right",
 ) -> torch.Tensor:
-    """Pad or truncate ``tensor`` along ``dim`` to exactly ``length``.
+    """Pad ``tensor`` along ``dim`` with ``pad_value`` up to ``length`` (TRL's signature and semantics).
 
-    ``padding_side="right"`` pads at the end and truncation keeps the first ``length``
-    entries; ``"left"`` pads at the start and keeps the last ``length`` entries (what a
-    left-padded prompt needs). Returns the input itself when it already has ``length``.
+    A tensor already ``length`` long or longer is returned as it is (never truncated, as
+    in TRL). ``padding_side="left"`` (not in TRL) pads at the start instead of the end.
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"`padding_side` must be 'left' or 'right'; got {padding_side!r}")
-    if length < 0:
-        raise ValueError(f"`length` must be >= 0; got {length}")
     if not -tensor.dim() <= dim < tensor.dim():
         raise ValueError(f"`dim` must index a dim of `tensor` with shape {tuple(tensor.shape)}; got {dim}")
     size = tensor.shape[dim]
-    if size == length:
+    if size >= length:
         return tensor
-    if size > length:
-        start = 0 if padding_side == "right" else size - length
-        return tensor.narrow(dim, start, length)
     fill_shape = list(tensor.shape)
     fill_shape[dim] = length - size
-    fill = torch.full(fill_shape, padding_value, dtype=tensor.dtype, device=tensor.device)
+    fill = torch.full(fill_shape, pad_value, dtype=tensor.dtype, device=tensor.device)
     parts = (tensor, fill) if padding_side == "right" else (fill, tensor)
     return torch.cat(parts, dim=dim)
 

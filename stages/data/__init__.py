@@ -1,8 +1,10 @@
 """Data utilities: reading local files, detecting and validating formats, normalising rows.
 
-`load_source(path, on_bad_rows=...)` is the entry point preprocess uses: it returns the
-file's format, its rows in canonical form, and a report counting every row it read,
-kept or rejected (with the first reasons, each naming the file and line).
+`load_source(path, on_bad_rows=..., key=...)` is the entry point preprocess uses: it
+returns the file's rows in canonical form grouped by destination (sft, preference,
+unpaired, prompts), and a report counting every row it read, kept or rejected (with the
+first reasons, each naming the file and line). Which files a run reads and what the
+chosen methods need from them: `stages.data.sources`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
 from stages.data.packing import pack_dataset
 from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
 
-__all__ = ["DataError", "LoadReport", "load_source", "iter_source", "check_report", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
+__all__ = ["DataError", "LoadReport", "load_source", "load_grouped", "iter_rows", "iter_source", "check_report", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
            "apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset", "pack_dataset"]
 # not re-exported: stages.data.collators.CompletionCollator, which needs torch (importing stages.data stays light)
 
@@ -27,7 +29,8 @@ MAX_LISTED = 20
 @dataclass
 class LoadReport:
     source: str
-    format: str = ""
+    format: str = ""  # the first row's format
+    formats: dict[str, int] = field(default_factory=dict)  # rows kept per format (several in a mixed file)
     read: int = 0
     kept: int = 0
     invalid: int = 0
@@ -39,16 +42,22 @@ class LoadReport:
             self.examples.append(f"{where}: {why}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "format": self.format, "read": self.read, "kept": self.kept,
+        return {"source": self.source, "format": self.format, "formats": self.formats, "read": self.read,
+                "kept": self.kept,
                 "invalid": self.invalid, "invalid_examples": self.examples}
 
 
-def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]]:
-    """Canonical rows of a file, one at a time (constant memory for .jsonl); bad rows go to `report`.
+def iter_rows(path: str | Path, report: LoadReport, *, key: str | None = None
+              ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(format, canonical row) of every good row of a file, one at a time (constant memory for .jsonl).
 
-    The file's format is that of its first parseable row; `report.format` is set as soon as it is known.
-    A row whose `id` another row with other content already used is a bad row.
+    `key`: the data params key naming the file ("source", "sft", "preference", "prompts"):
+    data.source takes rows of any format (a mixed file), the others only their own kind
+    (`stages.data.sources.ACCEPTS`). None: one format per file, that of the first row.
+    Bad rows go to `report`; a row whose `id` another row with other content already used is one.
     """
+    from stages.data.sources import destination_problem
+
     fmt = None
     ids: dict[Any, tuple[str, str]] = {}  # id -> (where first seen, content hash)
     for row in read_rows(path):
@@ -62,16 +71,22 @@ def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]
             continue
         if fmt is None:
             fmt = report.format = row_fmt
-        if row_fmt != fmt:
-            report.reject(row.where, f"row looks like format {row_fmt!r} but this file's first row is {fmt!r}; "
-                                     f"one format per file")
-            continue
-        why = validate(fmt, row.value) or _duplicate_id(ids, row.where, row.value)
+        wrong = (destination_problem(key, row_fmt) if key is not None else
+                 f"row looks like format {row_fmt!r} but this file's first row is {fmt!r}; one format per file"
+                 if row_fmt != fmt else "")
+        why = wrong or validate(row_fmt, row.value) or _duplicate_id(ids, row.where, row.value)
         if why:
             report.reject(row.where, why)
             continue
         report.kept += 1
-        yield normalise(fmt, row.value)
+        report.formats[row_fmt] = report.formats.get(row_fmt, 0) + 1
+        yield row_fmt, normalise(row_fmt, row.value)
+
+
+def iter_source(path: str | Path, report: LoadReport) -> Iterator[dict[str, Any]]:
+    """Canonical rows of a one-format file (see `iter_rows` with key None); `report.format` is its format."""
+    for _, row in iter_rows(path, report):
+        yield row
 
 
 def _duplicate_id(ids: dict, where: str, row: dict[str, Any]) -> str:
@@ -97,8 +112,20 @@ def check_report(report: LoadReport, on_bad_rows: str) -> None:
 
 
 def load_source(path: str | Path, *, on_bad_rows: str = "error") -> tuple[str, list[dict[str, Any]], LoadReport]:
-    """(format, canonical rows, report). With on_bad_rows="error" any bad row raises DataError listing them."""
+    """(format, canonical rows, report) of a one-format file. With on_bad_rows="error" any bad row raises
+    DataError listing them."""
     report = LoadReport(str(path))
     rows = list(iter_source(path, report))
     check_report(report, on_bad_rows)
     return report.format, rows, report
+
+
+def load_grouped(path: str | Path, *, key: str, on_bad_rows: str = "error"
+                 ) -> tuple[dict[str, list[dict[str, Any]]], LoadReport]:
+    """({destination: canonical rows}, report) of the file data params key `key` names (see `iter_rows`)."""
+    report = LoadReport(str(path))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for fmt, row in iter_rows(path, report, key=key):
+        groups.setdefault(FORMATS[fmt][2], []).append(row)
+    check_report(report, on_bad_rows)
+    return groups, report

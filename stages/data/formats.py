@@ -43,8 +43,28 @@ def describe_formats() -> str:
     return "; ".join(f"{n}: {', '.join(sorted(r))}" for n, (r, _, _) in FORMATS.items())
 
 
-def is_conversational(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+CONVERSATION_FIELDS = ("prompt", "chosen", "rejected", "completion", "messages")
+
+
+def is_messages(value: Any) -> bool:
+    """Whether one field value is a non-empty list of chat messages (dicts with role and content)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
+def is_conversational(example: dict[str, Any]) -> bool:
+    """Whether a row (a dict of fields, as TRL's `is_conversational(example)` takes) is conversational.
+
+    True when one of its prompt / chosen / rejected / completion / messages fields holds a
+    list of chat messages ({"role": ..., "content": ...}); False for plain strings and for
+    rows with none of those fields. A field value instead of a row (the signature this
+    function had before it followed TRL's) raises TypeError rather than silently answer False.
+    """
+    if not isinstance(example, dict):
+        raise TypeError(f"is_conversational takes a row (a dict of fields), as TRL's does; got "
+                        f"{type(example).__name__}. For one field value use is_conversational({{'prompt': value}}) "
+                        "or stages.data.formats.is_messages(value)")
+    return any(is_messages(example[k]) for k in CONVERSATION_FIELDS if k in example)
 
 
 def _check_messages(name: str, value: Any, *, last_role: str | None = None) -> str:

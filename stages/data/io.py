@@ -46,12 +46,27 @@ def read_rows(path: str | Path) -> Iterator[Row]:
                         "or a datasets.save_to_disk folder")
 
 
+def json_error_position(text: str, e: json.JSONDecodeError) -> tuple[int, int]:
+    """(line, column), both 1-based, where the JSON in `text` goes wrong.
+
+    Where the parser ran out of input (a missing closing brace or quote), that is just after
+    the last non-blank character, not the start of the next (empty) line as `e.lineno` /
+    `e.colno` have it: a line missing its final `}` at column 121 reports column 121, not 1.
+    """
+    pos = e.pos
+    if not text[pos:].strip():
+        pos = len(text.rstrip())
+    line_start = text.rfind("\n", 0, pos) + 1
+    return text.count("\n", 0, pos) + 1, pos - line_start + 1
+
+
 def _read_jsonl(path: Path) -> Iterator[Row]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                text = raw.decode("utf-8")
+                # a byte-order mark (Windows editors) is not part of the first row
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 yield Row(where, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
                                        "re-encode the file as UTF-8")
@@ -61,7 +76,7 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as e:
-                yield Row(where, None, f"invalid JSON at column {e.colno}: {e.msg}")
+                yield Row(where, None, f"invalid JSON at column {json_error_position(text, e)[1]}: {e.msg}")
                 continue
             if not isinstance(value, dict):
                 yield Row(where, None, f"expected a JSON object per line, got {type(value).__name__}")
@@ -71,11 +86,13 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
 
 def _read_json(path: Path) -> Iterator[Row]:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8-sig")
+        data = json.loads(text)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 at byte {e.start}; re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
+        line, column = json_error_position(text, e)
+        raise DataError(f"{path}:{line}: invalid JSON at column {column}: {e.msg}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
@@ -136,5 +153,16 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every row of a .jsonl file; a line that is not JSON raises DataError naming the file, line and column."""
+    rows = []
+    with open(path, encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON at column {json_error_position(line, e)[1]}: "
+                                f"{e.msg}") from None
+    return rows

@@ -2,21 +2,24 @@
 
 Three pure helpers, each working on one row (a dict) or on a whole dataset:
 
-- `maybe_extract_prompt(row)`: a preference row without a "prompt" whose chosen and
+- `maybe_extract_prompt(example)`: a preference row without a "prompt" whose chosen and
   rejected share a beginning gets that beginning as its explicit prompt.
-- `apply_chat_template(row, tokenizer)`: a conversational row rendered to strings with
-  the tokenizer's chat template, for every row kind (see the table below). The rendered
-  prompt is always a prefix of prompt + completion, so completion masks can be built
-  from positions.
-- `unpair_preference_dataset(rows)`: each prompt/chosen/rejected row becomes two
+- `apply_chat_template(example, tokenizer, tools=None)`: a conversational row rendered to
+  strings with the tokenizer's chat template, for every row kind (see the table below).
+  The rendered prompt is always a prefix of prompt + completion, so completion masks can
+  be built from positions.
+- `unpair_preference_dataset(dataset)`: each prompt/chosen/rejected row becomes two
   prompt/completion/label rows (chosen -> True, rejected -> False).
+
+The signatures are TRL's (`trl.data_utils`), so a TRL user's call works unchanged; the
+differences are listed in each docstring.
 
 | row kind          | fields in                      | fields out                       |
 |-------------------|--------------------------------|----------------------------------|
 | messages          | messages                       | text                             |
 | prompt_only       | prompt                         | prompt (with generation prompt)  |
 | prompt_completion | prompt, completion             | prompt, completion               |
-| preference        | [prompt], chosen, rejected     | prompt, chosen, rejected         |
+| preference        | [prompt], chosen, rejected     | [prompt], chosen, rejected       |
 | unpaired          | prompt, completion, label      | prompt, completion, label        |
 
 Columns beyond the row kind's own are kept as they are.
@@ -25,26 +28,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.data.formats import detect_format, extract_shared_prompt, is_conversational
+from stages.data.formats import detect_format, extract_shared_prompt, is_messages
 
 __all__ = ["apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset"]
 
 
-def maybe_extract_prompt(row: dict[str, Any]) -> dict[str, Any]:
+def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
     """A preference row with its shared beginning moved into an explicit "prompt".
 
     Conversations: the leading messages both chosen and rejected share become the prompt
     (each side keeps at least its last message). Plain strings: the longest common
     prefix, cut back to its last whitespace so no word is split; the whitespace starts
-    the completions (" blue." rather than "blue."), as byte-level tokenizers expect.
+    the completions (" blue." rather than "blue."). (TRL cuts strings at the first
+    differing character, which can split a word: "bl" + "ue" vs "bl" + "ack".)
 
-    Rows that already have a prompt, rows that are not preference rows and rows whose
-    sides share nothing are returned unchanged (the same object).
+    As in TRL, a "prompt" of another kind than chosen (a string prompt beside message
+    lists that repeat it) is replaced by the extracted one. Rows with a prompt of the same
+    kind, rows that are not preference rows and rows whose sides share nothing are
+    returned unchanged (the same object).
     """
-    if "prompt" in row or "chosen" not in row or "rejected" not in row:
+    row = example
+    if "chosen" not in row or "rejected" not in row:
+        return row
+    if "prompt" in row and is_messages(row["prompt"]) == is_messages(row["chosen"]):
         return row
     chosen, rejected = row["chosen"], row["rejected"]
-    if is_conversational(chosen) and is_conversational(rejected):
+    if is_messages(chosen) and is_messages(rejected):
         split = extract_shared_prompt(chosen, rejected)
         return {**row, **split} if split["prompt"] else row
     if isinstance(chosen, str) and isinstance(rejected, str):
@@ -65,22 +74,26 @@ def _common_prefix_length(a: str, b: str) -> int:
     return n
 
 
-def apply_chat_template(row: dict[str, Any], tokenizer, *, tools: list[dict] | None = None) -> dict[str, Any]:
+def apply_chat_template(example: dict[str, Any], tokenizer, tools: list[dict] | None = None) -> dict[str, Any]:
     """A conversational row rendered to strings with `tokenizer`'s chat template (table above).
 
     Completions are rendered as part of the whole conversation, then cut after the
     rendered prompt, so the special tokens that close each turn are in the completion.
-    `tools` (JSON schemas) is passed to the template. Non-conversational rows are
-    returned unchanged (the same object). Preference rows without a prompt go through
-    `maybe_extract_prompt` first.
+    `tools` (JSON schemas) is passed to the template. A prompt-only row whose prompt ends
+    with an assistant message is continued (no generation prompt), as in TRL.
+    Non-conversational rows are returned unchanged (the same object), where TRL raises;
+    columns beyond the row kind's are kept, where TRL drops them. Preference rows without
+    a prompt are rendered whole, side by side, as in TRL (call `maybe_extract_prompt` first
+    to split off the shared prompt).
 
     Raises ValueError when the tokenizer has no chat template, or when the template
     renders the prompt differently once a completion follows (it rewrites earlier turns).
     """
+    row = example
     kind = detect_format(row)
     render = _RENDERERS.get(kind)
     field = "messages" if kind == "messages" else "chosen" if kind == "preference" else "prompt"
-    if render is None or not is_conversational(row[field]):
+    if render is None or not is_messages(row[field]):
         return row
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"row field {field!r} is a list of chat messages, but the tokenizer "
@@ -94,9 +107,11 @@ class _Renderer:
     def __init__(self, tokenizer, tools):
         self.tokenizer, self.tools = tokenizer, tools
 
-    def __call__(self, messages: list[dict], *, generation_prompt: bool = False) -> str:
+    def __call__(self, messages: list[dict], *, generation_prompt: bool = False, continue_final: bool = False
+                 ) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt,
+                                                  continue_final_message=continue_final)
 
     def split(self, prompt: list[dict], completion: list[dict], field: str) -> tuple[str, str]:
         """(prompt text, completion text) with prompt text + completion text == the whole rendering."""
@@ -120,6 +135,8 @@ def _messages(row: dict, r: _Renderer) -> dict:
 
 
 def _prompt_only(row: dict, r: _Renderer) -> dict:
+    if row["prompt"][-1]["role"] == "assistant":  # a reply to continue, not a turn to open
+        return {**row, "prompt": r(row["prompt"], continue_final=True)}
     return {**row, "prompt": r(row["prompt"], generation_prompt=True)}
 
 
@@ -129,9 +146,8 @@ def _prompt_completion(row: dict, r: _Renderer) -> dict:
 
 
 def _preference(row: dict, r: _Renderer) -> dict:
-    row = maybe_extract_prompt(row)
-    if "prompt" not in row:  # nothing shared: each side is a whole conversation
-        return {**row, "prompt": "", "chosen": r(row["chosen"]), "rejected": r(row["rejected"])}
+    if "prompt" not in row:  # implicit prompt: each side is a whole conversation (as in TRL; extract it first
+        return {**row, "chosen": r(row["chosen"]), "rejected": r(row["rejected"])}  # with maybe_extract_prompt)
     prompt, chosen = r.split(row["prompt"], row["chosen"], "chosen")
     _, rejected = r.split(row["prompt"], row["rejected"], "rejected")
     return {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -147,35 +163,33 @@ _RENDERERS = {
 }
 
 
-def unpair_preference_dataset(rows_or_dataset):
+def unpair_preference_dataset(dataset, num_proc: int | None = None, desc: str | None = None):
     """Each prompt/chosen/rejected row -> two prompt/completion/label rows, chosen first.
 
-    Takes a list of dicts or a `datasets.Dataset` and returns the same type, with 2N rows
-    for N: (prompt, chosen, label=True) then (prompt, rejected, label=False); other
-    columns are repeated on both. Rows without a prompt go through `maybe_extract_prompt`;
-    one that still has none raises ValueError.
+    Takes a `datasets.Dataset` or `DatasetDict` (TRL's signature; `num_proc` and `desc` go
+    to `map`) or a list of dicts, and returns the same type, with 2N rows for N:
+    (prompt, chosen, label=True) then (prompt, rejected, label=False), row by row (TRL
+    puts a whole map batch's chosen rows before its rejected ones); other columns are
+    repeated on both. Rows without a prompt go through `maybe_extract_prompt`; one whose
+    sides share nothing stays without a prompt (completion = the whole side), as in TRL.
     """
-    if isinstance(rows_or_dataset, list):
-        return [out for row in rows_or_dataset for out in _unpair(row)]
+    if isinstance(dataset, list):
+        return [out for row in dataset for out in _unpair(row)]
 
     def unpair_batch(batch: dict[str, list]) -> dict[str, list]:
         n = len(next(iter(batch.values())))
         rows = [out for i in range(n) for out in _unpair({k: v[i] for k, v in batch.items()})]
-        return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+        return {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
 
-    return rows_or_dataset.map(unpair_batch, batched=True, remove_columns=rows_or_dataset.column_names)
+    columns = dataset.column_names
+    if isinstance(columns, dict):  # a DatasetDict: {split: names}, the same in every split
+        columns = next(iter(columns.values()))
+    return dataset.map(unpair_batch, batched=True, remove_columns=columns, num_proc=num_proc, desc=desc)
 
 
 def _unpair(row: dict[str, Any]) -> tuple[dict, dict]:
     row = maybe_extract_prompt(row)
-    if "prompt" not in row:
-        raise ValueError(f"preference row {_preview(row)} has no 'prompt' and its chosen and rejected share no "
-                         "prefix to take one from; an unpaired row needs a prompt. Add a 'prompt' field.")
     extra = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
-    return ({**extra, "prompt": row["prompt"], "completion": row["chosen"], "label": True},
-            {**extra, "prompt": row["prompt"], "completion": row["rejected"], "label": False})
-
-
-def _preview(row: dict) -> str:
-    text = repr(row)
-    return text if len(text) <= 80 else text[:77] + "..."
+    prompt = {"prompt": row["prompt"]} if "prompt" in row else {}
+    return ({**extra, **prompt, "completion": row["chosen"], "label": True},
+            {**extra, **prompt, "completion": row["rejected"], "label": False})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from stages.data.formats import is_conversational
+from stages.data.formats import is_messages
 from stages.data.templates import apply_chat_template
 
 
@@ -17,7 +17,7 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
     if text_field in row and "completion" not in row:
         return "", _with_eos(tokenizer, row[text_field])
     prompt, completion = row["prompt"], row["completion"]
-    if is_conversational(prompt):
+    if is_messages(prompt):
         require_chat_template(tokenizer)
         rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
         return rendered["prompt"], rendered["completion"]
@@ -33,7 +33,7 @@ def require_chat_template(tokenizer) -> None:
 
 
 def render_prompt(tokenizer, prompt: Any) -> str:
-    if is_conversational(prompt):
+    if is_messages(prompt):
         require_chat_template(tokenizer)
         return apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
     return prompt
@@ -55,7 +55,7 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     """
     if formatting_func is not None:
         rows = [{text_field: formatting_func(r)} for r in rows]
-    if assistant_only and rows and is_conversational(rows[0].get("prompt")):
+    if assistant_only and rows and is_messages(rows[0].get("prompt")):
         out = [_assistant_tokens(tokenizer, r) for r in rows]
     else:
         rendered = [render(tokenizer, r, text_field=text_field) for r in rows]

@@ -1,15 +1,21 @@
 """Stage `preprocess`: load, validate, normalise, deduplicate, filter by length, split, save.
 
-Reads `data.source` (builtin:arithmetic or a local file/folder) and `data.eval_source`,
-writes canonical JSONL files into its output folder:
+Reads `data.source` (builtin:arithmetic, or a file whose rows may mix formats), `data.sft`,
+`data.preference`, `data.prompts` (a file per kind, each optional) and `data.eval_source`,
+checks that the data serves the chosen stages and methods (`stages.data.sources.needs`) and
+that conversational rows have a chat template to render them, and writes canonical JSONL
+files into its output folder:
 
     sft_train.jsonl, sft_validation.jsonl   SFT rows (prompt/completion or text)
     eval.jsonl                              held-out prompts with reference completions
     preference.jsonl, unpaired.jsonl, prompts.jsonl   when the source provides them
 
-Every row dropped is counted by reason in the metrics (and so in the manifest).
+With no SFT rows, SFT trains on the chosen side of the preference rows (and the desirable
+unpaired rows); the eval split is then carved from them and its prompts leave the preference
+data. Every row dropped is counted by reason in the metrics (and so in the manifest).
 
     python -m stages preprocess [--set data.source=path/to/data.jsonl]
+    python -m stages preprocess --set data.source=null --set data.sft=sft.jsonl --set data.preference=pairs.jsonl
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ import random
 from typing import Any
 
 from stages.builtin import BUILTIN_DATA, arithmetic
-from stages.data import FORMATS, DataError, LoadReport, check_report, iter_source, load_source, write_jsonl
+from stages.data import (FORMATS, DataError, LoadReport, check_report, iter_rows, iter_source, load_grouped,
+                         load_source, write_jsonl)
 from stages.data.formats import normalise, validate
+from stages.data.sources import DataShape, data_files, needs
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.models import load_tokenizer, resolve_model
 
@@ -30,13 +38,24 @@ EVAL_FORMATS = ("prompt_completion", "messages", "alpaca")
 
 def run(ctx) -> dict[str, Any]:
     p = ctx.params
-    tokenizer = load_tokenizer(resolve_model(p.model, p.run.output_dir),
-                               trust_remote_code=p.model.trust_remote_code)
-    if p.preprocess.streaming and not p.data.source.startswith("builtin:"):
-        return run_streaming(ctx, tokenizer)
+
+    def tokenizer_of_the_model():  # built or loaded once the data is known to be readable
+        return load_tokenizer(resolve_model(p.model, p.run.output_dir), trust_remote_code=p.model.trust_remote_code)
+
+    if p.preprocess.streaming and not (p.data.source or "").startswith("builtin:"):
+        return run_streaming(ctx, tokenizer_of_the_model())
     groups, eval_rows, sources = load_groups(p.data)
+    tokenizer = tokenizer_of_the_model()
+    for s in sources:
+        if len(s.get("formats", {})) > 1:
+            ctx.log.info("preprocess: %s mixes formats %s (each row goes to its kind's split)", s["source"],
+                         s["formats"])
+    check_shape(p, tokenizer, shape_of(groups, eval_rows))
     rng = random.Random(p.run.seed)
     dropped: dict[str, dict[str, int]] = {}
+    derived = derive_sft(groups)
+    if derived:
+        ctx.log.info("preprocess: no SFT rows; SFT trains on %s (%d rows)", derived, len(groups["sft"]))
 
     for name in list(groups):
         rows = groups[name]
@@ -46,10 +65,14 @@ def run(ctx) -> dict[str, Any]:
         if name == "sft":
             rows, n = filter_length(tokenizer, rows, p.preprocess.max_length)
             dropped.setdefault(name, {})["too_long"] = n
-            check_not_all_too_long(p.data.source, len(rows), n, p.preprocess.max_length)
+            check_not_all_too_long(describe_sources(p.data), len(rows), n, p.preprocess.max_length)
         groups[name] = rows
     if eval_rows is None:  # carve a held-out eval split from the (deduplicated) SFT rows
-        eval_rows, groups["sft"] = carve_eval(groups.get("sft", []), p.preprocess.eval_fraction, rng, p.data.source)
+        eval_rows, groups["sft"] = carve_eval(groups.get("sft", []), p.preprocess.eval_fraction, rng,
+                                              describe_sources(p.data))
+        if derived:  # the eval prompts must not be trained on through the preference data either
+            for name, n in drop_prompts(groups, eval_rows).items():
+                dropped.setdefault(name, {})["eval_prompt"] = n
     eval_rows, n = dedup(eval_rows)
     dropped["eval"] = {"duplicate": n}
 
@@ -64,13 +87,22 @@ def run(ctx) -> dict[str, Any]:
         ctx.log.info("wrote %s.jsonl: %d rows", name, len(rows))
     (ctx.out / "report.json").write_text(json.dumps({"sources": sources, "dropped": dropped}, indent=2))
     return {"rows": {k: len(v) for k, v in files.items()}, "dropped": dropped,
-            "invalid_rows": sum(s["invalid"] for s in sources),
+            "invalid_rows": sum(s["invalid"] for s in sources), **({"sft_from": derived} if derived else {}),
             "table": [{"file": f"{k}.jsonl", "rows": len(v)} for k, v in files.items()]}
 
 
+def describe_sources(data) -> str:
+    """The data files (or built-in) a run reads, for messages."""
+    names = [str(path) for key, path in data_files(data) if key != "data.eval_source"]
+    return ", ".join(names) or str(data.source)
+
+
 def load_groups(data) -> tuple[dict[str, list], list | None, list[dict]]:
-    """({destination: rows}, eval rows or None, per-source reports)."""
-    if data.source.startswith("builtin:"):
+    """({destination: rows} of every data file, eval rows or None, per-source reports)."""
+    groups: dict[str, list] = {}
+    sources: list[dict] = []
+    eval_rows = None
+    if (data.source or "").startswith("builtin:"):
         if data.source not in BUILTIN_DATA:
             raise DataError(f"data.source = {data.source!r}: unknown built-in; built-ins: {', '.join(BUILTIN_DATA)}")
         splits = arithmetic.generate(**dataclasses.asdict(data.builtin))
@@ -78,18 +110,79 @@ def load_groups(data) -> tuple[dict[str, list], list | None, list[dict]]:
         report = LoadReport(data.source, "builtin", read=sum(map(len, splits.values())),
                             kept=sum(map(len, splits.values())))
         eval_rows = _checked("eval", splits["eval"])
-        return groups, eval_rows, [report.as_dict()]
-    fmt, rows, report = load_source(data.source, on_bad_rows=data.on_bad_rows)
-    groups = {FORMATS[fmt][2]: rows}
-    sources = [report.as_dict()]
-    eval_rows = None
+        sources.append(report.as_dict())
+    for key, path in data_files(data):
+        if key == "data.eval_source":
+            continue
+        file_groups, report = load_grouped(path, key=key.removeprefix("data."), on_bad_rows=data.on_bad_rows)
+        for dest, rows in file_groups.items():
+            groups.setdefault(dest, []).extend(rows)
+        sources.append({"key": key, **report.as_dict()})
     if data.eval_source:
         eval_fmt, eval_rows, eval_report = load_source(data.eval_source, on_bad_rows=data.on_bad_rows)
         if eval_fmt not in EVAL_FORMATS:
             raise DataError(f"data.eval_source = {data.eval_source}: format {eval_fmt!r} has no reference answer; "
                             f"use one of {', '.join(EVAL_FORMATS)}")
-        sources.append(eval_report.as_dict())
+        sources.append({"key": "data.eval_source", **eval_report.as_dict()})
     return groups, eval_rows, sources
+
+
+def shape_of(groups: dict[str, list], eval_rows: list | None) -> DataShape:
+    """The DataShape of every loaded row (complete: preprocess has read them all)."""
+    shape = DataShape()
+    canonical = {"sft": "prompt_completion", "preference": "preference", "unpaired": "unpaired",
+                 "prompts": "prompt_only"}  # the format of a normalised row of each destination
+    for dest, rows in groups.items():
+        for row in rows:
+            shape.add("text" if dest == "sft" and "prompt" not in row else canonical[dest], row)
+    if eval_rows:
+        shape.destinations.add("eval")
+    return shape
+
+
+def check_shape(p, tokenizer, shape: DataShape) -> None:
+    """Stop before any training when the data cannot serve the chosen stages, or cannot be rendered."""
+    problems = [f"{key} {why}" for key, why in needs(p, shape)]
+    if shape.conversational and getattr(tokenizer, "chat_template", None) is None:
+        problems.append(f"the data is conversational (chat messages), but model.name_or_path = "
+                        f"{p.model.name_or_path!r} has no chat template: give the rows as plain strings "
+                        "(prompt/completion, prompt/chosen/rejected, text), or use a model whose tokenizer has a "
+                        "chat template (or set tokenizer.chat_template and save it into the model folder)")
+    if problems:
+        lines = "\n  - ".join(problems)
+        raise DataError(f"{describe_sources(p.data)}: the data does not fit these params (nothing was trained):\n"
+                        f"  - {lines}")
+
+
+def derive_sft(groups: dict[str, list]) -> str:
+    """Without SFT rows: SFT rows from the chosen side of preference rows and the desirable unpaired rows.
+    Returns what they came from ('' when there were SFT rows, or nothing to derive them from)."""
+    if groups.get("sft"):
+        return ""
+    rows, origin = [], []
+    pairs = [r for r in groups.get("preference", []) if r.get("prompt")]
+    if pairs:
+        rows += [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs]
+        origin.append("the chosen side of the preference rows")
+    good = [r for r in groups.get("unpaired", []) if r["label"]]
+    if good:
+        rows += [{"prompt": r["prompt"], "completion": r["completion"]} for r in good]
+        origin.append("the desirable (label true) unpaired rows")
+    if rows:
+        groups["sft"] = rows
+    return " and ".join(origin)
+
+
+def drop_prompts(groups: dict[str, list], eval_rows: list[dict]) -> dict[str, int]:
+    """Remove the preference and unpaired rows whose prompt is an eval prompt; {group: rows removed}."""
+    held_out = {json.dumps(r["prompt"], sort_keys=True) for r in eval_rows}
+    removed = {}
+    for name in ("preference", "unpaired"):
+        if name in groups:
+            kept = [r for r in groups[name] if json.dumps(r.get("prompt"), sort_keys=True) not in held_out]
+            removed[name] = len(groups[name]) - len(kept)
+            groups[name] = kept
+    return removed
 
 
 def _checked(split_name: str, rows: list[dict]) -> list[dict]:
@@ -159,18 +252,19 @@ def split(rows: list[dict], fraction: float, rng: random.Random) -> tuple[list[d
 
 
 def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
-    """One pass over `data.source` in constant memory (bar one 20-byte digest per kept row, for dedup).
+    """One pass over the data files in constant memory (bar one 20-byte digest per kept row, for dedup).
 
     Rows go straight to their output file; the split is decided by a seeded hash of the row's
-    content (so it is deterministic and needs no shuffle), eval first when carved from the source.
+    content (so it is deterministic and needs no shuffle), eval first when carved from the SFT rows.
+    SFT rows are not derived from preference rows here (that needs a second pass): give SFT rows.
     """
     p = ctx.params
     pre, seed = p.preprocess, p.run.seed
-    report = LoadReport(p.data.source)
     files: dict[str, Any] = {}
     counts: dict[str, int] = {}
     dropped: dict[str, dict[str, int]] = {}
     seen: set[bytes] = set()
+    where = describe_sources(p.data)
 
     def write(name: str, row: dict) -> None:
         if name not in files:
@@ -178,48 +272,54 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
         files[name].write(json.dumps(row, ensure_ascii=False) + "\n")
         counts[name] = counts.get(name, 0) + 1
 
-    def flush(buffer: list[tuple[bytes, dict]]) -> None:
-        dest = FORMATS[report.format][2]
-        rows = [r for _, r in buffer]
-        ok = fits(tokenizer, rows, pre.max_length) if dest == "sft" else [True] * len(rows)
-        for (digest, row), keep in zip(buffer, ok):
-            if not keep:
-                dropped.setdefault(dest, {}).setdefault("too_long", 0)
-                dropped[dest]["too_long"] += 1
+    def count(dest: str, why: str) -> None:
+        dropped.setdefault(dest, {}).setdefault(why, 0)
+        dropped[dest][why] += 1
+
+    def flush(buffer: list[tuple[bytes, str, dict]]) -> None:
+        sft = [r for _, dest, r in buffer if dest == "sft"]
+        ok = iter(fits(tokenizer, sft, pre.max_length) if sft else [])
+        for digest, dest, row in buffer:
+            if dest == "sft" and not next(ok):
+                count(dest, "too_long")
                 continue
             write(dest if dest != "sft" else _bucket(digest, pre, carve_eval=not p.data.eval_source), row)
         buffer.clear()
 
+    sources = []
     try:
-        buffer: list[tuple[bytes, dict]] = []
-        for row in iter_source(p.data.source, report):
-            digest = hashlib.sha1(f"{seed}:{json.dumps(row, sort_keys=True)}".encode()).digest()
-            if pre.dedup and digest in seen:
-                dest = FORMATS[report.format][2]
-                dropped.setdefault(dest, {}).setdefault("duplicate", 0)
-                dropped[dest]["duplicate"] += 1
+        buffer: list[tuple[bytes, str, dict]] = []
+        for key, path in data_files(p.data):
+            if key == "data.eval_source":
                 continue
-            seen.add(digest)
-            buffer.append((digest, row))
-            if len(buffer) >= buffer_rows:
-                flush(buffer)
-        flush(buffer)
-        check_report(report, p.data.on_bad_rows)
-        sources = [report.as_dict()]
+            report = LoadReport(str(path))
+            for fmt, row in iter_rows(path, report, key=key.removeprefix("data.")):
+                dest = FORMATS[fmt][2]
+                digest = hashlib.sha1(f"{seed}:{json.dumps(row, sort_keys=True)}".encode()).digest()
+                if pre.dedup and digest in seen:
+                    count(dest, "duplicate")
+                    continue
+                seen.add(digest)
+                buffer.append((digest, dest, row))
+                if len(buffer) >= buffer_rows:
+                    flush(buffer)
+            flush(buffer)
+            check_report(report, p.data.on_bad_rows)
+            sources.append({"key": key, **report.as_dict()})
         if p.data.eval_source:
             eval_report = LoadReport(p.data.eval_source)
             for row in iter_source(p.data.eval_source, eval_report):
                 write("eval", row)
             check_report(eval_report, p.data.on_bad_rows)
-            sources.append(eval_report.as_dict())
+            sources.append({"key": "data.eval_source", **eval_report.as_dict()})
     finally:
         for f in files.values():
             f.close()
     kept_sft = counts.get("sft_train", 0) + counts.get("sft_validation", 0) + (0 if p.data.eval_source
                                                                                 else counts.get("eval", 0))
-    check_not_all_too_long(p.data.source, kept_sft, dropped.get("sft", {}).get("too_long", 0), pre.max_length)
+    check_not_all_too_long(where, kept_sft, dropped.get("sft", {}).get("too_long", 0), pre.max_length)
     if not counts.get("eval"):
-        raise DataError(f"{p.data.source}: the streamed split left no eval rows; set data.eval_source or raise "
+        raise DataError(f"{where}: the streamed split left no eval rows; set data.eval_source or raise "
                         "preprocess.eval_fraction")
     (ctx.out / "report.json").write_text(json.dumps({"sources": sources, "dropped": dropped}, indent=2))
     return {"rows": counts, "dropped": dropped, "invalid_rows": sum(s["invalid"] for s in sources),

@@ -31,7 +31,8 @@ def preference_pairs(ctx, source: str, *, key: str = "policy.data") -> tuple[Pat
     rows = _rows(path)
     if not rows:
         why = ("score produced no pairs (score.enabled false, or every prompt filtered: see the score manifest)"
-               if source == "score" else "data.source has no prompt/chosen/rejected rows")
+               if source == "score" else "the data (data.preference or data.source) has no prompt/chosen/rejected "
+               "rows")
         raise DataError(f"{path}: no preference pairs; {key} = {source}: {why}. Use {key} = "
                         f"{'preprocess' if source == 'score' else 'score'}, or a source with pairs")
     return path, rows
@@ -66,8 +67,8 @@ def prompt_rows(ctx, limit: int = -1) -> list[dict[str, Any]]:
                 seen.add(key)
                 rows.append(r)
     if not rows:
-        raise DataError(f"{pre}: no prompts to sample from: data.source needs prompt-only, preference or "
-                        "prompt/completion rows")
+        raise DataError(f"{pre}: no prompts to sample from: give prompt-only rows (data.prompts), preference "
+                        "rows (data.preference) or prompt/completion SFT rows (data.sft)")
     return rows[:limit] if limit > 0 else rows
 
 

@@ -242,13 +242,25 @@ def build_pairs(rows, prompt_index, texts, scores, lengths, s) -> tuple[list[dic
             kept = [(c, r) for c, r in kept if c[1] >= s.min_score]
             counts["pairs_below_min_score"] += before - len(kept)
         extra = {k: v for k, v in rows[i].items() if k not in PAIR_KEYS}
+        prompt = rows[i]["prompt"]
         for (chosen, cs), (rejected, rs) in kept:
-            pairs.append({"prompt": rows[i]["prompt"], "chosen": [{"role": "assistant", "content": chosen}],
-                          "rejected": [{"role": "assistant", "content": rejected}], "chosen_score": cs,
+            pairs.append({"prompt": prompt, "chosen": as_completion(prompt, chosen),
+                          "rejected": as_completion(prompt, rejected), "chosen_score": cs,
                           "rejected_score": rs, **extra})
         if not kept:
             counts["prompts_without_pairs"] += 1
     return pairs, +counts
+
+
+def as_completion(prompt: Any, text: str) -> Any:
+    """A sampled completion in the prompt's form: one assistant message after chat messages, the plain
+    string after a plain-string prompt (plain strings end to end: no chat template is needed downstream)."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion in either form (a string, or chat messages: the last one's content)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def pair_candidates(group: list[tuple[str, float]], pairing: str) -> list[tuple[tuple, tuple]]:
@@ -274,7 +286,7 @@ def pair_quality(pairs: list[dict]) -> dict[str, float] | None:
         return None
 
     def correct(side: str) -> float:
-        answers = [answer_after_reasoning(r[side][0]["content"]) for r in pairs]
+        answers = [answer_after_reasoning(completion_text(r[side])) for r in pairs]
         scores = exact_match([r["prompt"] for r in pairs], answers, answer=[r.get("answer") for r in pairs])
         return round(sum(x or 0.0 for x in scores) / len(pairs), 4)
 

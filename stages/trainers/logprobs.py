@@ -43,7 +43,8 @@ def lm_head_for_chunking(model) -> nn.Linear | None:
     config = getattr(inner, "config", None)
     for attr in LOGIT_POSTPROCESSING:
         value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
+        # a scale of 1 changes nothing; a soft-cap is applied whenever set (tanh(x / 1) * 1 is no identity)
+        if value not in ((None,) if attr.endswith("softcapping") else (None, 1, 1.0)):
             return None
     if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
         return None

@@ -299,7 +299,7 @@ class RewardTrainer(Trainer):
 
 def _as_completion(prompt, completion):
     """A plain-string completion after a chat prompt becomes one assistant message."""
-    if is_conversational(prompt) and isinstance(completion, str):
+    if is_conversational({"prompt": prompt}) and isinstance(completion, str):
         return [{"role": "assistant", "content": completion}]
     return completion
 

@@ -52,9 +52,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def params_for(tmp_path, model_dir):
-    """params_for(extra) -> a small params.yaml in tmp_path using the tiny local model."""
+    """params_for(extra) -> a small params.yaml in tmp_path using the tiny local model.
+
+    Rule rewards only: the cases' files hold no preference rows, so no reward model is trained
+    (with reward_model among score's rewards, params validation stops before the data is read)."""
     def make(extra: dict | None = None) -> Path:
-        base = {"model": {"name_or_path": str(model_dir)}}
+        base = {"model": {"name_or_path": str(model_dir)}, "score": {"reward_functions": ["exact_match"]}}
         from tests.conftest import deep_update
 
         return write_params(tmp_path, deep_update(base, extra or {}))

@@ -27,14 +27,16 @@ def msgs(*pairs) -> list[dict]:
     return [{"role": r, "content": c} for r, c in pairs]
 
 
-# (case id, file name, content, patterns after "<file>" (the path is checked for every case))
+# (case id, file name, content, patterns after "<file>" (the path is checked for every case)); given as data.sft
+# (preference files as data.preference), whose rows must all be of that kind: data.source takes mixed files
 CASES = [
     ("missing_column", "d.jsonl", with_row(3, {"prompt": "3+4="}),
-     [r"d\.jsonl:3: row looks like format 'prompt_only' but this file's first row is 'prompt_completion'"]),
+     [r"d\.jsonl:3: row looks like format 'prompt_only' \(prompts data\) but data\.sft takes prompt_completion, "
+      r"messages, alpaca, text rows; put prompts rows in data\.prompts"]),
     ("no_known_columns", "d.jsonl", jsonl([{"question": "1+1", "answer": "2"}] * 3),
      [r"d\.jsonl:1: fields \['answer', 'question'\] match no known format"]),
     ("extra_column", "d.jsonl", with_row(4, {"prompt": "a", "completion": "b", "label": True}),
-     [r"d\.jsonl:4: row looks like format 'unpaired' but this file's first row is 'prompt_completion'"]),
+     [r"d\.jsonl:4: row looks like format 'unpaired' \(unpaired data\) but data\.sft takes"]),
     ("wrong_type", "d.jsonl", with_row(2, {"prompt": "2+2=", "completion": 4}),
      [r"d\.jsonl:2: field 'completion' must be a string or a list of messages, got int"]),
     ("null_value", "d.jsonl", with_row(5, {"prompt": None, "completion": "x"}),
@@ -47,6 +49,12 @@ CASES = [
      [r"d\.jsonl:5: not valid UTF-8 \(byte 0xe9 at column 16\)"]),
     ("invalid_json_line", "d.jsonl", with_row(6, b'{"prompt": "a", "completion": }'),
      [r"d\.jsonl:6: invalid JSON at column 31"]),
+    # the line ends where its closing brace is missing: column 121 (just after the last character), not the
+    # column 1 of the empty line after it where the parser ran out of input
+    ("missing_closing_brace", "d.jsonl", with_row(5, b'{"prompt": "' + b"x" * 88 + b'", "completion": "y"'),
+     [r"d\.jsonl:5: invalid JSON at column 121: Expecting ',' delimiter"]),
+    ("utf8_bom_first_line", "d.jsonl", b"\xef\xbb\xbf" + with_row(2, {"prompt": "2+2=", "completion": 4}),
+     [r"d\.jsonl:2: field 'completion' must be a string"]),  # the BOM is no error: line 2 is reported
     ("truncated_last_line", "d.jsonl", jsonl(good(10))[:-9],
      [r"d\.jsonl:10: invalid JSON at column"]),
     ("line_not_an_object", "d.jsonl", with_row(2, ["2+2=", "4"]),
@@ -76,13 +84,14 @@ CASES = [
      [r"d\.jsonl:4: field 'messages' must end with a message of role 'assistant'"]),
     ("messages_missing_content", "d.jsonl", jsonl([{"messages": [{"role": "user"}, {"role": "assistant", "content": "2"}]}]),
      [r"d\.jsonl:1: field 'messages\[0\]' must be an object with 'role' and 'content'"]),
-    ("preference_mixed_forms", "d.jsonl", jsonl([{"prompt": "q", "chosen": msgs(("assistant", "a")), "rejected": "b"}]),
-     [r"d\.jsonl:1: fields prompt, chosen, rejected mix plain strings and message lists"]),
-    ("preference_missing_rejected", "d.jsonl", jsonl([{"prompt": "q", "chosen": "a", "rejected": "b"}] * 2
+    ("preference_mixed_forms", "p.jsonl", jsonl([{"prompt": "q", "chosen": msgs(("assistant", "a")), "rejected": "b"}]),
+     [r"p\.jsonl:1: fields prompt, chosen, rejected mix plain strings and message lists"]),
+    ("preference_missing_rejected", "p.jsonl", jsonl([{"prompt": "q", "chosen": "a", "rejected": "b"}] * 2
                                                      + [{"prompt": "q", "chosen": "a"}]),
-     [r"d\.jsonl:3: row looks like format 'prompt_only' but this file's first row is 'preference'"]),
-    ("unpaired_label_not_bool", "d.jsonl", jsonl([{"prompt": "q", "completion": "a", "label": "yes"}]),
-     [r"d\.jsonl:1: field 'label' must be true or false, got 'yes'"]),
+     [r"p\.jsonl:3: row looks like format 'prompt_only' \(prompts data\) but data\.preference takes preference, "
+      r"unpaired rows"]),
+    ("unpaired_label_not_bool", "p.jsonl", jsonl([{"prompt": "q", "completion": "a", "label": "yes"}]),
+     [r"p\.jsonl:1: field 'label' must be true or false, got 'yes'"]),
     ("alpaca_empty_instruction", "d.jsonl", jsonl([{"instruction": "", "output": "x"}]),
      [r"d\.jsonl:1: field 'instruction' must be a non-empty string"]),
 ]
@@ -92,7 +101,8 @@ CASES = [
 def test_bad_data_file(capsys, tmp_path, params_for, case, name, content, patterns):
     data = tmp_path / name
     data.write_bytes(content)
-    params = params_for({"data": {"source": str(data)}})
+    key = "preference" if name.startswith("p.") else "sft"
+    params = params_for({"data": {"source": None, key: str(data)}})
     assert_rejected(capsys, params, "preprocess", escape(data), *patterns, code=1)
 
 
@@ -113,9 +123,16 @@ def test_not_a_saved_dataset_folder(capsys, tmp_path, params_for):
     assert_rejected(capsys, params, "preprocess", escape(folder) + r": not a datasets\.save_to_disk folder", code=1)
 
 
-def test_missing_data_file(capsys, tmp_path, params_for):
-    params = params_for({"data": {"source": str(tmp_path / "nope.jsonl")}})
-    assert_rejected(capsys, params, "preprocess", escape(tmp_path / "nope.jsonl") + r": no such file or folder", code=1)
+@pytest.mark.parametrize("key", ["source", "sft", "preference", "prompts", "eval_source"])
+def test_missing_data_file_stops_at_params_validation(capsys, tmp_path, params_for, key):
+    """Named with its key before anything is built (exit 2: a params problem), not by preprocess."""
+    extra = {"data": {key: str(tmp_path / "nope.jsonl")}}
+    if key in ("sft", "preference", "prompts"):
+        extra["data"]["source"] = None
+    params = params_for(extra)
+    assert_rejected(capsys, params, "preprocess", rf"data\.{key} = '" + escape(tmp_path / "nope.jsonl")
+                          + r"': no such file or folder", code=2)
+    assert not (tmp_path / "artifacts").exists()  # not even the model was built
 
 
 def test_eval_source_without_references(capsys, tmp_path, params_for):

@@ -58,14 +58,14 @@ def test_pad_bad_input():
 @pytest.mark.parametrize(
     ("tensor", "length", "kwargs", "expected"),
     [
-        (T([[1, 2], [3, 4]]), 4, dict(padding_value=0), T([[1, 2, 0, 0], [3, 4, 0, 0]])),
-        (T([[1, 2, 3], [4, 5, 6]]), 2, dict(padding_value=0), T([[1, 2], [4, 5]])),
-        (T([[1, 2], [3, 4]]), 3, dict(padding_value=7, dim=0), T([[1, 2], [3, 4], [7, 7]])),
-        (T([[1, 2], [3, 4]]), 4, dict(padding_value=9, padding_side="left"), T([[9, 9, 1, 2], [9, 9, 3, 4]])),
-        (T([[1, 2, 3]]), 2, dict(padding_value=0, padding_side="left"), T([[2, 3]])),
-        (T([[1, 2]]), 2, dict(padding_value=0), T([[1, 2]])),
+        (T([[1, 2], [3, 4]]), 4, dict(pad_value=0), T([[1, 2, 0, 0], [3, 4, 0, 0]])),
+        # TRL's semantics: a longer tensor comes back as it is, never truncated
+        (T([[1, 2, 3], [4, 5, 6]]), 2, dict(pad_value=0), T([[1, 2, 3], [4, 5, 6]])),
+        (T([[1, 2], [3, 4]]), 3, dict(pad_value=7, dim=0), T([[1, 2], [3, 4], [7, 7]])),
+        (T([[1, 2], [3, 4]]), 4, dict(pad_value=9, padding_side="left"), T([[9, 9, 1, 2], [9, 9, 3, 4]])),
+        (T([[1, 2]]), 2, dict(pad_value=0), T([[1, 2]])),
     ],
-    ids=["pad", "truncate", "dim0", "left-pad", "left-truncate", "same"],
+    ids=["pad", "longer-unchanged", "dim0", "left-pad", "same"],
 )
 def test_pad_to_length(tensor, length, kwargs, expected):
     assert torch.equal(pad_to_length(tensor, length, **kwargs), expected)

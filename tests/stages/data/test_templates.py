@@ -76,8 +76,8 @@ U, A, E = "<|user|>\n", "<|assistant|>\n", "<|end|>"
      {"prompt": f"{U}2+2?{E}{A}", "completion": f"4{E}"}),
     ({"prompt": [user("2+2?")], "chosen": [bot("4")], "rejected": [bot("5")]},
      {"prompt": f"{U}2+2?{E}{A}", "chosen": f"4{E}", "rejected": f"5{E}"}),
-    ({"chosen": [user("2+2?"), bot("4")], "rejected": [user("2+2?"), bot("5")]},  # implicit prompt
-     {"prompt": f"{U}2+2?{E}{A}", "chosen": f"4{E}", "rejected": f"5{E}"}),
+    ({"chosen": [user("2+2?"), bot("4")], "rejected": [user("2+2?"), bot("5")]},  # implicit prompt: whole sides
+     {"chosen": f"{U}2+2?{E}{A}4{E}", "rejected": f"{U}2+2?{E}{A}5{E}"}),
     ({"prompt": [user("2+2?")], "completion": [bot("5")], "label": False},
      {"prompt": f"{U}2+2?{E}{A}", "completion": f"5{E}", "label": False}),
 ])
@@ -181,6 +181,32 @@ def test_unpair_conversational_dataset_with_implicit_prompt():
         [{k: r[k] for k in ("prompt", "completion", "label")} for r in UNPAIRED[2:]]
 
 
-def test_unpair_row_without_any_prompt_is_refused():
-    with pytest.raises(ValueError, match="has no 'prompt'.*share no prefix"):
-        unpair_preference_dataset([{"chosen": "yes", "rejected": "no"}])
+def test_unpair_row_without_any_shared_prompt_keeps_whole_sides_as_trl_does():
+    assert unpair_preference_dataset([{"chosen": "yes", "rejected": "no"}]) == \
+        [{"completion": "yes", "label": True}, {"completion": "no", "label": False}]
+
+
+def test_unpair_dataset_dict_with_trl_arguments():
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(PAIRS[:1]),
+                               "test": datasets.Dataset.from_list([dict(PAIRS[0], prompt="Q9")])})
+    out = unpair_preference_dataset(dd, num_proc=None, desc="unpair")
+    assert isinstance(out, datasets.DatasetDict)
+    assert out["train"].to_list() == UNPAIRED[:2]
+    assert [r["prompt"] for r in out["test"]] == ["Q9", "Q9"]
+
+
+def test_extract_prompt_replaces_a_prompt_of_the_other_kind_as_trl_does():
+    # a plain-string prompt column beside conversations that repeat it: the conversations' shared turn wins
+    row = {"prompt": "2+2?", "chosen": [user("2+2?"), bot("4")], "rejected": [user("2+2?"), bot("5")]}
+    assert maybe_extract_prompt(row) == {"prompt": [user("2+2?")], "chosen": [bot("4")], "rejected": [bot("5")]}
+
+
+def test_prompt_ending_with_an_assistant_message_is_continued(tok):
+    out = apply_chat_template({"prompt": [user("2+2?"), bot("The answer is")]}, tok)
+    assert out == {"prompt": f"{U}2+2?{E}{A}The answer is"}  # no <|end|>, no new generation prompt
+
+
+def test_tools_positional_as_in_trl(tok):
+    tok2 = tiny.build_tokenizer(384)
+    tok2.chat_template = "{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}" + tiny.CHAT_TEMPLATE
+    assert apply_chat_template({"prompt": [user("q")]}, tok2, [{"name": "calc"}]) == {"prompt": f"[calc]{U}q{E}{A}"}

@@ -5,8 +5,7 @@ import shutil
 import pytest
 
 from stages import runner
-from stages.config import load_params
-from stages.data import DataError
+from stages.config import ParamsError, load_params
 from tests.conftest import write_params
 
 
@@ -49,13 +48,11 @@ def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
 def test_no_preference_pairs_is_a_clear_error(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
                                               for i in range(60)))
-    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")},
-                                                 "score": {"enabled": False}, "policy": {"data": "preprocess"}}))
-    for stage in ("preprocess", "sft", "reward", "score"):
-        runner.run_stage(stage, params)
-    with pytest.raises(DataError, match="no preference pairs; policy.data = preprocess: data.source has no "
-                                        "prompt/chosen/rejected rows"):
-        runner.run_stage("reference", params)
+    # found when the params are validated, before anything is trained (stages.data.sources.needs)
+    with pytest.raises(ParamsError, match=r"policy\.data = preprocess, but the data has no preference rows for "
+                                          r"policy\.method = dpo: set --set policy\.data=score"):
+        load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")},
+                                            "score": {"enabled": False}, "policy": {"data": "preprocess"}}))
 
 
 def test_beta_only_rerun_runs_no_reference_forward(tmp_path, built_pipeline):

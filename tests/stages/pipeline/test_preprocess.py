@@ -7,6 +7,8 @@ from stages.config import load_params
 from stages.data import read_jsonl
 from tests.conftest import write_params
 
+RULE_REWARDS = {"score": {"reward_functions": ["exact_match"]}}  # SFT-only files train no reward model
+
 
 def test_builtin_outputs(built_pipeline):
     params, manifests = built_pipeline
@@ -29,7 +31,7 @@ def test_real_file_dedup_length_filter_and_skipped_rows(tmp_path):
     lines = [json.dumps(r) for r in rows] + ["{broken"]
     (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
     params = load_params(write_params(tmp_path, {
-        "data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"},
+        "data": {"source": str(tmp_path / "data.jsonl"), "on_bad_rows": "skip"}, **RULE_REWARDS,
         "preprocess": {"max_length": 64, "eval_fraction": 0.1, "validation_fraction": 0.1}}))
     m = runner.run_stage("preprocess", params)["metrics"]
     assert m["invalid_rows"] == 1
@@ -41,7 +43,7 @@ def test_real_file_dedup_length_filter_and_skipped_rows(tmp_path):
 
 def test_bad_file_fails_the_stage_and_writes_nothing(tmp_path):
     (tmp_path / "data.jsonl").write_text('{"prompt": "q", "completion": ""}\n')
-    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "data.jsonl")}}))
+    params = load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "data.jsonl")}, **RULE_REWARDS}))
     with pytest.raises(ValueError, match=r"data.jsonl:1: field 'completion' is empty"):
         runner.run_stage("preprocess", params)
     assert not (tmp_path / "artifacts" / "preprocess").exists()
@@ -64,3 +66,17 @@ def test_streaming_matches_in_memory_counts_and_is_deterministic(tmp_path):
     first = (folder / "eval.jsonl").read_text()
     runner.run_stage("preprocess", params, force=True)
     assert (folder / "eval.jsonl").read_text() == first  # the hash split is deterministic
+
+
+def test_streaming_reads_every_data_key_and_the_eval_source(tmp_path):
+    sft = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(60)]
+    pairs = [{"prompt": f"p{i}", "chosen": "y", "rejected": "n"} for i in range(10)]
+    for name, rows in (("sft", sft), ("pairs", pairs), ("eval", sft[:5])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = load_params(write_params(tmp_path, {
+        "data": {"source": None, "sft": str(tmp_path / "sft.jsonl"), "preference": str(tmp_path / "pairs.jsonl"),
+                 "eval_source": str(tmp_path / "eval.jsonl")},
+        "preprocess": {"streaming": True, "validation_fraction": 0.1}}))
+    m = runner.run_stage("preprocess", params)["metrics"]
+    assert m["rows"]["eval"] == 5 and m["rows"]["preference"] == 10
+    assert m["rows"]["sft_train"] + m["rows"]["sft_validation"] == 60  # nothing carved: eval_source is given

@@ -43,17 +43,27 @@ def test_best_worst_pairs_ties_none_and_duplicates():
     texts = ["a", "b", "a", "c", "d", "e", "f"]
     scores = [1.0, 0.0, 5.0, 2.0, 2.0, None, 3.0]  # p0: the duplicate "a" (5.0) is dropped; p1 tied; p2 one scored
     pairs, counts = build_pairs(ROWS, index, texts, scores, [10] * 7, _s())
-    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [("a", "b")]
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [("a", "b")]  # string prompts: string completions
     assert pairs[0]["answer"] == "1" and pairs[0]["chosen_score"] == 1.0
     assert counts == {"duplicate_completions": 1, "prompts_all_tied": 1, "unscored_completions": 1,
                       "prompts_without_two_completions": 1}
+
+
+def test_pairs_take_the_form_of_their_prompt():
+    """Plain strings end to end: a string prompt gets string completions (no chat template needed downstream),
+    chat messages get one assistant message each."""
+    chat = [{"prompt": [{"role": "user", "content": "2+2"}]}]
+    pairs, _ = build_pairs(chat + ROWS, [0, 0, 1, 1], ["4", "5", "a", "b"], [1.0, 0.0, 1.0, 0.0], [10] * 4, _s())
+    assert pairs[0]["chosen"] == [{"role": "assistant", "content": "4"}]
+    assert pairs[0]["rejected"] == [{"role": "assistant", "content": "5"}]
+    assert (pairs[1]["prompt"], pairs[1]["chosen"], pairs[1]["rejected"]) == ("p0", "a", "b")
 
 
 def test_all_pairs_margin_score_and_length_filters():
     index, texts = [0, 0, 0, 0], ["a", "b", "c", "d"]
     scores, lengths = [0.0, 0.5, 2.0, 9.0], [10, 10, 10, 500]
     pairs, counts = build_pairs(ROWS, index, texts, scores, lengths, _s(pairing="all_pairs", min_margin=0.6))
-    assert sorted((p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs) == [("c", "a"), ("c", "b")]
+    assert sorted((p["chosen"], p["rejected"]) for p in pairs) == [("c", "a"), ("c", "b")]
     assert counts == {"too_long_completions": 1, "pairs_below_min_margin": 1}
     pairs, counts = build_pairs(ROWS, index, texts, scores, [10] * 4, _s(min_score=10.0))
     assert pairs == [] and counts == {"pairs_below_min_score": 1, "prompts_without_pairs": 1}

@@ -1,0 +1,217 @@
+"""Which data files a run reads, what they hold, and what the chosen methods need from them.
+
+Four keys of the `data` params section name files (each optional):
+
+| key             | takes                                                     |
+|-----------------|-----------------------------------------------------------|
+| data.source     | builtin:arithmetic, or one file whose rows may mix formats |
+| data.sft        | SFT rows: messages, prompt_completion, alpaca, text       |
+| data.preference | preference rows (prompt/chosen/rejected) or unpaired rows |
+| data.prompts    | prompt-only rows (for score and the online methods)       |
+
+`peek(data)` reads the files' rows (whole files up to `PEEK_BYTES`, the first
+`PEEK_ROWS` rows of bigger ones) and returns a `DataShape`: which destinations hold rows
+and whether they are conversational. `needs(params, shape)` lists what the chosen stages
+and methods need that the data does not give, each as (dotted key, why and the fix).
+Params validation calls both, so a run that would fail after SFT stops before anything
+is built; preprocess calls `needs` again with the shape of every row it loaded.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.data.formats import FORMATS, detect_format, is_conversational
+
+FILE_KEYS = ("source", "sft", "preference", "prompts")
+# destinations (FORMATS[fmt][2]) a key takes; None: any (a mixed file)
+ACCEPTS: dict[str, frozenset | None] = {
+    "source": None,
+    "sft": frozenset({"sft"}),
+    "preference": frozenset({"preference", "unpaired"}),
+    "prompts": frozenset({"prompts"}),
+}
+BUILTIN_SHAPE = frozenset({"sft", "preference", "unpaired", "prompts", "eval"})
+PEEK_BYTES = 16 * 2**20  # files up to this size are peeked whole: absence of a kind of row is then certain
+PEEK_ROWS = 2000
+REWARD_MODEL = "reward_model"
+
+
+@dataclass
+class DataShape:
+    """What the data holds: destinations with rows, and the kind of their fields."""
+
+    destinations: set[str] = field(default_factory=set)  # sft, preference, unpaired, prompts, eval
+    conversational: bool = False  # some row holds chat messages (they need a chat template)
+    prompts_derivable: bool = False  # some SFT/preference row has a prompt score could sample from
+    complete: bool = True  # False when a big file was only partly read: absent kinds are not certain
+
+    def add(self, fmt: str, row: dict[str, Any]) -> None:
+        """Count one row of format `fmt` (as read, or canonical)."""
+        destination = FORMATS[fmt][2]
+        self.destinations.add(destination)
+        if fmt == "alpaca" or is_conversational(row):  # alpaca rows become chat messages
+            self.conversational = True
+        if fmt != "text" or "prompt" in row:  # text rows alone give score nothing to sample from
+            self.prompts_derivable = True
+
+    @property
+    def has_preference(self) -> bool:
+        return "preference" in self.destinations
+
+    @property
+    def has_sft_material(self) -> bool:
+        """SFT rows, or preference/unpaired rows whose chosen (desirable) sides SFT can train on."""
+        return bool(self.destinations & {"sft", "preference", "unpaired"})
+
+
+def data_files(data) -> list[tuple[str, Path]]:
+    """(dotted key, path) of every data file the `data` section names (built-ins excluded), eval_source last."""
+    out = [(f"data.{k}", Path(getattr(data, k)).expanduser()) for k in FILE_KEYS
+           if getattr(data, k) and not str(getattr(data, k)).startswith("builtin:")]
+    if data.eval_source:
+        out.append(("data.eval_source", Path(data.eval_source).expanduser()))
+    return out
+
+
+def missing_files(data) -> list[tuple[str, str]]:
+    """(key, why) for every named data file that does not exist."""
+    return [(key, f"= {str(path)!r}: no such file or folder (relative paths are from the working directory "
+                  f"{Path.cwd()}); fix the path, or unset the key")
+            for key, path in data_files(data) if not path.exists()]
+
+
+def peek(data) -> DataShape:
+    """The shape of the data the `data` section names (see the module docstring). Unreadable rows are skipped:
+    preprocess reports them with their file and line."""
+    shape = DataShape()
+    if str(data.source or "").startswith("builtin:"):
+        shape.destinations |= BUILTIN_SHAPE
+        shape.conversational = shape.prompts_derivable = True
+    for key, path in data_files(data):
+        if key == "data.eval_source":
+            shape.destinations.add("eval")
+            continue
+        stat = path.stat() if path.is_file() else None
+        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        shape.destinations |= part.destinations
+        shape.conversational |= part.conversational
+        shape.prompts_derivable |= part.prompts_derivable
+        shape.complete &= part.complete
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
+    """The shape of one file; cached by path, size and modification time (params are validated at every entry)."""
+    from stages.data.io import DataError, read_rows
+
+    path = Path(path_text)
+    shape = DataShape()
+    big = _size(path) > PEEK_BYTES
+    if big and path.suffix != ".jsonl":  # tables and saved datasets are read whole: leave them to preprocess
+        shape.complete = False
+        return shape
+    recognised = 0
+    try:
+        for n, row in enumerate(read_rows(path)):
+            if big and n >= PEEK_ROWS:
+                shape.complete = False
+                break
+            fmt = detect_format(row.value) if row.value is not None else None
+            if fmt is None:  # preprocess names the row and why: its message beats a guess made here
+                shape.complete = False
+                continue
+            recognised += 1
+            shape.add(fmt, row.value)
+    except DataError:  # unreadable file: preprocess says why, naming the file
+        shape.complete = False
+    if not recognised:
+        shape.complete = False
+    return shape
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def needs(params, shape: DataShape) -> list[tuple[str, str]]:
+    """(dotted key, why and how to fix) for every stage or method setting the data cannot serve.
+
+    Checks only absences the shape is sure of (a partly peeked big file defers them to preprocess).
+    """
+    if not shape.complete:
+        return []
+    problems = []
+    if not shape.has_sft_material:
+        problems.append(("data", f"holds {_listing(shape)}: nothing for stage sft to train on; give SFT rows "
+                                 "(data.sft) or preference rows (data.preference: SFT then trains on the chosen "
+                                 "responses)"))
+    if "eval" not in shape.destinations and not shape.has_sft_material:
+        problems.append(("data.eval_source", "= null and no SFT or preference rows to carve an eval split from: "
+                                             "set data.eval_source to prompts with reference completions"))
+    if not shape.has_preference:
+        problems += _reward_model_without_pairs(params)
+        pol = params.policy
+        if pol.method in ("dpo", "kto") and pol.data == "preprocess" and not (
+                pol.method == "kto" and "unpaired" in shape.destinations):
+            problems.append(("policy.data", f"= preprocess, but the data has no preference rows for policy.method "
+                                            f"= {pol.method}: set --set policy.data=score (pairs sampled from the "
+                                            "SFT model and scored) or give data.preference"))
+        if pol.method == "grpo" and pol.grpo.reward_head == "shared":
+            problems.append(("policy.grpo.reward_head", "= shared trains a reward head on preference pairs, but the "
+                                                        "data has none: set --set policy.grpo.reward_head=separate "
+                                                        "or give data.preference"))
+    if not shape.prompts_derivable:
+        if params.score.enabled and params.score.source == "generate":
+            problems.append(("score.enabled", "= true, but the data has no prompts to sample from (text rows "
+                                              "only): set --set score.enabled=false or give data.prompts"))
+        if params.policy.method in ("online_dpo", "grpo", "ppo"):
+            problems.append(("policy.method", f"= {params.policy.method} samples from prompts, but the data has "
+                                              "none (text rows only): give data.prompts, or set "
+                                              "--set policy.method=none"))
+    return problems
+
+
+def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
+    """The reward-function lists that name the reward model, which no preference data trains."""
+    lists = []
+    if params.score.enabled:
+        lists.append(("score.reward_functions", params.score.reward_functions, params.score.reward_weights))
+    method = params.policy.method
+    if method in ("online_dpo", "grpo", "ppo"):
+        s = getattr(params.policy, method)
+        lists.append((f"policy.{method}.reward_functions", s.reward_functions, s.reward_weights))
+    problems = []
+    for key, names, weights in lists:
+        if REWARD_MODEL not in names:
+            continue
+        rest = [n for n in names if n != REWARD_MODEL] or ["exact_match"]
+        fix = f"--set {key}=[{','.join(rest)}]"
+        if weights is not None:
+            kept = [w for n, w in zip(names, weights) if n != REWARD_MODEL] or [1.0]
+            fix += f" --set {key.rsplit('.', 1)[0]}.reward_weights=[{','.join(map(str, kept))}]"
+        problems.append((key, f"= {names} includes reward_model, but there is no preference data to train one: "
+                              f"set {fix}, or give data.preference"))
+    return problems
+
+
+def _listing(shape: DataShape) -> str:
+    kinds = sorted(shape.destinations - {"eval"})
+    return f"{', '.join(kinds)} rows only" if kinds else "no rows"
+
+
+def destination_problem(key: str, fmt: str) -> str:
+    """'' if file key `key` takes rows of format `fmt`, else why not (naming the key that does)."""
+    accepts = ACCEPTS[key]
+    dest = FORMATS[fmt][2]
+    if accepts is None or dest in accepts:
+        return ""
+    right = next(k for k, a in ACCEPTS.items() if a is not None and dest in a)
+    formats = ", ".join(f for f, (_, _, d) in FORMATS.items() if d in accepts)
+    return (f"row looks like format {fmt!r} ({dest} data) but data.{key} takes {formats} rows; "
+            f"put {dest} rows in data.{right} (or data.source, which takes a file of mixed formats)")
