@@ -14,6 +14,7 @@ started and stopped around the run, several seconds each time).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ def run(params_file: str, overrides: list[str]) -> int:
         error = None if state.is_completed() else state.result(raise_on_failure=False)
     except Exception as e:  # noqa: BLE001 -- Prefect could not start, or the flow raised outside a task
         state, error = None, e
+    logs.console_level(logging.WARNING)  # Prefect's teardown lines would come after the result's last line
     if isinstance(error, BaseException):
         logs.report_failure(failure_line(failed_stage(error), error), error)
         return exit_code(error)
@@ -125,6 +127,8 @@ def server_command(action: str, port: int) -> int:
 
 def use_background_server() -> None:
     """Point Prefect at `align server start`'s server when no API URL is configured (before prefect loads)."""
+    # ephemeral mode: Prefect's 20 s default for its temporary server to start was exceeded on a busy 2-core machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
         return
     from flows.server import find_server

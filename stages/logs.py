@@ -65,9 +65,17 @@ class ConsoleHandler(logging.StreamHandler):
     """stderr at INFO, one line per record (a named class: Prefect keeps a root logger that has one)."""
 
     def __init__(self):
-        super().__init__(sys.stderr)
+        super().__init__()
         self.setLevel(logging.INFO)
         self.setFormatter(ConsoleFormatter())
+
+    @property
+    def stream(self):  # whatever sys.stderr is now (pytest's capture replaces it per test)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 class LogFileHandler(logging.FileHandler):
@@ -116,6 +124,13 @@ def setup(level: int = logging.INFO) -> None:
         tl.enable_propagation()
 
 
+def console_level(level: int) -> None:
+    """From now on the console shows only records at `level` or above (the log file still gets everything)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, ConsoleHandler):
+            handler.setLevel(level)
+
+
 def attach_log_file(folder: str | Path, command: str) -> Path:
     """Everything logged from now on, tracebacks included, also goes to `<folder>/<command>-<time>-<pid>.log`."""
     folder = Path(folder)
@@ -147,8 +162,12 @@ def _prune(folder: Path) -> None:
 
 
 def one_line(error: BaseException) -> str:
-    """`error`'s message on one line (a multi-line one joined), else its type's name."""
-    return " ".join(ln.strip() for ln in str(error).splitlines() if ln.strip()) or type(error).__name__
+    """`error`'s message on one line, else its type's name. Lines are joined with "; ", or a space after a
+    line that ends with ":" ("f.jsonl: 1 bad row(s) of 2: f.jsonl:2: invalid JSON ...; Fix the rows ...")."""
+    text = ""
+    for line in (ln.strip() for ln in str(error).splitlines() if ln.strip()):
+        text += ("" if not text else " " if text.endswith(":") else "; ") + line
+    return text or type(error).__name__
 
 
 def report_failure(cause: str, error: BaseException | None = None) -> None:
