@@ -83,3 +83,32 @@ def test_missing_local_model_fails_in_seconds_naming_the_folder(tmp_path, params
     with pytest.raises(ParamsError):
         load_params(params)
     assert time.monotonic() - start < 5
+
+
+BAD_ROW = '{"prompt": "2+2=", "completion": 4, "x": }\n'  # column 42: a value is missing
+STAGE_FAILURE = ("error: preprocess: d.jsonl: 1 bad row(s) of 2: d.jsonl:2: invalid JSON at column 42: Expecting "
+                 "value; Fix the rows, or set data.on_bad_rows: skip to drop them (they are counted in the manifest).")
+
+
+def bad_data(folder: Path) -> Path:
+    (folder / "d.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n' + BAD_ROW)
+    return folder / "d.jsonl"
+
+
+def assert_failure_reported(lines: list[str], case: str) -> Path:
+    """The cause last, the log file's path just before it; the traceback in that file, none on the console."""
+    assert show(case, lines) == STAGE_FAILURE
+    assert lines[-2].startswith("full log and traceback: "), lines[-2]
+    log = Path(lines[-2].removeprefix("full log and traceback: "))
+    assert "Traceback (most recent call last)" in log.read_text() and "DataError" in log.read_text()
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)
+    return log
+
+
+def test_stage_failure_ends_with_its_cause_and_the_log_path(tmp_path, params_for):
+    params = params_for({"data": {"source": "d.jsonl"}})
+    bad_data(tmp_path)
+    rc, lines, _ = run_stages(tmp_path, "preprocess", "--params", str(params))
+    assert rc == 1
+    log = assert_failure_reported(lines, "python -m stages preprocess, a bad data row")
+    assert log.parent == tmp_path / "artifacts" / "logs"
