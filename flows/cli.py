@@ -108,9 +108,8 @@ def serve(params_file: str) -> int:
     from flows import shutdown
     from flows.deploy import serve_deployments
 
-    serve_deployments(params_file, last_line=SERVE_STOPPED)
-    shutdown.end_process_tree()  # Prefect's temporary server, when no server was configured
-    print(SERVE_STOPPED, file=sys.stderr)
+    serve_deployments(params_file, last_line=SERVE_STOPPED)  # returns once stopped (SIGTERM, Ctrl-C)
+    shutdown.exit_now("align serve", SERVE_STOPPED, code=0)  # and Prefect's temporary server, if it started one
     return 0
 
 

@@ -44,7 +44,7 @@ class BoundedRunner(Runner):
     last_line = "align serve: stopped"
 
     def handle_sigterm(self, *args, **kwargs):
-        shutdown.force_exit_after(shutdown.GRACE_S, "align serve", self.last_line)
+        shutdown.force_exit_after(shutdown.GRACE_S, "align serve", self.last_line, code=0)
         super().handle_sigterm(*args, **kwargs)
 
 

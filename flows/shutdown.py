@@ -8,7 +8,7 @@ went through Prefect's graceful shutdown and was still running 35 s later.
 children of children included (psutil walks the tree), and exits with 143. During a flow run
 Prefect's own handler is installed first: it marks the run crashed, then sends the signal
 again, which reaches this one. `force_exit_after()` (align serve) gives Prefect's graceful
-shutdown `GRACE_S` seconds, then does the same.
+shutdown `GRACE_S` seconds, then does the same; `align serve` ends with `exit_now` either way.
 """
 from __future__ import annotations
 
@@ -44,22 +44,29 @@ def end_process_tree(grace_s: float = GRACE_S) -> list[int]:
     return [c.pid for c in children]
 
 
-def _exit_now(command: str, last_line: str) -> None:
+def exit_now(command: str, last_line: str, code: int = EXIT_CODE) -> None:
+    """End every child process, print `last_line` as the very last line and exit with `code`, without waiting
+    for threads or exit handlers (a training stage's worker thread cannot be interrupted; Prefect's
+    handlers would stop a temporary server that is already gone, and log it after `last_line`)."""
+    from stages import logs
+
+    logs.console_level(logging.WARNING)
     pids = end_process_tree()
-    log.warning("%s: SIGTERM: ended %d child process(es) %s", command, len(pids), pids)
+    log.info("%s: ended %d child process(es) %s", command, len(pids), pids)
     for handler in logging.getLogger().handlers:
         handler.flush()
     print(last_line, file=sys.stderr, flush=True)
-    os._exit(EXIT_CODE)  # worker threads (a training stage) cannot be interrupted: do not wait for them
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def stop_on_sigterm(command: str, last_line: str) -> None:
     """On SIGTERM: end every child process, print `last_line` and exit 143 at once."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: _exit_now(command, last_line))
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_now(f"{command}: SIGTERM", last_line))
 
 
-def force_exit_after(grace_s: float, command: str, last_line: str) -> None:
-    """From a signal handler: if the process is still alive `grace_s` seconds from now, end it and its children."""
-    timer = threading.Timer(grace_s, _exit_now, args=(command, last_line))
+def force_exit_after(grace_s: float, command: str, last_line: str, code: int = EXIT_CODE) -> None:
+    """From a signal handler: if the process is still alive `grace_s` seconds from now, `exit_now`."""
+    timer = threading.Timer(grace_s, exit_now, args=(command, last_line, code))
     timer.daemon = True
     timer.start()
