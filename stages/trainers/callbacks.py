@@ -44,13 +44,14 @@ class LogToLogger(TrainerCallback):
         if not logs or not state.is_world_process_zero:
             return
         self.history.append({"step": state.global_step, **logs})
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()
+                          if not k.endswith(("_runtime", "_per_second")))
         full = any(k.startswith(("eval", "train_")) for k in logs)
         self.logger.log(logging.INFO if full else logging.DEBUG, "step %d/%d: %s", state.global_step,
                         state.max_steps, shown)
         if not full:
             self.latest = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and "/" not in k
-                           and any(s in k for s in self.SHOWN)}
+                           and any(s in k for s in self.SHOWN) and not k.endswith("_per_second")}
 
 
 def tensorboard_callback(log_dir):
