@@ -30,7 +30,8 @@ KEEP_LOG_FILES = 20  # per folder: older logs of finished commands are removed
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
              "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "DVC_NO_ANALYTICS": "1"}
-THIRD_PARTY = ("transformers", "datasets", "huggingface_hub", "accelerate", "peft", "urllib3", "httpx", "filelock")
+THIRD_PARTY = ("transformers", "datasets", "huggingface_hub", "accelerate", "peft", "urllib3", "httpx", "filelock",
+               "absl")  # absl: rouge_score logs "Using default tokenizer." at INFO per call
 
 
 class ConsoleFormatter(logging.Formatter):
