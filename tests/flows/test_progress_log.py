@@ -1,4 +1,5 @@
 """Training progress reaches the Prefect task log, rate-limited (tasks/common.py forwards the `stages` logger)."""
+import logging
 import re
 import time
 
@@ -20,6 +21,8 @@ def test_sft_progress_in_the_task_log_at_most_one_line_a_second(tmp_path, prefec
     from tasks.sft import sft
 
     monkeypatch.setenv("ALIGN_PROGRESS_EVERY_S", "1")
+    prefect_logger = logging.getLogger("prefect")  # tests/conftest.py sets PREFECT_LOGGING_LEVEL=WARNING
+    monkeypatch.setattr(prefect_logger, "level", logging.INFO)
     params = load_params(write_params(tmp_path, {"sft": {"max_steps": 300, "logging_steps": 10}}))
 
     @flow(name="progress-log")
@@ -33,7 +36,7 @@ def test_sft_progress_in_the_task_log_at_most_one_line_a_second(tmp_path, prefec
     with get_client(sync_client=True) as client:
         for _ in range(20):  # the API log handler sends in batches
             lines = [log.message for log in client.read_logs(log_filter=log_filter) if log.task_run_id]
-            if any("done in" in line for line in lines):
+            if any(line.startswith("step 300/300") for line in lines):
                 break
             time.sleep(0.5)
     progress = [line for line in lines if PROGRESS.match(line)]
