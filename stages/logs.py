@@ -105,7 +105,8 @@ def quiet_third_party() -> None:
 
 
 def setup(level: int = logging.INFO) -> None:
-    """Console logging for an entry point: stages at `level`, third-party libraries at WARNING, no bars.
+    """Console logging for an entry point: records at `level` and above on the console (the log file gets the
+    stages' DEBUG lines too), third-party libraries at WARNING, no bars.
 
     Idempotent: a second call (an in-process test, `align stage` calling `python -m stages`'s
     main) changes nothing but the level.
@@ -115,7 +116,9 @@ def setup(level: int = logging.INFO) -> None:
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
         root.addHandler(ConsoleHandler())
     root.setLevel(logging.INFO)
-    logging.getLogger("stages").setLevel(level)
+    console_level(level)
+    # the stages' DEBUG lines (every logged training dict) reach the log file only
+    logging.getLogger("stages").setLevel(min(level, logging.DEBUG) if level <= logging.INFO else level)
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(logging.WARNING)
     if "transformers" in sys.modules:  # its own stderr handler would print its warnings a second time
