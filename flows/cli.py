@@ -7,6 +7,11 @@
     align status                                which stages are current, and why not
     align dvc-yaml                              print the dvc.yaml derived from the stage table
 
+A failed command ends with `error: <cause>` as its last line (the failed stage, file:line, key or
+fix); the full log with tracebacks is in `<run.output_dir>/logs/`, its path printed just above.
+One SIGTERM stops `align run` (exit 143) and `align serve` within seconds, with every process
+they started (flows/shutdown.py).
+
 Which Prefect server a run talks to: PREFECT_API_URL if set; else the background server of
 `align server start` if it is running; else Prefect's ephemeral mode (a temporary server
 started and stopped around the run, several seconds each time).

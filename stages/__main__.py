@@ -2,7 +2,9 @@
 
 The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params
 first (exit code 2 and every problem listed, nothing written), skips the stage if its
-output folder is current, otherwise builds it atomically with a manifest.
+output folder is current, otherwise builds it atomically with a manifest. A failure ends with
+`error: <stage>: <cause>` as the last line; its traceback is in the log file named just above
+(`<run.output_dir>/logs/`).
 
     python -m stages preprocess
     python -m stages sft --set sft.learning_rate=1e-3
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.stage != "status":
         rank = launch.process_rank()
-        logs.attach_log_file(Path(params.run.output_dir) / "logs", f"stage-{args.stage}" + (f"-rank{rank}" if rank else ""))
+        name = f"stage-{args.stage}" + (f"-rank{rank}" if rank else "")
+        logs.attach_log_file(Path(params.run.output_dir) / "logs", name)
     try:
         return run(args, params)
     except Exception as e:  # noqa: BLE001 -- every failure ends the same way: the cause last, the traceback logged

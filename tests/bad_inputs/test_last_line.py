@@ -66,8 +66,8 @@ def test_missing_local_model_fails_in_seconds_naming_the_folder(tmp_path, params
     folder = Path(name).expanduser().resolve()
     if "/" in name and not name.startswith(("./", "~")):  # org/name: a hub id too, tried and not reachable
         expected = (f"  - model.name_or_path = {name!r}: no folder {folder}, and hub id {name!r} is not in the local "
-                    f"Hugging Face cache; the hub ({UNREACHABLE_HUB}) is not reachable ([Errno 111] Connection refused). "
-                    "Fix the path, or "
+                    f"Hugging Face cache; the hub ({UNREACHABLE_HUB}) is not reachable ([Errno 111] Connection "
+                    "refused). Fix the path, or "
                     f"download the model where the hub is reachable (`hf download {name} --local-dir models/my-qwen`)"
                     " and point model.name_or_path at that folder")
     else:
