@@ -7,6 +7,11 @@
     align status                                which stages are current, and why not
     align dvc-yaml                              print the dvc.yaml derived from the stage table
 
+A failed command ends with `error: <cause>` as its last line (the failed stage, file:line, key or
+fix); the full log with tracebacks is in `<run.output_dir>/logs/`, its path printed just above.
+One SIGTERM stops `align run` (exit 143) and `align serve` within seconds, with every process
+they started (flows/shutdown.py).
+
 Which Prefect server a run talks to: PREFECT_API_URL if set; else the background server of
 `align server start` if it is running; else Prefect's ephemeral mode (a temporary server
 started and stopped around the run, several seconds each time).
@@ -14,15 +19,16 @@ started and stopped around the run, several seconds each time).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from pathlib import Path
 
 
-def _quiet_telemetry() -> None:
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+SERVE_STOPPED = ("align serve: stopped; the deployments' schedules stay active (pause_on_shutdown=False); "
+                 "`align serve` serves them again")
+RUN_STOPPED = ("error: align run: stopped by SIGTERM; every process it started has ended; rerun `align run` to "
+               "continue after the last finished stage")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stage", "status", "dvc-yaml"):
         sub.add_parser(name, add_help=False, help="see python -m stages --help")
     args, rest = parser.parse_known_args(argv)
-    _quiet_telemetry()
 
+    from stages import logs
+
+    logs.setup()  # before Prefect is imported: its records then go through our console and log-file handlers
     from stages.__main__ import main as stages_main
     from stages.config import ParamsError, load_params
 
@@ -54,23 +62,59 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
-        load_params(args.params, getattr(args, "overrides", []))
+        params = load_params(args.params, getattr(args, "overrides", []))
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    logs.attach_log_file(Path(params.run.output_dir) / "logs", f"align-{args.command}")
     use_background_server()
-    if args.command == "serve":
-        from flows.deploy import serve_deployments
+    try:
+        return serve(args.params) if args.command == "serve" else run(args.params, args.overrides)
+    finally:
+        logs.detach_log_file()
 
-        serve_deployments(args.params)
-        return 0
-    from flows.align import align
 
-    state = align(params_file=args.params, overrides=args.overrides, return_state=True)
-    if not state.is_completed():
-        print(f"error: flow run {state.name}: {state.message}", file=sys.stderr)
+def run(params_file: str, overrides: list[str]) -> int:
+    """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file."""
+    from flows import shutdown
+    from stages import logs
+    from stages.__main__ import exit_code, failure_line
+
+    shutdown.stop_on_sigterm("align run", RUN_STOPPED)  # no temporary Prefect server or training process left
+    try:
+        from flows.align import align
+
+        state = align(params_file=params_file, overrides=overrides, return_state=True)
+        error = None if state.is_completed() else state.result(raise_on_failure=False)
+    except Exception as e:  # noqa: BLE001 -- Prefect could not start, or the flow raised outside a task
+        state, error = None, e
+    logs.console_level(logging.WARNING)  # Prefect's teardown lines would come after the result's last line
+    if isinstance(error, BaseException):
+        logs.report_failure(failure_line(failed_stage(error), error), error)
+        return exit_code(error)
+    if state is None or not state.is_completed():
+        logs.report_failure(f"flow run {state.name}: {state.message}" if state else "the flow did not run")
         return 1
     print_summary(state.result())
+    return 0
+
+
+def failed_stage(error: BaseException) -> str | None:
+    """The stage whose task raised `error`: the `name` of the `run_stage_task(name, params)` frame it passed."""
+    import traceback
+
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code.co_name == "run_stage_task":
+            return frame.f_locals.get("name")
+    return None
+
+
+def serve(params_file: str) -> int:
+    from flows import shutdown
+    from flows.deploy import serve_deployments
+
+    serve_deployments(params_file, last_line=SERVE_STOPPED)  # returns once stopped (SIGTERM, Ctrl-C)
+    shutdown.exit_now("align serve", SERVE_STOPPED, code=0)  # and Prefect's temporary server, if it started one
     return 0
 
 
@@ -87,6 +131,8 @@ def server_command(action: str, port: int) -> int:
 
 def use_background_server() -> None:
     """Point Prefect at `align server start`'s server when no API URL is configured (before prefect loads)."""
+    # ephemeral mode: Prefect's 20 s default for its temporary server to start was exceeded on a busy 2-core machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
         return
     from flows.server import find_server

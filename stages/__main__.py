@@ -2,7 +2,9 @@
 
 The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params
 first (exit code 2 and every problem listed, nothing written), skips the stage if its
-output folder is current, otherwise builds it atomically with a manifest.
+output folder is current, otherwise builds it atomically with a manifest. A failure ends with
+`error: <stage>: <cause>` as the last line; its traceback is in the log file named just above
+(`<run.output_dir>/logs/`).
 
     python -m stages preprocess
     python -m stages sft --set sft.learning_rate=1e-3
@@ -22,6 +24,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from stages.config import ParamsError, load_params
 from stages.registry import STAGES
@@ -41,11 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; a failure ends with `error: <cause>` as the last line and its traceback in the log file."""
     args = build_parser().parse_args(argv)
-    from stages import launch
+    from stages import launch, logs
 
-    level = logging.INFO if launch.process_rank() == 0 else logging.WARNING  # ranks > 0 repeat rank 0's lines
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(logging.INFO if launch.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
     if args.stage == "dvc-yaml":
         from stages.dvcgen import render_dvc_yaml
 
@@ -56,54 +59,66 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from stages import runner
-
     if (args.shard is None) != (args.num_shards is None) or (args.shard is not None and
                                                               (args.force or args.stage not in STAGES)):
         print("error: --shard K needs --num-shards N, a stage and no --force", file=sys.stderr)
         return 2
+    if args.stage != "status":
+        rank = launch.process_rank()
+        name = f"stage-{args.stage}" + (f"-rank{rank}" if rank else "")
+        logs.attach_log_file(Path(params.run.output_dir) / "logs", name)
+    try:
+        return run(args, params)
+    except Exception as e:  # noqa: BLE001 -- every failure ends the same way: the cause last, the traceback logged
+        logs.report_failure(failure_line(args.stage, e), e)
+        return exit_code(e)
+    finally:
+        logs.detach_log_file()
+
+
+def run(args, params) -> int:
+    from stages import launch, runner
+
     if args.shard is not None:
-        try:
-            row = runner.run_shard(args.stage, params, args.shard, args.num_shards)
-        except runner.UpstreamMissing as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-        except (ValueError, FileNotFoundError) as e:
-            print(f"error: {args.stage}: {e}", file=sys.stderr)
-            return 1
-        print(json.dumps(row, indent=2))
+        print(json.dumps(runner.run_shard(args.stage, params, args.shard, args.num_shards), indent=2))
         return 0
     if args.stage == "status":
         for row in runner.status(params):
             mark = "current" if row["current"] else f"stale: {row['reason']}"
             print(f"{row['stage']:<12} {mark}")
         return 0
-    try:
-        if launch.needs_launch(args.stage, params.run.launch):
-            manifest = launch.launch_stage(args.stage, params, on_line=lambda line: print(line, flush=True),
-                                           force=args.force)
-        else:
-            manifest = runner.run_stage(args.stage, params, force=args.force)
-    except runner.UpstreamMissing as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except runner.QualityGateFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except runner.StageFailed as e:  # disk full, a NaN loss: nothing published, the previous output intact
-        print(f"error: {e}", file=sys.stderr)
-        return 5
-    except launch.LaunchFailed as e:  # a rank crashed or the deadline passed: every rank has ended
-        print(f"error: {e}", file=sys.stderr)
-        return 6
-    except (ValueError, FileNotFoundError) as e:  # bad data, bad model path: the message says what to fix
-        print(f"error: {args.stage}: {e}", file=sys.stderr)
-        return 1
+    if launch.needs_launch(args.stage, params.run.launch):
+        manifest = launch.launch_stage(args.stage, params, on_line=lambda line: print(line, flush=True),
+                                       force=args.force)
+    else:
+        manifest = runner.run_stage(args.stage, params, force=args.force)
     if launch.process_rank() > 0:  # rank 0 reports for the launched run
         return 0
     print(json.dumps({"stage": args.stage, "executed": manifest["executed"],
                       "metrics": runner.flat_metrics(manifest.get("metrics", {}))}, indent=2))
     return 0
+
+
+def exit_code(error: BaseException) -> int:
+    """3: an upstream output is missing; 4: a quality gate failed; 5: the stage stopped (disk full, a NaN
+    loss; nothing published, the previous output intact); 6: a launched rank crashed or ran out of time
+    (every rank has ended); 1: anything else (bad data, a bad model path: the message says what to fix)."""
+    from stages import launch, runner
+
+    codes = {runner.UpstreamMissing: 3, runner.QualityGateFailed: 4, runner.StageFailed: 5, launch.LaunchFailed: 6}
+    return next((code for kind, code in codes.items() if isinstance(error, kind)), 1)
+
+
+def failure_line(stage: str | None, error: BaseException) -> str:
+    """`<stage>: <the error's message on one line>`; the type's name too for errors that are not ours to raise."""
+    from stages import logs
+
+    message = logs.one_line(error)
+    if not isinstance(error, (ValueError, OSError, RuntimeError, FloatingPointError)):
+        message = f"{type(error).__name__}: {message}"
+    if stage and not message.startswith((f"{stage}:", "stage ")):
+        message = f"{stage}: {message}"
+    return message
 
 
 if __name__ == "__main__":

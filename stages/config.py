@@ -12,6 +12,7 @@ add it to `Params`, and give it a section in `params.yaml`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -68,6 +69,14 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = param("float32", help="weights dtype for training and eval")
     trust_remote_code: bool = param(False, help="allow custom modelling code from the model directory")
     builtin: TinyModelConfig = param(default_factory=TinyModelConfig, help="size of builtin:tiny")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.name_or_path.startswith("builtin:"):
+            return []
+        from stages.models import model_source_problem  # here, not at the top: stages.models imports this module
+
+        problem = model_source_problem(self.name_or_path)
+        return [("name_or_path", f"= {self.name_or_path!r}: {problem}")] if problem else []
 
 
 @dataclass
@@ -614,8 +623,9 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            near = ", ".join(sorted(fields))
-            problems.append(f"{prefix}{key}: unknown key; known keys here: {near}")
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
+            problems.append(f"{prefix}{key}: unknown key; {hint}")
     values = {}
     for name, f in fields.items():
         if name not in raw:

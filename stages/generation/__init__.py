@@ -36,7 +36,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
         sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt).
         backend: a ``BACKENDS`` key.
         batch_size: prompts per ``generate`` call ("hf"), requests in flight ("vllm").
-        progress: show a tqdm progress bar.
+        progress: log rate-limited progress lines with an ETA (``stages.progress``).
         **backend_options: passed to the backend, e.g. ``base_url=`` for "vllm".
 
     Returns:

@@ -65,9 +65,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
                 if bar is not None:
-                    bar.update(len(batch))
+                    bar.advance(len(batch))
             if bar is not None:
-                bar.close()
+                bar.finish()
     finally:
         model.train(was_training)
     return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
@@ -91,6 +91,8 @@ def _cuda_devices() -> list[int]:
 def _progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    import logging
 
-    return tqdm(total=total, unit="prompt", desc="generate")
+    from stages.progress import Progress
+
+    return Progress(logging.getLogger("stages.generation"), total=total, unit="prompts", what="generate")

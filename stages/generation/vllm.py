@@ -93,20 +93,23 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         client.check_model(name)  # fail fast with one clear error, before spawning threads
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        import logging
 
-        bar = tqdm(total=len(bodies), unit="prompt", desc="generate (vllm)")
+        from stages.progress import Progress
+
+        bar = Progress(logging.getLogger("stages.generation"), total=len(bodies), unit="prompts",
+                       what="generate (vllm)")
 
     def one(body: dict) -> list[list[int]]:
         out = parse_response(client.post("/completions", body), tokenizer, eos, sampling.n)
         if bar is not None:
-            bar.update(1)
+            bar.advance(1)
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, min(batch_size, len(bodies)))) as pool:
         per_prompt = list(pool.map(one, bodies))
     if bar is not None:
-        bar.close()
+        bar.finish()
     return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
                              backend="vllm")
 

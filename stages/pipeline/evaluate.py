@@ -40,6 +40,7 @@ from stages.artifacts import write_json_atomic
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
+from stages.progress import Progress
 from stages.utils import answer_after_reasoning
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
@@ -52,8 +53,13 @@ def run(ctx) -> dict[str, Any]:
     rows = eval_rows(ctx)
     reward_path = ctx.inputs["reward"] / "model"
     reward_path = str(reward_path) if reward_path.is_dir() and {"reward", "win_rate"} & set(e.metrics) else None
-    outputs = {label: model_outputs(ctx, label, path, base, rows, device)
-               for label, (path, base) in candidates(ctx).items()}
+    models = candidates(ctx)
+    progress = Progress(ctx.log, total=len(models), unit="models", what="evaluate:")
+    outputs = {}
+    for label, (path, base) in models.items():
+        outputs[label] = model_outputs(ctx, label, path, base, rows, device)
+        progress.advance(1)
+    progress.finish()
 
     rewards = score_rewards(rows, outputs, reward_path, device) if reward_path else {}
     table, predictions = [], []
@@ -174,7 +180,8 @@ class Outputs:
 
 
 def generate_outputs(model, tokenizer, rows: list[dict], sampling: SamplingParams, *, batch_size: int) -> Outputs:
-    gens = generation.generate(model, tokenizer, [r["prompt"] for r in rows], sampling, batch_size=batch_size)
+    gens = generation.generate(model, tokenizer, [r["prompt"] for r in rows], sampling, batch_size=batch_size,
+                               progress=True)
     return Outputs(gens.completions, gens.reasoning, [len(ids) for ids in gens.completion_ids])
 
 

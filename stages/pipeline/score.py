@@ -40,6 +40,7 @@ from stages.generation import Generations, SamplingParams, generate
 from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
+from stages.progress import Progress
 from stages.rewards import build_reward_functions, exact_match
 from stages.utils import answer_after_reasoning
 
@@ -170,6 +171,9 @@ def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard
     folder = ctx.work / "shards"
     starts = range(0, len(rows), shard_size)
     records: list[dict] = []
+    mine = [k for k in range(len(starts)) if only is None or k in only]
+    progress = Progress(ctx.log, total=sum(min(starts[k] + shard_size, len(rows)) - starts[k] for k in mine),
+                        unit="prompts", what="score: sampled and scored")
     for k, start in enumerate(starts):
         if only is not None and k not in only:
             continue
@@ -183,8 +187,10 @@ def sample_and_score(ctx, rows: list[dict], sample, rewards, tokenizer, *, shard
             folder.mkdir(parents=True, exist_ok=True)
             write_jsonl(tmp, part)
             os.replace(tmp, path)  # a shard file exists only once it is complete
-            ctx.log.info("score: shard %d/%d done (prompts %d-%d)", k + 1, len(starts), start, stop - 1)
+            ctx.log.debug("score: shard %d/%d done (prompts %d-%d)", k + 1, len(starts), start, stop - 1)
         records += part
+        progress.advance(stop - start)
+    progress.finish()
     return records
 
 

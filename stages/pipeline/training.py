@@ -9,7 +9,6 @@ import dataclasses
 import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,8 @@ def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) ->
         save_strategy="steps", save_steps=s.save_steps, save_total_limit=2,
         report_to=[r for r in s.report_to if r != "tensorboard"] or "none",
         seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
-        disable_tqdm=not sys.stderr.isatty(), bf16=precision == "bf16", fp16=precision == "fp16",
+        disable_tqdm=True,  # LogToLogger reports progress with an ETA
+        bf16=precision == "bf16", fp16=precision == "fp16",
     )
 
 

@@ -6,20 +6,52 @@ import math
 
 from transformers import TrainerCallback
 
+from stages.progress import Progress
+
 
 class LogToLogger(TrainerCallback):
-    """Forward the Trainer's logs to a stdlib logger (the Prefect task shows them in the UI)."""
+    """Forward the Trainer's progress and logs to a stdlib logger (the console, the log file, the Prefect task).
+
+    Progress: a rate-limited line per `stages.progress` with step/total, steps/s, the ETA and the
+    last logged loss (and rewards/accuracies when the trainer logs them). Every logged dict is
+    kept in `history`; eval and end-of-training lines are logged in full, the others at DEBUG
+    (the log file has them, the console is left to the progress line).
+    """
+
+    SHOWN = ("loss", "reward", "accuracy", "kl")  # metrics a progress line carries (key contains one)
 
     def __init__(self, logger: logging.Logger):
         self.logger = logger
         self.history: list[dict[str, float]] = []
+        self.progress: Progress | None = None
+        self.latest: dict[str, float] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.progress = Progress(self.logger, total=state.max_steps, unit="steps", what="step",
+                                     start=state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.update(state.global_step, **self.latest)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.finish(**self.latest)
+            self.progress = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
             return
         self.history.append({"step": state.global_step, **logs})
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
-        self.logger.info("step %d/%d: %s", state.global_step, state.max_steps, shown)
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()
+                          if not k.endswith(("_runtime", "_per_second")))
+        full = any(k.startswith(("eval", "train_")) for k in logs)
+        self.logger.log(logging.INFO if full else logging.DEBUG, "step %d/%d: %s", state.global_step,
+                        state.max_steps, shown)
+        if not full:
+            self.latest = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and "/" not in k
+                           and any(s in k for s in self.SHOWN) and not k.endswith("_per_second")}
 
 
 def tensorboard_callback(log_dir):

@@ -21,9 +21,11 @@ def copy_tokenizer(src: Path, dst: Path) -> Path:
 
 
 def test_missing_model_folder(capsys, tmp_path, params_for):
+    """Found at params validation (exit 2), before the stage runs; tests/bad_inputs/test_last_line.py has the
+    relative, ./, ~ and org/name forms."""
     params = params_for({"model": {"name_or_path": str(tmp_path / "no-model")}})
     assert_rejected(capsys, params, "preprocess", r"model\.name_or_path = '" + escape(tmp_path / "no-model")
-                    + r"': no such folder", code=1)
+                    + r"': no folder " + escape(tmp_path / "no-model") + "; not a hub id", code=2)
 
 
 def test_folder_that_is_not_a_model(capsys, tmp_path, params_for):
@@ -32,7 +34,7 @@ def test_folder_that_is_not_a_model(capsys, tmp_path, params_for):
     (folder / "cat.jpg").write_bytes(b"\xff\xd8\xff")
     params = params_for({"model": {"name_or_path": str(folder)}})
     assert_rejected(capsys, params, "preprocess", r"model\.name_or_path = '" + escape(folder)
-                    + r"': folder has no config\.json", code=1)
+                    + r"': folder has no config\.json", code=2)
 
 
 def test_unparseable_config(capsys, tmp_path, params_for, model_dir):

@@ -1,12 +1,17 @@
 """Real model loading from local Hugging Face directories (what a hub id resolves to, offline)."""
+import http.server
 import json
+import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from stages import runner
 from stages.builtin import tiny
 from stages.config import ModelConfig, load_params
-from stages.models import resolve_model
+from stages.models import hub_unreachable_reason, model_source_problem, resolve_model
 from tests.conftest import STAGE_ORDER, write_params
 
 
@@ -22,14 +27,53 @@ def plain_model_dir(tmp_path_factory):
     return path
 
 
-def test_resolve_model_errors(tmp_path):
+def test_resolve_model_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: the hub is unreachable
     with pytest.raises(FileNotFoundError, match="folder has no config.json"):
         resolve_model(ModelConfig(name_or_path=str(tmp_path)), tmp_path)
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(FileNotFoundError, match=r"no folder \S+/nope; not a hub id \(org/name\) either, so the hub "
+                                                r"was not tried"):
         resolve_model(ModelConfig(name_or_path="./nope"), tmp_path)
     with pytest.raises(ValueError, match="unknown built-in model"):
         resolve_model(ModelConfig(name_or_path="builtin:huge"), tmp_path)
-    assert resolve_model(ModelConfig(name_or_path="org/model"), tmp_path) == "org/model"  # a hub id
+    with pytest.raises(FileNotFoundError, match=r"hub id 'org/model' is not in the local Hugging Face cache; the hub "
+                                                r"\(http://127.0.0.1:9\) is not reachable"):
+        resolve_model(ModelConfig(name_or_path="org/model"), tmp_path)
+
+
+def fake_hub_cache(cache: Path, repo_id: str) -> Path:
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/config.json}."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    return cache
+
+
+def test_a_cached_hub_id_is_used_offline_when_the_hub_is_unreachable(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # restored after the test, as is the constant below
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    cache = fake_hub_cache(tmp_path / "hub", "org/model")
+    assert model_source_problem("org/model", cache_dir=cache) is None
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE  # from_pretrained will not retry
+    assert "not in the local Hugging Face cache" in model_source_problem("org/other", cache_dir=cache)
+
+
+def test_hub_reachability_is_answered_in_seconds(tmp_path):
+    """A real HTTP server answers (even with an error status); a closed port is refused at once."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert hub_unreachable_reason(f"http://127.0.0.1:{server.server_address[1]}") is None
+    finally:
+        server.shutdown()
+    start = time.monotonic()
+    assert "Connection refused" in hub_unreachable_reason("http://127.0.0.1:9")
+    assert time.monotonic() - start < 1
 
 
 def test_local_model_with_text_data_trains(tmp_path, plain_model_dir):
