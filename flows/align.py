@@ -7,11 +7,13 @@ reference: the reference log-probs of the DPO pairs, cached apart from the polic
 merge: the policy's adapter merged into a full model; promote, with `promote=True` as in the
 nightly deployment: the merged model replaces models/production only if it is better.)
 
-Each task finishes "Cached" when its stage's output folder is current (same params, code
-and inputs, files intact), so rerunning the flow only executes what changed downstream of
-a change. Run it with `align run`, or through the deployments (`align serve`, then
-`prefect deployment run align/full`). With `run.parallel_shards` > 1, score's prompt shards and
-evaluate's models are first computed by that many shard tasks at once (tasks/shards.py).
+The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after
+its `upstream` stages, in the table's order. Each task finishes "Cached" when its stage's output
+folder is current (same params, code and inputs, files intact), so rerunning the flow only
+executes what changed downstream of a change. Run it with `align run`, or through the
+deployments (`align serve`, then `prefect deployment run align/full`). With
+`run.parallel_shards` > 1, the work of the stages with shards (`StageSpec.shards`: score's
+prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py).
 """
 from __future__ import annotations
 
@@ -24,15 +26,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
 from stages.config import load_params
-from tasks.evaluate import evaluate
-from tasks.merge import merge
-from tasks.policy import policy
-from tasks.preprocess import preprocess
-from tasks.reference import reference
-from tasks.reward import reward
-from tasks.score import score
-from tasks.sft import sft
+from stages.registry import STAGES
 from tasks.shards import fan_out
+from tasks.stage import STAGE_TASKS
 
 
 # Runs the shard tasks (run.parallel_shards: that many at once); on a cluster, e.g.
@@ -49,15 +45,11 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here
         return [runs[n].result() for n in names]
 
-    runs["preprocess"] = preprocess(params, return_state=True)
-    runs["sft"] = sft(params, after("preprocess"), return_state=True)
-    runs["reward"] = reward(params, after("preprocess", "sft"), return_state=True)
-    runs["score"] = score(params, fan_out("score", params, after("preprocess", "sft", "reward")), return_state=True)
-    runs["reference"] = reference(params, after("preprocess", "sft", "score"), return_state=True)
-    runs["policy"] = policy(params, after("preprocess", "sft", "reward", "score", "reference"), return_state=True)
-    runs["merge"] = merge(params, after("preprocess", "sft", "policy"), return_state=True)
-    runs["evaluate"] = evaluate(params, fan_out("evaluate", params, after("preprocess", "sft", "reward", "score",
-                                                                          "policy", "merge")), return_state=True)
+    for spec in STAGES.values():  # the table's order: a stage's upstream stages come before it
+        upstream = after(*spec.upstream)
+        if spec.shards:
+            upstream = fan_out(spec.name, params, upstream)
+        runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
 
     summary = summarise(runs)
     if promote:
@@ -70,10 +62,13 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
 
 
 def summarise(runs: dict) -> dict[str, Any]:
+    """One row per stage, in pipeline order; a cached stage built nothing in this run: wall time 0 s (its build
+    time is in its manifest)."""
     stages = []
     for name, state in runs.items():
-        manifest = state.result()
-        stages.append({"stage": name, "status": "cached" if state.name == "Cached" else "executed",
-                       "fingerprint": manifest["fingerprint"], "wall_time_s": manifest["wall_time_s"]})
+        manifest, cached = state.result(), state.name == "Cached"
+        stages.append({"stage": name, "status": "cached" if cached else "executed",
+                       "fingerprint": manifest["fingerprint"],
+                       "wall_time_s": 0.0 if cached else manifest["wall_time_s"]})
     evaluation = runs["evaluate"].result().get("metrics", {}).get("table", [])
     return {"stages": stages, "evaluation": evaluation}

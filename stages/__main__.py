@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from stages import launch
+    from stages import launch, processes
 
-    level = logging.INFO if launch.process_rank() == 0 else logging.WARNING  # ranks > 0 repeat rank 0's lines
+    level = logging.INFO if processes.process_rank() == 0 else logging.WARNING  # ranks > 0 repeat rank 0's lines
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.stage == "dvc-yaml":
         from stages.dvcgen import render_dvc_yaml
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad data, bad model path: the message says what to fix
         print(f"error: {args.stage}: {e}", file=sys.stderr)
         return 1
-    if launch.process_rank() > 0:  # rank 0 reports for the launched run
+    if processes.process_rank() > 0:  # rank 0 reports for the launched run
         return 0
     print(json.dumps({"stage": args.stage, "executed": manifest["executed"],
                       "metrics": runner.flat_metrics(manifest.get("metrics", {}))}, indent=2))
