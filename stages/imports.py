@@ -37,89 +37,93 @@ class Import:
     lazy: bool  # inside a function body: runs when the function is called
 
 
-def module_file(name: str, root: Path = CODE_ROOT) -> Path | None:
-    """The file of module `name` under `root` (a package's `__init__.py`), or None if there is none."""
-    base = root.joinpath(*name.split("."))
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
+@dataclass(frozen=True)
+class Statement:
+    module: str  # the module named (relative imports made absolute), any package
+    names: tuple[str, ...]  # `from module import names`; () for `import module`
+    line: int
+    lazy: bool
 
 
-def imports(name: str, root: Path = CODE_ROOT, packages: tuple[str, ...] = LIBRARY) -> list[Import]:
-    """The imports of module `name` that name a module of `packages` (top-level names), in source order."""
-    path = module_file(name, root)
-    if path is None:
-        raise ModuleNotFoundError(f"{name}: no {name.replace('.', '/')}.py or {name.replace('.', '/')}/__init__.py "
-                                  f"under {root}")
-    found = _imports(path.read_bytes(), name, path.name == "__init__.py", str(path))
-    exists = functools.partial(_exists, root=root)
-    out = []
-    for base, names, line, lazy in found:
-        if base.split(".")[0] not in packages:
-            continue
-        # `from pkg import x` imports pkg and, when x is a submodule, pkg.x; `import a.b` imports a.b
-        targets = [f"{base}.{n}" for n in names if exists(f"{base}.{n}")]
-        if not targets or len(targets) < len(names):
-            targets.insert(0, base)
-        out += [Import(t, line, lazy) for t in targets if exists(t)]
+def module_index(packages: tuple[str, ...] = LIBRARY, root: Path = CODE_ROOT) -> dict[str, Path]:
+    """{module name: its file} of every importable module of `packages` under `root` (a package is its
+    `__init__.py`; a folder without one is not a package, and its files are not modules)."""
+    out = {}
+    for top in packages:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if all((root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
+                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
-def _exists(name: str, root: Path) -> bool:
-    return module_file(name, root) is not None
+def statements(path: Path, name: str) -> list[Statement]:
+    """Every import statement of module `name` (file `path`) that can run, in source order."""
+    return _parse(path.read_bytes(), name, path.name == "__init__.py", str(path))[0]
+
+
+def imports(name: str, index: dict[str, Path]) -> list[Import]:
+    """The imports of module `name` that name a module of `index` (from `module_index`), in source order."""
+    out = []
+    for s in statements(index[name], name):
+        # `from pkg import x` imports pkg and, when x is a submodule, pkg.x; `import a.b` imports a.b
+        targets = [f"{s.module}.{n}" for n in s.names if f"{s.module}.{n}" in index]
+        if len(targets) < len(s.names) or not s.names:
+            targets.insert(0, s.module)
+        out += [Import(t, s.line, s.lazy) for t in targets if t in index]
+    return out
+
+
+def code_files(name: str, index: dict[str, Path]) -> list[Path]:
+    """The files module `name` loads by path: its module-level `CODE_FILES` literal, resolved."""
+    path = index[name]
+    files = [path.parent / rel for rel in _parse(path.read_bytes(), name, path.name == "__init__.py", str(path))[1]]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: CODE_FILES names {', '.join(missing)}, which does not exist; fix the "
+                                "path or remove it from CODE_FILES")
+    return files
 
 
 @functools.lru_cache(maxsize=4096)
-def _imports(source: bytes, name: str, is_package: bool, filename: str) -> list[tuple[str, tuple[str, ...], int, bool]]:
-    """(imported module, names imported from it, line, lazy) for each import statement that runs."""
+def _parse(source: bytes, name: str, is_package: bool, filename: str) -> tuple[list[Statement], tuple[str, ...]]:
+    """(the import statements that can run, the CODE_FILES literal) of one module's source."""
     tree = ast.parse(source, filename=filename)
     package = name if is_package else name.rpartition(".")[0]
-    out: list[tuple[str, tuple[str, ...], int, bool]] = []
+    found: list[Statement] = []
 
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
                 for sub in child.orelse:  # only the else branch runs
                     visit_one(sub, lazy)
-                continue
-            visit_one(child, lazy)
+            else:
+                visit_one(child, lazy)
 
     def visit_one(node: ast.AST, lazy: bool) -> None:
         if isinstance(node, ast.Import):
-            out.extend((alias.name, (), node.lineno, lazy) for alias in node.names)
+            found.extend(Statement(alias.name, (), node.lineno, lazy) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 anchor = ".".join(parts[:len(parts) - node.level + 1])
                 base = f"{anchor}.{node.module}" if node.module else anchor
-            else:
-                base = node.module or ""
-            out.append((base, tuple(a.name for a in node.names if a.name != "*"), node.lineno, lazy))
+            found.append(Statement(base, tuple(a.name for a in node.names if a.name != "*"), node.lineno, lazy))
         else:
             visit(node, lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, False)
-    return out
+    files: tuple[str, ...] = ()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "CODE_FILES" for t in node.targets):
+            files = tuple(ast.literal_eval(node.value))
+    return found, files
 
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def code_files(name: str, root: Path = CODE_ROOT) -> list[Path]:
-    """The files module `name` loads by path: its module-level `CODE_FILES` literal, resolved."""
-    path = module_file(name, root)
-    for node in ast.parse(path.read_bytes(), filename=str(path)).body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "CODE_FILES" for t in node.targets):
-            files = [path.parent / rel for rel in ast.literal_eval(node.value)]
-            missing = [str(f.relative_to(root)) for f in files if not f.is_file()]
-            if missing:
-                raise FileNotFoundError(f"{path.relative_to(root)}: CODE_FILES names {', '.join(missing)}, which "
-                                        "does not exist; fix the path or remove it from CODE_FILES")
-            return files
-    return []
 
 
 def parents(name: str) -> list[str]:
@@ -128,44 +132,35 @@ def parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def closure_modules(entry: str, root: Path = CODE_ROOT) -> list[str]:
+def closure_modules(entry: str, root: Path = CODE_ROOT, index: dict[str, Path] | None = None) -> list[str]:
     """Every project module importing `entry` can run (lazy imports included), sorted."""
+    index = module_index(LIBRARY, root) if index is None else index
+    if entry not in index:
+        raise ModuleNotFoundError(f"{entry}: no such module under {root / entry.split('.')[0]}")
     seen: set[str] = set()
     todo = [entry]
     while todo:
         name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        todo += parents(name)
-        todo += [i.module for i in imports(name, root)]
+        if name not in seen:
+            seen.add(name)
+            todo += parents(name) + [i.module for i in imports(name, index)]
     return sorted(seen)
 
 
 def closure(entry: str, root: Path = CODE_ROOT) -> tuple[str, ...]:
     """The files (relative posix paths under `root`, sorted) of `closure_modules(entry)` and their CODE_FILES."""
+    index = module_index(LIBRARY, root)
     files: set[Path] = set()
-    for name in closure_modules(entry, root):
-        files.add(module_file(name, root))
-        files.update(code_files(name, root))
+    for name in closure_modules(entry, root, index):
+        files.add(index[name])
+        files.update(code_files(name, index))
     return tuple(sorted(f.relative_to(root).as_posix() for f in files))
-
-
-def project_modules(packages: tuple[str, ...], root: Path = CODE_ROOT) -> list[str]:
-    """Every importable module of `packages` (folders with `__init__.py` all the way down), sorted."""
-    out = []
-    for top in packages:
-        for path in sorted((root / top).rglob("*.py")):
-            rel = path.relative_to(root).with_suffix("")
-            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-            if all((root.joinpath(*rel.parts[:i]) / "__init__.py").is_file() for i in range(1, len(rel.parts))):
-                out.append(".".join(parts))
-    return sorted(out)
 
 
 def import_graph(packages: tuple[str, ...], root: Path = CODE_ROOT) -> dict[str, list[Import]]:
     """module -> its imports of modules of `packages`, for every module of `packages` (TYPE_CHECKING excluded)."""
-    return {name: imports(name, root, packages) for name in project_modules(packages, root)}
+    index = module_index(packages, root)
+    return {name: imports(name, index) for name in index}
 
 
 def find_cycle(graph: dict[str, list[Import]]) -> list[Import | str] | None:
