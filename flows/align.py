@@ -17,6 +17,7 @@ prompts, evaluate's models) is first computed by that many shard tasks at once (
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -25,8 +26,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import load_params
+from stages.config import Params, load_params
 from stages.registry import STAGES
+from stages.runner import output_dir
 from tasks.shards import fan_out
 from tasks.stage import STAGE_TASKS
 
@@ -51,7 +53,7 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
             upstream = fan_out(spec.name, params, upstream)
         runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
 
-    summary = summarise(runs)
+    summary = summarise(runs, params)
     if promote:
         summary["promotion"] = promote_task(params, after("evaluate"))
     if not overrides and any(s["status"] == "executed" for s in summary["stages"]):
@@ -61,7 +63,7 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     return summary
 
 
-def summarise(runs: dict) -> dict[str, Any]:
+def summarise(runs: dict, params: Params) -> dict[str, Any]:
     """One row per stage, in pipeline order; a cached stage built nothing in this run: wall time 0 s (its build
     time is in its manifest)."""
     stages = []
@@ -70,5 +72,6 @@ def summarise(runs: dict) -> dict[str, Any]:
         stages.append({"stage": name, "status": "cached" if cached else "executed",
                        "fingerprint": manifest["fingerprint"],
                        "wall_time_s": 0.0 if cached else manifest["wall_time_s"]})
-    evaluation = runs["evaluate"].result().get("metrics", {}).get("table", [])
+    # the table as the stage wrote it: its columns in the stage's order (the manifest's are sorted)
+    evaluation = json.loads((output_dir(params, "evaluate") / "metrics.json").read_text())
     return {"stages": stages, "evaluation": evaluation}
