@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,13 +48,18 @@ class Statement:
 
 def module_index(packages: tuple[str, ...] = LIBRARY, root: Path = CODE_ROOT) -> dict[str, Path]:
     """{module name: its file} of every importable module of `packages` under `root` (a package is its
-    `__init__.py`; a folder without one is not a package, and its files are not modules)."""
+    `__init__.py`; a folder without one is not a package, and the files under it are not modules)."""
     out = {}
     for top in packages:
-        for path in sorted((root / top).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            if all((root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
-                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        for folder, dirs, files in os.walk(root / top):
+            if "__init__.py" not in files:
+                dirs.clear()
+                continue
+            dirs.sort()
+            package = Path(folder).relative_to(root).parts
+            for file in sorted(f for f in files if f.endswith(".py")):
+                name = package if file == "__init__.py" else (*package, file[:-3])
+                out[".".join(name)] = Path(folder) / file
     return out
 
 
@@ -149,6 +155,13 @@ def closure_modules(entry: str, root: Path = CODE_ROOT, index: dict[str, Path] |
 
 def closure(entry: str, root: Path = CODE_ROOT) -> tuple[str, ...]:
     """The files (relative posix paths under `root`, sorted) of `closure_modules(entry)` and their CODE_FILES."""
+    index = module_index(LIBRARY, root)
+    stats = tuple((name, path.stat().st_mtime_ns, path.stat().st_size) for name, path in index.items())
+    return _closure(entry, root, stats)  # computed again when any module file changes
+
+
+@functools.lru_cache(maxsize=256)
+def _closure(entry: str, root: Path, stats: tuple) -> tuple[str, ...]:
     index = module_index(LIBRARY, root)
     files: set[Path] = set()
     for name in closure_modules(entry, root, index):
