@@ -200,7 +200,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     publish nothing. Then `run_stage` (same params, so the same fingerprint and work folder) finds the
     shares saved and only assembles and seals the output.
 
-    For the stages whose module has `run_shard(ctx, shard, num_shards)`: score (prompt shards) and
+    For the stages whose StageSpec names `shards` (ctx, shard, num_shards): score (prompt shards) and
     evaluate (models). Shares may run at once, in processes or on machines sharing `run.output_dir`:
     each writes only its own files, atomically, so no lock is taken. Not in threads of one process:
     sampling seeds torch's process-wide RNG (use `run_shard_process`). A current stage computes nothing.
