@@ -7,14 +7,17 @@ reference: the reference log-probs of the DPO pairs, cached apart from the polic
 merge: the policy's adapter merged into a full model; promote, with `promote=True` as in the
 nightly deployment: the merged model replaces models/production only if it is better.)
 
-Each task finishes "Cached" when its stage's output folder is current (same params, code
-and inputs, files intact), so rerunning the flow only executes what changed downstream of
-a change. Run it with `align run`, or through the deployments (`align serve`, then
-`prefect deployment run align/full`). With `run.parallel_shards` > 1, score's prompt shards and
-evaluate's models are first computed by that many shard tasks at once (tasks/shards.py).
+The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after
+its `upstream` stages, in the table's order. Each task finishes "Cached" when its stage's output
+folder is current (same params, code and inputs, files intact), so rerunning the flow only
+executes what changed downstream of a change. Run it with `align run`, or through the
+deployments (`align serve`, then `prefect deployment run align/full`). With
+`run.parallel_shards` > 1, the work of the stages with shards (`StageSpec.shards`: score's
+prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py).
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -23,16 +26,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import load_params
-from tasks.evaluate import evaluate
-from tasks.merge import merge
-from tasks.policy import policy
-from tasks.preprocess import preprocess
-from tasks.reference import reference
-from tasks.reward import reward
-from tasks.score import score
-from tasks.sft import sft
+from stages.config import Params, load_params
+from stages.registry import STAGES
+from stages.runner import output_dir
 from tasks.shards import fan_out
+from tasks.stage import STAGE_TASKS
 
 
 # Runs the shard tasks (run.parallel_shards: that many at once); on a cluster, e.g.
@@ -49,17 +47,13 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here
         return [runs[n].result() for n in names]
 
-    runs["preprocess"] = preprocess(params, return_state=True)
-    runs["sft"] = sft(params, after("preprocess"), return_state=True)
-    runs["reward"] = reward(params, after("preprocess", "sft"), return_state=True)
-    runs["score"] = score(params, fan_out("score", params, after("preprocess", "sft", "reward")), return_state=True)
-    runs["reference"] = reference(params, after("preprocess", "sft", "score"), return_state=True)
-    runs["policy"] = policy(params, after("preprocess", "sft", "reward", "score", "reference"), return_state=True)
-    runs["merge"] = merge(params, after("preprocess", "sft", "policy"), return_state=True)
-    runs["evaluate"] = evaluate(params, fan_out("evaluate", params, after("preprocess", "sft", "reward", "score",
-                                                                          "policy", "merge")), return_state=True)
+    for spec in STAGES.values():  # the table's order: a stage's upstream stages come before it
+        upstream = after(*spec.upstream)
+        if spec.shards:
+            upstream = fan_out(spec.name, params, upstream)
+        runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
 
-    summary = summarise(runs)
+    summary = summarise(runs, params)
     if promote:
         summary["promotion"] = promote_task(params, after("evaluate"))
     if not overrides and any(s["status"] == "executed" for s in summary["stages"]):
@@ -69,11 +63,15 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     return summary
 
 
-def summarise(runs: dict) -> dict[str, Any]:
+def summarise(runs: dict, params: Params) -> dict[str, Any]:
+    """One row per stage, in pipeline order; a cached stage built nothing in this run: wall time 0 s (its build
+    time is in its manifest)."""
     stages = []
     for name, state in runs.items():
-        manifest = state.result()
-        stages.append({"stage": name, "status": "cached" if state.name == "Cached" else "executed",
-                       "fingerprint": manifest["fingerprint"], "wall_time_s": manifest["wall_time_s"]})
-    evaluation = runs["evaluate"].result().get("metrics", {}).get("table", [])
+        manifest, cached = state.result(), state.name == "Cached"
+        stages.append({"stage": name, "status": "cached" if cached else "executed",
+                       "fingerprint": manifest["fingerprint"],
+                       "wall_time_s": 0.0 if cached else manifest["wall_time_s"]})
+    # the table as the stage wrote it: its columns in the stage's order (the manifest's are sorted)
+    evaluation = json.loads((output_dir(params, "evaluate") / "metrics.json").read_text())
     return {"stages": stages, "evaluation": evaluation}

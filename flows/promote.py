@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from stages import promotion
 from stages.config import Params
-from tasks.evaluate import publish_report
+from tasks.report import publish_report
 
 
 @task(name="promote", cache_policy=NO_CACHE)

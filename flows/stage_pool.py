@@ -1,10 +1,10 @@
-"""Training stages on a Prefect work pool: the `align-stage` flow, its deployments, and the call the
-`align` flow makes when `run.launch.work_pool` is set.
+"""Training stages on a Prefect work pool: the `align-stage` flow and its deployments (the `align` flow's
+call to them, when `run.launch.work_pool` is set, is tasks/pool.py).
 
 The `align` flow runs where it is started. With `run.launch.work_pool = gpu`, its training
-stages (sft, reward, policy) become flow runs of the deployment `align-stage/gpu`, which a
-worker of the pool `gpu` picks up on its own machine; the parent task waits for it and fails
-with it (so its retries apply). Inside, the stage runs as usual: in-process, or through
+stages (those with `StageSpec.training_rows`: sft, reward, policy) become flow runs of the
+deployment `align-stage/gpu`, which a worker of the pool `gpu` picks up on its own machine;
+the parent task waits for it and fails with it (so its retries apply). Inside, the stage runs as usual: in-process, or through
 `accelerate launch` when `run.launch.num_processes` > 1. Outputs must be visible to both
 sides: a shared `run.output_dir` (NFS, a mounted bucket), or a DVC remote both push to
 and pull from (README "Scale out").
@@ -30,50 +30,26 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prefect import flow, get_run_logger
+from prefect import flow
 
-from stages import artifacts
-from stages.config import Params, load_params
+from stages.config import load_params
+from stages.launch import training_stages
+from tasks.pool import FLOW_NAME
+from tasks.stage import STAGE_TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
-FLOW_NAME = "align-stage"
 
 
 @flow(name=FLOW_NAME)
 def stage_flow(stage: str, params: dict[str, Any]) -> dict[str, Any]:
     """Run one training stage with the resolved `params` (a dict of params.yaml); return its manifest."""
-    from tasks.policy import policy
-    from tasks.reward import reward
-    from tasks.sft import sft
-
-    tasks = {"sft": sft, "reward": reward, "policy": policy}
-    if stage not in tasks:
-        raise ValueError(f"stage = {stage!r}: the work pool runs training stages only: {', '.join(tasks)}")
+    if stage not in training_stages():
+        raise ValueError(f"stage = {stage!r}: the work pool runs training stages only: {', '.join(training_stages())}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "params.yaml"
         path.write_text(yaml.safe_dump(params, sort_keys=False))
         resolved = load_params(path, ["run.launch.work_pool=null"])  # here, not sent on again
-    return tasks[stage](resolved)
-
-
-def run_on_pool(stage: str, params: Params) -> dict[str, Any]:
-    """Run `stage` as a flow run of `align-stage/<run.launch.work_pool>` and wait; its manifest from disk."""
-    from prefect.deployments import run_deployment
-
-    pool = params.run.launch.work_pool
-    name = f"{FLOW_NAME}/{pool}"
-    get_run_logger().info("%s: sent to work pool %r (deployment %s)", stage, pool, name)
-    run = run_deployment(name=name, parameters={"stage": stage, "params": params.to_dict()}, timeout=None)
-    if not run.state.is_completed():
-        raise RuntimeError(f"{stage}: flow run {run.name} on work pool {pool!r} ended {run.state.name}: "
-                           f"{run.state.message}; its logs are in the Prefect UI")
-    folder = Path(params.run.output_dir) / stage
-    manifest = artifacts.read_manifest(folder)
-    if manifest is None:
-        raise RuntimeError(f"{stage}: the work pool run completed but {folder} holds no manifest here; the pool's "
-                           "workers must write to the same run.output_dir (a shared volume) or push it to the "
-                           "DVC remote (`dvc push`, then `dvc pull` here)")
-    return {**manifest, "executed": run.state.name != "Cached"}
+    return STAGE_TASKS[stage](resolved)
 
 
 def deploy(pool: str, image: str | None = None) -> Any:

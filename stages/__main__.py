@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a failure ends with `error: <cause>` as the last line and its traceback in the log file."""
     args = build_parser().parse_args(argv)
-    from stages import launch, logs
+    from stages import logs, processes
 
-    logs.setup(logging.INFO if launch.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
+    logs.setup(logging.INFO if processes.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
     if args.stage == "dvc-yaml":
         from stages.dvcgen import render_dvc_yaml
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --shard K needs --num-shards N, a stage and no --force", file=sys.stderr)
         return 2
     if args.stage != "status":
-        rank = launch.process_rank()
+        rank = processes.process_rank()
         name = f"stage-{args.stage}" + (f"-rank{rank}" if rank else "")
         logs.attach_log_file(Path(params.run.output_dir) / "logs", name)
     try:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, params) -> int:
-    from stages import launch, runner
+    from stages import launch, processes, runner
 
     if args.shard is not None:
         print(json.dumps(runner.run_shard(args.stage, params, args.shard, args.num_shards), indent=2))
@@ -92,7 +92,7 @@ def run(args, params) -> int:
                                        force=args.force)
     else:
         manifest = runner.run_stage(args.stage, params, force=args.force)
-    if launch.process_rank() > 0:  # rank 0 reports for the launched run
+    if processes.process_rank() > 0:  # rank 0 reports for the launched run
         return 0
     print(json.dumps({"stage": args.stage, "executed": manifest["executed"],
                       "metrics": runner.flat_metrics(manifest.get("metrics", {}))}, indent=2))

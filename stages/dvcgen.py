@@ -1,8 +1,9 @@
 """Derive `dvc.yaml` from the stage table, so DVC and Prefect see the same dependencies.
 
 Each DVC stage runs the same command as the Prefect task (`python -m stages <stage>`),
-depends on the same code paths and upstream output folders, and lists only the params keys
-that stage reads. `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
+depends on the same code files (the import closure of the stage's module, file by file) and
+upstream output folders, and lists only the params keys that stage reads. `tests/test_dvc.py`
+checks that the committed `dvc.yaml` matches this.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
     for spec in STAGES.values():
         out[spec.name] = {
             "cmd": f"python -m stages {spec.name}",
-            "deps": list(dict.fromkeys([*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)])),
+            "deps": [*spec.code(), *(f"{output_dir}/{u}" for u in spec.upstream)],
             "params": list(spec.params),
             "outs": [f"{output_dir}/{spec.name}"],
             "metrics": [{f"{output_dir}/metrics/{spec.name}.json": {"cache": False}}],

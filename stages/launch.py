@@ -26,61 +26,38 @@ a single process, so `--cpu` is never passed; Trainer's `use_cpu` picks gloo its
 """
 from __future__ import annotations
 
-import collections
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from stages import artifacts, runner
+from stages.artifacts import CODE_ROOT
 from stages.config import LaunchConfig, Params, load_params
+from stages.processes import LAUNCHED_ENV, LaunchFailed, inside_launch, run_command, stage_target
+from stages.registry import STAGES, get_stage, resolve
 
-TRAINING_STAGES = ("sft", "reward", "policy")
-CODE_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = CODE_ROOT / "configs" / "accelerate"
-LAUNCHED_ENV = "ALIGN_LAUNCHED"  # set in every launched rank: `python -m stages` must not launch again
 GPU_ONLY = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
-TAIL_LINES = 30
-_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # torchrun --tee: [<role><local rank>]:
-_ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)", re.S)
 
 
 class LaunchError(ValueError):
     """A problem found before launching (config file, batch size, main process): nothing was started."""
 
 
-class LaunchFailed(RuntimeError):
-    """The launched stage exited non-zero or ran past its deadline; every process it started has ended."""
-
-    def __init__(self, message: str, returncode: int | None, tail: list[str]):
-        super().__init__(message)
-        self.returncode, self.tail = returncode, tail
-
-
-# --------------------------------------------------------------------------- where are we
-
-
-def process_rank() -> int:
-    """Global rank of this process (0 outside any launcher)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def inside_launch() -> bool:
-    """Whether this process is a rank started by a launcher (ours, accelerate's or torchrun's)."""
-    return LAUNCHED_ENV in os.environ or "LOCAL_RANK" in os.environ
+def training_stages() -> list[str]:
+    """The stages that train (`StageSpec.training_rows` set): the ones `accelerate launch` can run."""
+    return [name for name, spec in STAGES.items() if spec.trains]
 
 
 def needs_launch(stage: str, launch: LaunchConfig) -> bool:
     """Whether `stage` goes through `accelerate launch`: a training stage on more than one process."""
-    return (stage in TRAINING_STAGES and (launch.num_processes > 1 or launch.num_machines > 1)
+    return (get_stage(stage).trains and (launch.num_processes > 1 or launch.num_machines > 1)
             and not inside_launch())
 
 
@@ -129,10 +106,6 @@ def launch_command(target: list[str], launch: LaunchConfig, *, log_dir: str | No
     return [*cmd, *target]
 
 
-def stage_target(stage: str, params_file: str | Path, overrides: list[str] | None = None) -> list[str]:
-    return ["-m", "stages", stage, "--params", str(params_file), *(a for o in overrides or [] for a in ("--set", o))]
-
-
 # --------------------------------------------------------------------------- checks before launching
 
 
@@ -173,31 +146,14 @@ def preflight(stage: str, params: Params) -> Path:
     return config
 
 
-def training_rows(stage: str, params: Params) -> tuple[int, str] | None:
-    """(training rows of `stage`, what they are) from its upstream manifests; None when not known yet."""
-    from stages.artifacts import read_manifest
-
-    def rows(up: str, key: str) -> int | None:
-        m = read_manifest(Path(params.run.output_dir) / up) or {}
-        value = m.get("metrics", {}).get("rows", {}).get(key) if up == "preprocess" else m.get("metrics", {}).get(key)
-        return value if isinstance(value, int) else None
-
-    method, policy = params.policy.method, params.policy
-    if stage == "sft":
-        n, what = rows("preprocess", "sft_train"), "SFT rows"
-    elif stage == "reward":
-        n, what = rows("preprocess", "preference"), "preference pairs"
-        n = None if n is None else n - round(n * params.reward.eval_fraction)
-    elif stage == "policy" and method in ("grpo", "online_dpo", "ppo"):
-        n, what = rows("preprocess", "prompts"), "prompts"
-        n = None if n is None else (min(n, policy.num_prompts) if policy.num_prompts > 0 else n)
-    elif stage == "policy" and method in ("dpo", "kto"):
-        n = rows("score", "pairs") if policy.data == "score" else rows(
-            "preprocess", "preference" if method == "dpo" else "unpaired")
-        what = "pairs" if method == "dpo" else "rows"
-    else:
+def training_rows(stage: str, params: Params) -> dict[str, Any] | None:
+    """What `stage` trains on, counted by its `StageSpec.training_rows` from its upstream manifests:
+    {"rows", "what", "per_device", "unit", "batch_key"}; None when not counted yet or the stage does not train."""
+    spec = get_stage(stage)
+    if not spec.trains:
         return None
-    return None if n is None else (n, what)
+    manifests = {up: artifacts.read_manifest(runner.output_dir(params, up)) or {} for up in spec.upstream}
+    return resolve(spec.training_rows)(params, manifests)
 
 
 def check_batch(stage: str, params: Params) -> None:
@@ -206,20 +162,13 @@ def check_batch(stage: str, params: Params) -> None:
     Below that, accelerate pads the short ranks with repeated rows and the update silently
     differs from the single-process one.
     """
-    if stage not in TRAINING_STAGES:
-        return
-    s, n = getattr(params, stage), params.run.launch.num_processes
-    per_device, unit = s.per_device_train_batch_size, "rows"
-    if stage == "policy" and params.policy.method == "grpo":  # the batch counts completions
-        per_device, unit = max(per_device // params.policy.grpo.num_generations, 1), "prompts"
-    found = training_rows(stage, params)
-    if found is not None and found[0] < n * per_device:
-        rows, what = found
+    n, found = params.run.launch.num_processes, training_rows(stage, params)
+    if found is not None and found["rows"] < n * found["per_device"]:
+        key = found["batch_key"]
         raise LaunchError(
-            f"run.launch.num_processes = {n}: {stage} has {rows} {what}, fewer than one global batch of {n} "
-            f"processes x {per_device} {unit} per device ({stage}.per_device_train_batch_size = "
-            f"{s.per_device_train_batch_size}); lower run.launch.num_processes or "
-            f"{stage}.per_device_train_batch_size, or give the stage more data")
+            f"run.launch.num_processes = {n}: {stage} has {found['rows']} {found['what']}, fewer than one global "
+            f"batch of {n} processes x {found['per_device']} {found['unit']} per device ({key} = "
+            f"{params.select((key,))[key]}); lower run.launch.num_processes or {key}, or give the stage more data")
 
 
 def wait_for_main(ip: str, port: int, timeout_s: float, *, interval_s: float = 2.0) -> None:
@@ -243,96 +192,12 @@ def wait_for_main(ip: str, port: int, timeout_s: float, *, interval_s: float = 2
 # --------------------------------------------------------------------------- running
 
 
-def run_command(cmd: list[str], *, on_line: Callable[[str], Any] = print, timeout_s: float | None = None,
-                env: dict[str, str] | None = None, cwd: str | Path | None = None, grace_s: float = 15.0) -> None:
-    """Run `cmd` in its own process group, `on_line` for each output line; raise LaunchFailed on failure.
-
-    Past `timeout_s` (None or 0: no deadline) the group and every process it started (torchrun
-    puts each rank in a session of its own) get SIGTERM, then SIGKILL after `grace_s`.
-    """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            errors="replace", start_new_session=True, env=env, cwd=cwd)
-    lines: collections.deque[str] = collections.deque(maxlen=400)
-    timer, timed_out = None, threading.Event()
-    if timeout_s:
-        def expire():
-            timed_out.set()
-            kill_tree(proc, grace_s)
-
-        timer = threading.Timer(timeout_s, expire)
-        timer.daemon = True
-        timer.start()
-    try:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            on_line(line)
-        proc.wait()
-    except BaseException:  # the caller was interrupted (Ctrl-C, a cancelled flow run): take every rank down
-        kill_tree(proc, grace_s)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if timed_out.is_set():
-        raise LaunchFailed(f"{_show(cmd)}: past its deadline of {timeout_s:g} s (run.launch.timeout_s); every "
-                           "process it started was killed", proc.returncode, list(lines)[-TAIL_LINES:])
-    if proc.returncode != 0:
-        tail = failing_rank_tail(list(lines))
-        raise LaunchFailed(f"{_show(cmd)} exited with code {proc.returncode}; last lines:\n" + "\n".join(tail),
-                           proc.returncode, tail)
-
-
-def failing_rank_tail(lines: list[str], n: int = TAIL_LINES) -> list[str]:
-    """The last `n` lines of the rank torchrun names as the root cause, else the last `n` lines."""
-    found = _ROOT_CAUSE.search("\n".join(lines))
-    if found:
-        mine = [line for line in lines if (m := _RANK_PREFIX.match(line)) and m.group(1) == found.group(1)]
-        if mine:
-            return [f"(local rank {found.group(1)}, the first to fail)", *mine[-n:]]
-    return lines[-n:]
-
-
-def kill_tree(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group of `proc` and the sessions of all its descendants; SIGKILL what is left."""
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    groups = set()
-    for p in tree:
-        try:
-            groups.add(os.getpgid(p.pid))
-        except ProcessLookupError:
-            pass
-    groups.discard(os.getpgid(0))  # never our own group
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for group in groups:
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=grace_s if sig == signal.SIGTERM else 5)
-        if not alive:
-            return
-
-
-def _show(cmd: list[str]) -> str:
-    if cmd[1:3] == ["-m", "accelerate.commands.launch"]:
-        return "accelerate launch " + " ".join(cmd[3:])
-    return " ".join(cmd)
-
-
 def launch_stage(stage: str, params: Params, *, on_line: Callable[[str], Any] = print,
                  force: bool = False) -> dict[str, Any]:
     """Run `stage` through `accelerate launch` (all checks first); return its manifest, as `run_stage` does.
 
     The run's params are written out resolved (overrides included) and every rank reads that file.
     """
-    from stages import artifacts, runner
-
     state = runner.inspect(stage, params)
     if state.current and not force:
         return {**artifacts.read_manifest(state.folder), "executed": False}
@@ -361,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     p = argparse.ArgumentParser(prog="python -m stages.launch", description=main.__doc__)
-    p.add_argument("stage", choices=TRAINING_STAGES)
+    p.add_argument("stage", choices=training_stages())
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--force", action="store_true")

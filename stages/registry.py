@@ -1,13 +1,24 @@
-"""The pipeline's stages: what each one runs, reads and depends on.
+"""The pipeline's stages: what each one runs, reads and trains on.
 
-One entry per stage. The Prefect flow, `python -m stages <stage>` and `dvc.yaml` are all
-derived from this table, so a stage's upstream outputs, the params it reads and the code
-it depends on are declared exactly once. Adding a stage = one module under
-`stages/pipeline/`, one entry here, one thin task under `tasks/`, one line in the flow.
+One entry per stage, in pipeline order. Everything else is derived from this table: the
+Prefect flow and its tasks (flows/align.py, tasks/stage.py), `python -m stages <stage>`,
+`accelerate launch` of the stages that train (stages/launch.py), the work pool
+(flows/stage_pool.py) and `dvc.yaml` (stages/dvcgen.py). A stage's code is not listed: it is
+the closure of the project modules its entry module imports (`StageSpec.code`, see
+`stages.imports`), and that closure is what its fingerprint hashes and `dvc.yaml` depends on.
+
+Adding a stage: its module under `stages/pipeline/` (with `run(ctx)`), one entry here, and
+its params section (stages/config.py and params.yaml) if it has new params.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from stages import imports
+from stages.artifacts import CODE_ROOT
 
 
 @dataclass(frozen=True)
@@ -16,20 +27,30 @@ class StageSpec:
     entry: str  # "module:function" called with a StageContext, returns the stage's metrics
     upstream: tuple[str, ...]  # stages whose outputs this one reads
     params: tuple[str, ...]  # dotted params keys (sections or leaves) this stage reads
-    code: tuple[str, ...]  # repo-relative files/folders whose content is part of the fingerprint
+    # "module:function"(ctx, shard, num_shards): computes one share of the stage's independent work into
+    # ctx.work (stages.runner.run_shard); the flow fans it out with run.parallel_shards > 1. None: no shares.
+    shards: str | None = None
+    # "module:function"(params, upstream manifests) -> {"rows", "what", "per_device", "unit", "batch_key"} or
+    # None when not counted yet: set for a stage that trains, which `accelerate launch` and the work pool can run.
+    training_rows: str | None = None
 
     @property
-    def summary(self) -> str:
-        return f"{self.name} <- {', '.join(self.upstream) or '(sources)'}"
+    def module(self) -> str:
+        return self.entry.partition(":")[0]
+
+    @property
+    def trains(self) -> bool:
+        return self.training_rows is not None
+
+    def code(self, root: Path = CODE_ROOT) -> tuple[str, ...]:
+        """The files (relative to `root`) the stage runs: its entry module's import closure."""
+        return imports.closure(self.module, root)
 
 
-# Everything a stage's outputs depend on; a change in any of these files makes it stale.
-MODEL_CODE = ("stages/models.py", "stages/builtin")
-DATA_CODE = ("stages/data",)
-TRAINING_CODE = ("stages/pipeline/training.py", "stages/trainers", "stages/losses.py", "stages/kernels.py",
-                 "stages/utils.py", "stages/rewards.py")
-GENERATION_CODE = ("stages/generation", "stages/rewards.py", "stages/trainers/reward.py")
-MODEL_LOADING = ("model.dtype", "model.trust_remote_code")
+MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
+# Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
+# outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).
+RUNTIME_KEYS = ("run.output_dir", "run.device")
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -39,29 +60,27 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.preprocess:run",
             upstream=(),
             params=("model", "data", "preprocess", "run.seed"),
-            code=("stages/pipeline/preprocess.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="sft",
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
             params=("model", "sft", "run.seed"),
-            code=("stages/pipeline/sft.py", *TRAINING_CODE, *DATA_CODE, *MODEL_CODE),
+            training_rows="stages.pipeline.sft:training_rows",
         ),
         StageSpec(
             name="reward",
             entry="stages.pipeline.reward:run",
             upstream=("preprocess", "sft"),
             params=(*MODEL_LOADING, "reward", "run.seed"),
-            code=("stages/pipeline/reward.py", *TRAINING_CODE, *DATA_CODE, *MODEL_CODE),
+            training_rows="stages.pipeline.reward:training_rows",
         ),
         StageSpec(
             name="score",
             entry="stages.pipeline.score:run",
             upstream=("preprocess", "sft", "reward"),
             params=(*MODEL_LOADING, "score", "run.seed"),
-            code=("stages/pipeline/score.py", "stages/pipeline/prompts.py", "stages/utils.py", *GENERATION_CODE,
-                  *DATA_CODE, *MODEL_CODE),
+            shards="stages.pipeline.score:run_shard",
         ),
         StageSpec(
             name="reference",
@@ -69,31 +88,26 @@ STAGES: dict[str, StageSpec] = {
             upstream=("preprocess", "sft", "score"),
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
                     "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length"),
-            code=("stages/pipeline/reference.py", "stages/pipeline/prompts.py", "stages/trainers/dpo.py",
-                  "stages/trainers/logprobs.py", "stages/kernels.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="policy",
             entry="stages.pipeline.policy:run",
             upstream=("preprocess", "sft", "reward", "score", "reference"),
             params=(*MODEL_LOADING, "policy", "run.seed"),
-            code=("stages/pipeline/policy.py", "stages/pipeline/prompts.py", *TRAINING_CODE, "stages/generation",
-                  "stages/rewards.py", *DATA_CODE, *MODEL_CODE),
+            training_rows="stages.pipeline.policy:training_rows",
         ),
         StageSpec(
             name="merge",
             entry="stages.pipeline.merge:run",
             upstream=("preprocess", "sft", "policy"),
             params=("model", "merge", "run.seed"),
-            code=("stages/pipeline/merge.py", "stages/merge.py", *DATA_CODE, *MODEL_CODE),
         ),
         StageSpec(
             name="evaluate",
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
             params=("model", "evaluate", "run.seed"),
-            code=("stages/pipeline/evaluate.py", "stages/metrics", "stages/merge.py", "stages/utils.py",
-                  *GENERATION_CODE, *DATA_CODE, *MODEL_CODE),
+            shards="stages.pipeline.evaluate:run_shard",
         ),
     ]
 }
@@ -105,10 +119,7 @@ def get_stage(name: str) -> StageSpec:
     return STAGES[name]
 
 
-def downstream_of(name: str) -> list[str]:
-    """`name` and every stage that (transitively) reads its outputs, in pipeline order."""
-    hit = {name}
-    for stage in STAGES.values():
-        if hit & set(stage.upstream):
-            hit.add(stage.name)
-    return [s for s in STAGES if s in hit]
+def resolve(ref: str) -> Callable[..., Any]:
+    """The function a "module:function" reference of a StageSpec names (imports the module)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)

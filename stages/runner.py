@@ -18,7 +18,6 @@ Reliability contract:
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import platform
@@ -35,9 +34,11 @@ from typing import Any, Callable
 
 import yaml
 
-from stages import artifacts, launch
+from stages import artifacts
 from stages.config import Params
-from stages.registry import STAGES, StageSpec, get_stage
+from stages.errors import QualityGateFailed, StageFailed  # noqa: F401 (raised by stages, caught by callers)
+from stages.processes import process_rank, run_command, stage_target
+from stages.registry import STAGES, StageSpec, get_stage, resolve
 
 log = logging.getLogger("stages")
 
@@ -46,14 +47,6 @@ VERSIONED = ("torch", "transformers", "tokenizers", "peft", "accelerate", "datas
 
 class UpstreamMissing(RuntimeError):
     pass
-
-
-class QualityGateFailed(RuntimeError):
-    """A stage's output is not good enough to build on (e.g. a reward model below reward.min_accuracy)."""
-
-
-class StageFailed(RuntimeError):
-    """The stage stopped for a reason its message explains (disk full, a NaN loss); nothing was published."""
 
 
 @dataclass
@@ -108,9 +101,13 @@ def inspect(name: str, params: Params) -> StageState:
     return StageState(name, fp, folder, current, reason, upstream)
 
 
-def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str]) -> str:
+def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
+                 root: Path = artifacts.CODE_ROOT) -> str:
+    """The stage's params keys, the content of its code (the import closure of its module, read under `root`)
+    and its upstream outputs' hashes."""
     spec = get_stage(name)
-    return artifacts.fingerprint(name, params.select(spec.params), artifacts.code_hash(spec.code), upstream_hashes)
+    code = artifacts.code_hash(spec.code(root), root)
+    return artifacts.fingerprint(name, params.select(spec.params), code, upstream_hashes)
 
 
 def _expected_fingerprint(name: str, params: Params, memo: dict[str, str | None] | None = None) -> str | None:
@@ -140,7 +137,7 @@ def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, An
     if state.current and not force:
         log.info("%s: up to date (fingerprint %s), nothing to do", name, state.fingerprint)
         return {**artifacts.read_manifest(state.folder), "executed": False}
-    if launch.process_rank() > 0:  # a launched rank other than the main one (stages.launch): writes nothing
+    if process_rank() > 0:  # a launched rank other than the main one (stages.launch): writes nothing
         return _follow(spec, params, state)
     with artifacts.lock(state.folder, on_wait=lambda holder: log.info(
             "%s: waiting for %s, locked by %s", name, artifacts.lock_path(state.folder), holder)):
@@ -175,6 +172,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
     work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
+    code = spec.code()
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
@@ -185,7 +183,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
             "params": params.select(spec.params),
             "inputs": {u: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
                        for u, m in state.upstream.items()},
-            "code": {"hash": artifacts.code_hash(spec.code), "paths": list(spec.code), "git": _git_commit()},
+            "code": {"hash": artifacts.code_hash(code), "paths": list(code), "git": _git_commit()},
             "metrics": metrics,
             "started_at": started.isoformat(),
             "wall_time_s": round(time.perf_counter() - t0, 3),
@@ -202,7 +200,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     publish nothing. Then `run_stage` (same params, so the same fingerprint and work folder) finds the
     shares saved and only assembles and seals the output.
 
-    For the stages whose module has `run_shard(ctx, shard, num_shards)`: score (prompt shards) and
+    For the stages whose StageSpec names `shards` (ctx, shard, num_shards): score (prompt shards) and
     evaluate (models). Shares may run at once, in processes or on machines sharing `run.output_dir`:
     each writes only its own files, atomically, so no lock is taken. Not in threads of one process:
     sampling seeds torch's process-wide RNG (use `run_shard_process`). A current stage computes nothing.
@@ -230,23 +228,22 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
 def run_shard_process(name: str, params: Params, shard: int, num_shards: int, *,
                       on_line: Callable[[str], Any] = print, timeout_s: float | None = None) -> None:
     """`run_shard` in a fresh `python -m stages <name> --shard K --num-shards N` process (its own RNG and
-    threads: what concurrent shards of one machine need); raises `launch.LaunchFailed` if it fails."""
+    threads: what concurrent shards of one machine need); raises `stages.processes.LaunchFailed` if it fails."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))  # no oversubscription
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(artifacts.CODE_ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:
         params_file = Path(tmp) / "params.yaml"  # the resolved params, overrides included
         params_file.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
-        cmd = [sys.executable, *launch.stage_target(name, params_file),
-               "--shard", str(shard), "--num-shards", str(num_shards)]
-        launch.run_command(cmd, on_line=on_line, timeout_s=timeout_s, env=env)
+        cmd = [sys.executable, *stage_target(name, params_file), "--shard", str(shard), "--num-shards", str(num_shards)]
+        run_command(cmd, on_line=on_line, timeout_s=timeout_s, env=env)
 
 
 def _shard_entry(spec: StageSpec):
-    module = importlib.import_module(spec.entry.partition(":")[0])
-    if not hasattr(module, "run_shard"):
-        raise ValueError(f"stage {spec.name!r} has no shards to compute apart; sharded stages: score, evaluate")
-    return module.run_shard
+    if spec.shards is None:
+        sharded = [s.name for s in STAGES.values() if s.shards]
+        raise ValueError(f"stage {spec.name!r} has no shards to compute apart; sharded stages: {', '.join(sharded)}")
+    return resolve(spec.shards)
 
 
 def work_dir(params: Params, name: str, fingerprint: str) -> Path:
@@ -260,7 +257,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     manifest and the metrics. It takes no lock (rank 0 holds it while all ranks train)."""
     work = work_dir(params, spec.name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{launch.process_rank()}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work)
         metrics = _entry(spec)(ctx) or {}
@@ -280,8 +277,7 @@ def status(params: Params) -> list[dict[str, Any]]:
 
 
 def _entry(spec: StageSpec):
-    module, _, fn = spec.entry.partition(":")
-    return getattr(importlib.import_module(module), fn)
+    return resolve(spec.entry)
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

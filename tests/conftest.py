@@ -20,9 +20,11 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-# Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
-STAGE_ORDER = ("preprocess", "sft", "reward", "score", "reference", "policy", "merge", "evaluate")
+from stages.registry import STAGES  # noqa: E402 (after the environment above; imports no Prefect)
 
+STAGE_ORDER = tuple(STAGES)
+
+# Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},

@@ -147,3 +147,23 @@ METHODS = {
     "grpo": Method(online_data("grpo"), grpo_trainer),
     "ppo": Method(online_data("ppo"), ppo_trainer),
 }
+
+
+def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
+    """The rows (pairs, unpaired rows or prompts) `policy.method` trains on and one device's share of a step
+    (`StageSpec.training_rows`, for the checks of `stages.launch`); None before they are counted upstream."""
+    p, method = params.policy, params.policy.method
+    counted = manifests["preprocess"].get("metrics", {}).get("rows", {})
+    per_device, unit = p.per_device_train_batch_size, "rows"
+    if method in ("grpo", "online_dpo", "ppo"):
+        n, what = counted.get("prompts"), "prompts"
+        if isinstance(n, int) and p.num_prompts > 0:
+            n = min(n, p.num_prompts)
+        if method == "grpo":  # the batch counts completions, num_generations per prompt
+            per_device, unit = max(per_device // p.grpo.num_generations, 1), "prompts"
+    else:
+        n = manifests["score"].get("metrics", {}).get("pairs") if p.data == "score" else counted.get(
+            "preference" if method == "dpo" else "unpaired")
+        what = "pairs" if method == "dpo" else "rows"
+    return None if not isinstance(n, int) else {"rows": n, "what": what, "per_device": per_device, "unit": unit,
+                                                "batch_key": "policy.per_device_train_batch_size"}

@@ -19,9 +19,9 @@ import random
 from typing import Any
 
 from stages.data import read_jsonl
+from stages.errors import QualityGateFailed
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.runner import QualityGateFailed
 from stages.trainers.adapters import apply_lora, trainable_fraction
 from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model
 
@@ -86,3 +86,13 @@ def split_pairs(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dic
     random.Random(seed).shuffle(order)
     n_eval = min(max(1, round(len(pairs) * fraction)), len(pairs) - 1)
     return [pairs[i] for i in order[n_eval:]], [pairs[i] for i in order[:n_eval]]
+
+
+def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
+    """The training pairs (the held-out share excluded) and one device's share of a step
+    (`StageSpec.training_rows`, for the checks of `stages.launch`); None before preprocess has counted them."""
+    n = manifests["preprocess"].get("metrics", {}).get("rows", {}).get("preference")
+    return None if not isinstance(n, int) else {
+        "rows": n - round(n * params.reward.eval_fraction), "what": "preference pairs",
+        "per_device": params.reward.per_device_train_batch_size, "unit": "rows",
+        "batch_key": "reward.per_device_train_batch_size"}

@@ -102,3 +102,12 @@ def load_formatting_func(path: str | None):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"sft.formatting_func = {path!r}: cannot import it ({e})") from None
+
+
+def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
+    """The rows an epoch trains on and one device's share of a step (`StageSpec.training_rows`, for the
+    checks of `stages.launch`); None before preprocess has counted them."""
+    n = manifests["preprocess"].get("metrics", {}).get("rows", {}).get("sft_train")
+    return None if not isinstance(n, int) else {
+        "rows": n, "what": "SFT rows", "per_device": params.sft.per_device_train_batch_size, "unit": "rows",
+        "batch_key": "sft.per_device_train_batch_size"}

@@ -18,7 +18,8 @@ import torch
 
 from stages.builtin import tiny
 from stages.config import LaunchConfig
-from stages.launch import launch_command, run_command
+from stages.launch import launch_command
+from stages.processes import run_command
 from tests.distributed import worker
 
 STEPS = 3

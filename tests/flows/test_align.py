@@ -27,8 +27,12 @@ def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect
     def only(*executed):
         return {s: "executed" if s in executed else "cached" for s in STAGE_ORDER}
 
+    columns = [list(row) for row in summary["evaluation"]]
     again, summary = run(params, promote=True)  # an unchanged nightly run: all cached, nothing promoted
     assert again == only() and summary["promotion"]["event"] == "kept"
+    assert [s["stage"] for s in summary["stages"]] == list(STAGE_ORDER)  # the pipeline's order, as built
+    assert {s["wall_time_s"] for s in summary["stages"]} == {0.0}  # cached: nothing built in this run
+    assert [list(row) for row in summary["evaluation"]] == columns  # the same columns in the same order
     assert run(params, ["evaluate.max_new_tokens=5"])[0] == only("evaluate")
     # beta is not an input of the reference log-probs: stage `reference` stays cached
     assert run(params, ["evaluate.max_new_tokens=5", "policy.dpo.beta=0.2"])[0] == only("policy", "merge",

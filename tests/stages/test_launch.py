@@ -11,8 +11,9 @@ import yaml
 
 from stages import artifacts
 from stages.config import LaunchConfig, ParamsError, load_params
-from stages.launch import (CONFIG_DIR, LaunchError, LaunchFailed, check_batch, launch_command, needs_launch,
-                           preflight, run_command, stage_target, wait_for_main)
+from stages.launch import (CONFIG_DIR, LaunchError, check_batch, launch_command, needs_launch, preflight,
+                           training_rows, training_stages, wait_for_main)
+from stages.processes import LaunchFailed, run_command, stage_target
 from tests.conftest import write_params
 
 CONFIGS = {"single_process": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED",
@@ -85,6 +86,7 @@ def test_launch_params_are_validated_together(tmp_path):
 
 
 def test_only_training_stages_with_several_processes_are_launched(monkeypatch):
+    assert training_stages() == ["sft", "reward", "policy"]  # the stages whose StageSpec counts training rows
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("ALIGN_LAUNCHED", raising=False)
     assert not needs_launch("sft", LaunchConfig())  # the default: in-process, as in the quickstart
@@ -117,6 +119,16 @@ def test_more_processes_than_the_global_batch_allows(tmp_path):
         check_batch("policy", params)
 
 
+def test_each_training_stage_counts_its_own_rows(tmp_path):
+    params = _with_preprocess_rows(tmp_path, {"sft_train": 100, "preference": 50, "unpaired": 30, "prompts": 40},
+                                   {"policy": {"method": "kto", "data": "preprocess"}})
+    assert training_rows("sft", params)["rows"] == 100
+    assert training_rows("reward", params)["rows"] == 50 - round(50 * params.reward.eval_fraction)
+    assert (training_rows("policy", params)["rows"], training_rows("policy", params)["what"]) == (30, "rows")
+    params.policy.data = "score"  # pairs sampled by stage score: not counted until it has run
+    assert training_rows("policy", params) is None and training_rows("score", params) is None
+
+
 def test_single_process_config_with_several_processes_and_fsdp_on_cpu(tmp_path):
     params = load_params(write_params(tmp_path, {"run": {"device": "cpu", "launch": {
         "num_processes": 2, "accelerate_config": "configs/accelerate/single_process.yaml"}}}))
@@ -138,30 +150,6 @@ def test_unreachable_main_process_times_out_with_a_clear_message():
                                           r"process answered within 1 s.*start machine_rank 0 first"):
         wait_for_main("127.0.0.1", port, 1.0, interval_s=0.2)
     assert time.monotonic() - start < 5
-
-
-def test_output_is_streamed_line_by_line_and_failure_raises():
-    lines = []
-    code = "import sys; print('one', flush=True); print('two', file=sys.stderr, flush=True); sys.exit(3)"
-    with pytest.raises(LaunchFailed, match="exited with code 3") as e:
-        run_command([sys.executable, "-c", code], on_line=lines.append)
-    assert lines == ["one", "two"] and e.value.returncode == 3 and e.value.tail == ["one", "two"]
-
-
-def test_deadline_kills_the_group_and_the_sessions_it_started(tmp_path):
-    """Like torchrun, the command starts a child in a session of its own; the deadline ends both."""
-    pid_file = tmp_path / "child.pid"
-    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(120)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
-            "print('started', flush=True); time.sleep(120)")
-    start = time.monotonic()
-    with pytest.raises(LaunchFailed, match=r"past its deadline of 2 s \(run.launch.timeout_s\)"):
-        run_command([sys.executable, "-c", code], on_line=lambda line: None, timeout_s=2, grace_s=2)
-    assert time.monotonic() - start < 20
-    child = int(pid_file.read_text())
-    time.sleep(0.5)
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip()
-    assert state == "" or state.startswith("Z"), f"child {child} still running ({state})"  # gone or a zombie
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from stages import runner
+from stages import artifacts, runner
 from stages.config import load_params
+from stages.registry import STAGES
 from tests.conftest import STAGE_ORDER, write_params
 
 MANIFEST_KEYS = {"stage", "fingerprint", "params", "inputs", "code", "outputs", "metrics", "started_at",
@@ -19,6 +20,9 @@ def test_manifest_records_everything(built_pipeline):
     assert set(sft["params"]) == {"model", "sft", "run.seed"}
     assert "model/model.safetensors" in sft["outputs"]["files"]
     assert {"torch", "transformers", "python"} <= set(sft["versions"])
+    for name, manifest in manifests.items():  # the code: the stage module's import closure
+        assert manifest["code"]["paths"] == list(STAGES[name].code())
+        assert manifest["code"]["hash"] == artifacts.code_hash(STAGES[name].code())
     on_disk = json.loads((runner.output_dir(params, "sft") / "manifest.json").read_text())
     assert on_disk["outputs"] == sft["outputs"]
     dvc_metrics = json.loads(runner.metrics_path(params, "evaluate").read_text())

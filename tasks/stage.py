@@ -1,4 +1,5 @@
-"""What every stage task shares: run the stage, forward its logs, report metrics, mark cache hits.
+"""The Prefect task of every stage, made from the stage table (`STAGE_TASKS`): run the stage, forward its
+logs, report its metrics, mark cache hits.
 
 Whether a stage is current is decided by its manifest (see `stages.artifacts`), the same
 check `python -m stages` and `dvc repro` go through. Prefect's own result cache is not
@@ -11,20 +12,40 @@ Training stages with `run.launch.num_processes` > 1 (or several machines) run th
 line forwarded to the task's logger, `run.launch.timeout_s` enforced by killing every process
 (Prefect's `timeout_seconds` cannot interrupt a blocking thread), a failure raised so the
 task's retries apply. With `run.launch.work_pool` set they run as a flow run on that Prefect
-work pool instead (`flows.stage_pool`).
+work pool instead (`tasks.pool`, `flows.stage_pool`).
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import Task, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from stages import launch
 from stages.config import Params
+from stages.registry import STAGES, get_stage
 from stages.runner import flat_metrics, run_stage
+from tasks.pool import run_on_pool
+from tasks.report import publish_report
+
+# What a stage shows in the UI after it ran or was found current, beyond its metrics table.
+AFTER_RUN = {"evaluate": publish_report}
+
+
+def stage_task(name: str) -> Task:
+    """The task running stage `name`: `task(params, upstream_manifests)`; the manifests only draw the DAG edges."""
+    def run(params: Params, upstream: list[dict] | None = None):
+        result = run_stage_task(name, params)
+        if name in AFTER_RUN:
+            AFTER_RUN[name](params)
+        return result
+
+    run.__name__ = run.__qualname__ = name  # Prefect keys a task by its function's name and code
+    run.__doc__ = f"Run stage `{name}` ({get_stage(name).entry}); the `upstream` manifests only draw the DAG edges."
+    return task(name=name, cache_policy=NO_CACHE)(run)
 
 
 class _ToPrefect(logging.Handler):
@@ -57,9 +78,7 @@ def run_stage_task(name: str, params: Params):
 
 def execute(name: str, params: Params) -> dict[str, Any]:
     """Run the stage here, through accelerate launch, or on the training work pool (its manifest either way)."""
-    if name in launch.TRAINING_STAGES and params.run.launch.work_pool:
-        from flows.stage_pool import run_on_pool
-
+    if get_stage(name).trains and params.run.launch.work_pool:
         return run_on_pool(name, params)
     if launch.needs_launch(name, params.run.launch):
         log = get_run_logger()
@@ -80,3 +99,6 @@ def report(name: str, manifest: dict[str, Any]) -> None:
     lines += ["", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in flat_metrics(metrics).items()]
     create_markdown_artifact(key=f"{name}-manifest".replace("_", "-").lower(), markdown="\n".join(lines))
+
+
+STAGE_TASKS: dict[str, Task] = {name: stage_task(name) for name in STAGES}

@@ -1,0 +1,33 @@
+"""A training stage sent to a Prefect work pool: a flow run of the deployment `align-stage/<pool>`
+(flows/stage_pool.py registers it; a worker of the pool runs it on its own machine), waited for."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+
+from stages import artifacts
+from stages.config import Params
+
+FLOW_NAME = "align-stage"  # the flow of flows/stage_pool.py; its deployments are named after their pool
+
+
+def run_on_pool(stage: str, params: Params) -> dict[str, Any]:
+    """Run `stage` as a flow run of `align-stage/<run.launch.work_pool>` and wait; its manifest from disk."""
+    from prefect.deployments import run_deployment
+
+    pool = params.run.launch.work_pool
+    name = f"{FLOW_NAME}/{pool}"
+    get_run_logger().info("%s: sent to work pool %r (deployment %s)", stage, pool, name)
+    run = run_deployment(name=name, parameters={"stage": stage, "params": params.to_dict()}, timeout=None)
+    if not run.state.is_completed():
+        raise RuntimeError(f"{stage}: flow run {run.name} on work pool {pool!r} ended {run.state.name}: "
+                           f"{run.state.message}; its logs are in the Prefect UI")
+    folder = Path(params.run.output_dir) / stage
+    manifest = artifacts.read_manifest(folder)
+    if manifest is None:
+        raise RuntimeError(f"{stage}: the work pool run completed but {folder} holds no manifest here; the pool's "
+                           "workers must write to the same run.output_dir (a shared volume) or push it to the "
+                           "DVC remote (`dvc push`, then `dvc pull` here)")
+    return {**manifest, "executed": run.state.name != "Cached"}

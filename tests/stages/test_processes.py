@@ -1,0 +1,46 @@
+"""stages.processes: a command run in its own process group, its output streamed line by line, its deadline
+killing every process it started."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stages.processes import LaunchFailed, failing_rank_tail, run_command, stage_target
+
+
+def test_stage_target_is_the_stage_command_line():
+    assert stage_target("sft", "p.yaml", ["a=1", "b=2"]) == ["-m", "stages", "sft", "--params", "p.yaml",
+                                                             "--set", "a=1", "--set", "b=2"]
+
+
+def test_the_failing_rank_is_named_from_torchrun_s_root_cause():
+    lines = ["[default0]:ok", "[default1]:Traceback", "[default1]:RuntimeError: boom", "Root Cause (first observed "
+             "failure):", "  local_rank: 1 (pid: 7)"]
+    assert failing_rank_tail(lines) == ["(local rank 1, the first to fail)", "[default1]:Traceback",
+                                        "[default1]:RuntimeError: boom"]
+    assert failing_rank_tail(["a", "b", "c"], n=2) == ["b", "c"]
+
+
+def test_output_is_streamed_line_by_line_and_failure_raises():
+    lines = []
+    code = "import sys; print('one', flush=True); print('two', file=sys.stderr, flush=True); sys.exit(3)"
+    with pytest.raises(LaunchFailed, match="exited with code 3") as e:
+        run_command([sys.executable, "-c", code], on_line=lines.append)
+    assert lines == ["one", "two"] and e.value.returncode == 3 and e.value.tail == ["one", "two"]
+
+
+def test_deadline_kills_the_group_and_the_sessions_it_started(tmp_path):
+    """Like torchrun, the command starts a child in a session of its own; the deadline ends both."""
+    pid_file = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(120)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+            "print('started', flush=True); time.sleep(120)")
+    start = time.monotonic()
+    with pytest.raises(LaunchFailed, match=r"past its deadline of 2 s \(run.launch.timeout_s\)"):
+        run_command([sys.executable, "-c", code], on_line=lambda line: None, timeout_s=2, grace_s=2)
+    assert time.monotonic() - start < 20
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip()
+    assert state == "" or state.startswith("Z"), f"child {child} still running ({state})"  # gone or a zombie
