@@ -26,7 +26,7 @@ from stages.trainers.dpo_params import DPOParams
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.kto_params import KTOParams
 from stages.trainers.online_dpo_params import OnlineDPOParams
-from stages.trainers.online_sampling import GenerationParams
+from stages.trainers.generation_params import GenerationParams
 from stages.trainers.ppo_params import PPOParams
 from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.sft_params import SFTParams
@@ -73,7 +73,7 @@ class ModelConfig:
     def validate(self) -> list[tuple[str, str]]:
         if self.name_or_path.startswith("builtin:"):
             return []
-        from stages.models import model_source_problem  # here, not at the top: stages.models imports this module
+        from stages.model_source import model_source_problem  # lazy: it imports huggingface_hub on demand only
 
         problem = model_source_problem(self.name_or_path)
         return [("name_or_path", f"= {self.name_or_path!r}: {problem}")] if problem else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
-from stages.trainers.online_sampling import GenerationParams
+from stages.trainers.generation_params import GenerationParams
 
 
 @dataclass

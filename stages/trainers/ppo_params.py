@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, fraction, non_negative, param, positive
-from stages.trainers.online_sampling import GenerationParams
+from stages.trainers.generation_params import GenerationParams
 
 
 @dataclass

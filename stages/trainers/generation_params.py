@@ -1,0 +1,44 @@
+"""Sampling settings of the online methods and `score`: `GenerationParams` (the `generation` sections
+and the online trainers' `generation` field), the backends, the seed formula and backend options.
+No torch or generation backend is imported here, so params validation stays light; the sampling
+itself is `stages.trainers.online_sampling`.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+from stages.fields import non_negative, param, positive
+
+SEED_STRIDE = 100_003  # a prime: draws of one run never share a seed across ranks (< 100k processes)
+
+
+@dataclass
+class GenerationParams:
+    """How completions are sampled (`stages.generation`): backend and decoding settings."""
+
+    backend: Literal["hf", "vllm"] = param("hf", help="hf: batched transformers generate; vllm: a vLLM server "
+                                           "(OpenAI API) started in its own environment, see README")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    temperature: float = positive(1.0, "sampling temperature")
+    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
+    batch_size: int = positive(64, "prompts per generate call")
+    vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
+    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
+
+
+GENERATION_BACKENDS = typing.get_args(typing.get_type_hints(GenerationParams)["backend"])
+
+
+def sampling_seed(seed: int, draw: int, process_index: int) -> int:
+    """The seed of generation call number `draw` on process `process_index` (see the module doc)."""
+    return seed + SEED_STRIDE * draw + process_index
+
+
+def backend_options(g: GenerationParams, model_path: str | None) -> dict[str, str]:
+    """Options of the backend: the vLLM server's URL and served model name (default: `model_path`)."""
+    if g.backend != "vllm":
+        return {}
+    return {"base_url": g.vllm_url, "model": g.vllm_model or model_path}
