@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 MANIFEST = "manifest.json"
+# Top-level entries of an output folder that are logs, not results: they carry wall times, host names
+# and process ids, so two builds of byte-identical weights differ in them. They stay in the folder and
+# the manifest verifies them (`logs`), but they are kept out of the outputs hash that downstream
+# fingerprints use: a rebuild that reproduces its results leaves everything below it current.
+LOGS = ("log_history.json", "tensorboard")
 CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
 _CHUNK = 1 << 20
 
@@ -54,6 +59,11 @@ def file_hashes(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[st
             continue
         out[rel] = sha256_file(path)
     return out
+
+
+def is_log(rel: str) -> bool:
+    """Whether relative path `rel` of an output folder is a log (see LOGS)."""
+    return rel.split("/", 1)[0] in LOGS
 
 
 def tree_hash(hashes: dict[str, str]) -> str:
@@ -95,7 +105,7 @@ def verify(folder: Path, expected_fingerprint: str | None = None) -> tuple[bool,
         return False, f"{folder / MANIFEST} is missing or unreadable (an interrupted write?)"
     if expected_fingerprint is not None and manifest.get("fingerprint") != expected_fingerprint:
         return False, "stale: params, code or inputs changed since it was built"
-    recorded = manifest.get("outputs", {}).get("files", {})
+    recorded = {**manifest.get("outputs", {}).get("files", {}), **manifest.get("logs", {}).get("files", {})}
     actual = file_hashes(folder)
     if actual != recorded:
         changed = sorted(set(recorded) ^ set(actual) | {k for k in recorded if actual.get(k, recorded[k]) != recorded[k]})
@@ -191,9 +201,16 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every output file and write the manifest (always the last file written)."""
+    """Hash every output file and write the manifest (always the last file written).
+
+    `outputs` holds the results (models, data, metrics files) and their `hash`, the one downstream
+    fingerprints use; `logs` the log files (see LOGS), verified like the rest but hashed apart.
+    """
     hashes = file_hashes(folder)
-    manifest = {**manifest, "outputs": {"files": hashes, "hash": tree_hash(hashes)}}
+    results = {k: v for k, v in hashes.items() if not is_log(k)}
+    logs = {k: v for k, v in hashes.items() if is_log(k)}
+    manifest = {**manifest, "outputs": {"files": results, "hash": tree_hash(results)},
+                "logs": {"files": logs, "hash": tree_hash(logs)}}
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
     os.replace(tmp, folder / MANIFEST)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import yaml
 
-from stages import artifacts, launch
+from stages import artifacts, launch, seeding
 from stages.config import Params
 from stages.registry import STAGES, StageSpec, get_stage
 
@@ -178,6 +178,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.seed_everything(params.run.seed)  # before the stage draws anything (a fresh head, LoRA, dropout)
         metrics = fn(ctx) or {}
         manifest = artifacts.write_manifest(tmp, {
             "stage": name,
@@ -190,6 +191,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
             "started_at": started.isoformat(),
             "wall_time_s": round(time.perf_counter() - t0, 3),
             "versions": _versions(),
+            "determinism": seeding.environment(params.run.device),
         })
     shutil.rmtree(work, ignore_errors=True)
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
@@ -223,6 +225,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.seed_everything(params.run.seed)
         summary = fn(ctx, shard, num_shards) or {}
     return {**row, "executed": True, **summary}
 
@@ -263,6 +266,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{launch.process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work)
+        seeding.seed_everything(params.run.seed)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 
