@@ -5,17 +5,18 @@ import pytest
 import torch
 
 from stages import artifacts, runner, seeding
-from stages.config import load_params
-from tests.conftest import write_params
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    """preprocess .. reference built once on small settings, in a folder of this module's own."""
-    params = load_params(write_params(tmp_path_factory.mktemp("seeding")))
-    for stage in ("preprocess", "sft", "reward", "score", "reference"):
-        runner.run_stage(stage, params)
-    return params
+def upstream(built_pipeline, tmp_path_factory):
+    """A copy of the session's small pipeline (no fingerprint reads run.output_dir, so it is current there)."""
+    import dataclasses
+    import shutil
+
+    params, _ = built_pipeline
+    folder = tmp_path_factory.mktemp("seeding") / "artifacts"
+    shutil.copytree(params.run.output_dir, folder)
+    return dataclasses.replace(params, run=dataclasses.replace(params.run, output_dir=str(folder)))
 
 
 def rebuild(stage: str, params) -> dict:
@@ -38,7 +39,8 @@ def test_online_policy_rebuilt_is_byte_identical(upstream, method):
     import dataclasses
 
     params = dataclasses.replace(upstream, policy=dataclasses.replace(upstream.policy, method=method))
-    first = runner.run_stage("policy", params, force=True)
+    runner.run_stage("reference", params)  # its fingerprint reads policy.method
+    first = runner.run_stage("policy", params)
     again = rebuild("policy", params)
     weights = [f for f in first["outputs"]["files"] if f.endswith(".safetensors")]
     assert "model/model.safetensors" in weights
