@@ -3,6 +3,7 @@ flow and through `python -m stages`, and a rebuild that reproduces its results l
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,17 +24,23 @@ def test_flow_and_cli_give_identical_outputs_and_a_rebuild_keeps_downstream(tmp_
 
     from flows.align import align
 
-    by_flow = write_params(tmp_path / "flow")
-    state = align(params_file=str(by_flow), return_state=True)
-    assert state.is_completed(), state.message
-
-    by_cli = write_params(tmp_path / "cli")
+    (tmp_path / "flow").mkdir()
+    (tmp_path / "cli").mkdir()
+    by_flow, by_cli = write_params(tmp_path / "flow"), write_params(tmp_path / "cli")
     # the same torch thread count as this process: reductions are split per thread (README "Reproducibility")
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": str(ROOT)}
-    for stage in STAGE_ORDER:  # a fresh process per stage: another RNG history, another hash seed
-        res = subprocess.run([sys.executable, "-m", "stages", stage, "--params", str(by_cli)], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, f"{stage}: {res.stderr[-3000:]}"
+
+    def cli() -> None:  # a fresh process per stage: another RNG history, another hash seed
+        for stage in STAGE_ORDER:
+            res = subprocess.run([sys.executable, "-m", "stages", stage, "--params", str(by_cli)], cwd=tmp_path,
+                                 env=env, capture_output=True, text=True, timeout=300)
+            assert res.returncode == 0, f"python -m stages {stage}: {res.stderr[-3000:]}"
+
+    with ThreadPoolExecutor(1) as pool:  # both at once: on 2 cores the test takes half as long
+        by_cli_done = pool.submit(cli)
+        state = align(params_file=str(by_flow), return_state=True)
+        assert state.is_completed(), state.message
+        by_cli_done.result()
 
     flow_params, cli_params = load_params(by_flow), load_params(by_cli)
     flow_out, cli_out = outputs(flow_params), outputs(cli_params)
