@@ -34,16 +34,23 @@ def test_reward_rebuilt_from_the_same_sft_is_byte_identical(upstream):
     assert again["metrics"]["mean_margin"] == first["metrics"]["mean_margin"]  # to the 4th decimal, not only the count
 
 
-@pytest.mark.parametrize("method", ["grpo", "ppo"])
-def test_online_policy_rebuilt_is_byte_identical(upstream, method):
+@pytest.mark.parametrize("method, lora", [("grpo", False), ("ppo", False), ("online_dpo", False), ("kto", False),
+                                          ("dpo", True)])
+def test_policy_rebuilt_is_byte_identical(upstream, method, lora):
+    """Every method (dpo through the flow test); PPO's fresh value head and LoRA's random A matrices too."""
     import dataclasses
 
-    params = dataclasses.replace(upstream, policy=dataclasses.replace(upstream.policy, method=method))
+    pol = upstream.policy
+    pol = dataclasses.replace(pol, method=method, lora=dataclasses.replace(pol.lora, enabled=lora, r=4))
+    params = dataclasses.replace(upstream, policy=pol)
     runner.run_stage("reference", params)  # its fingerprint reads policy.method
     first = runner.run_stage("policy", params)
     again = rebuild("policy", params)
-    weights = [f for f in first["outputs"]["files"] if f.endswith(".safetensors")]
-    assert "model/model.safetensors" in weights
+    assert again["executed"]
+    weights = {f for f in first["outputs"]["files"] if f.endswith(".safetensors")}
+    assert weights == {"model/adapter_model.safetensors"} if lora else "model/model.safetensors" in weights
+    if method == "ppo":
+        assert "model/value_head.safetensors" in weights
     assert again["outputs"]["files"] == first["outputs"]["files"] and again["outputs"]["hash"] == first["outputs"]["hash"]
 
 
