@@ -51,7 +51,8 @@ def test_policy_rebuilt_is_byte_identical(upstream, method, lora):
     assert weights == {"model/adapter_model.safetensors"} if lora else "model/model.safetensors" in weights
     if method == "ppo":
         assert "model/value_head.safetensors" in weights
-    assert again["outputs"]["files"] == first["outputs"]["files"] and again["outputs"]["hash"] == first["outputs"]["hash"]
+    assert again["outputs"]["files"] == first["outputs"]["files"]
+    assert again["outputs"]["hash"] == first["outputs"]["hash"]
 
 
 def test_seed_everything_fixes_every_generator():
