@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -29,6 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 MANIFEST = "manifest.json"
+# Top-level entries of an output folder that are logs, not results: they carry wall times, host names
+# and process ids, so two builds of byte-identical weights differ in them. They stay in the folder and
+# the manifest verifies them (`logs`), but they are kept out of the outputs hash that downstream
+# fingerprints use: a rebuild that reproduces its results leaves everything below it current.
+LOGS = ("log_history.json", "tensorboard")
 CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
 _CHUNK = 1 << 20
 
@@ -56,8 +62,30 @@ def file_hashes(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[st
     return out
 
 
+def is_log(rel: str) -> bool:
+    """Whether relative path `rel` of an output folder is a log (see LOGS)."""
+    return rel.split("/", 1)[0] in LOGS
+
+
 def tree_hash(hashes: dict[str, str]) -> str:
     return hash_json(sorted(hashes.items()))
+
+
+def input_hash(path: str | Path) -> str | None:
+    """Content hash of a user's input file or folder (a data file, a model folder), or None when `path` names
+    no file (a builtin or a hub id: the value alone, already in the params, identifies it). Memoised per
+    (path, size, mtime) within the process: `status` and every stage's fingerprint ask again."""
+    path = Path(path).expanduser().resolve()
+    if not path.exists():
+        return None
+    stats = tuple((p.as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in ([path] if path.is_file() else sorted(q for q in path.rglob("*") if q.is_file())))
+    return _input_hash(path, stats)
+
+
+@functools.lru_cache(maxsize=64)
+def _input_hash(path: Path, stats: tuple) -> str:
+    return sha256_file(path) if path.is_file() else tree_hash(file_hashes(path, exclude=()))
 
 
 def code_hash(paths: tuple[str, ...], root: Path = CODE_ROOT) -> str:
@@ -95,7 +123,7 @@ def verify(folder: Path, expected_fingerprint: str | None = None) -> tuple[bool,
         return False, f"{folder / MANIFEST} is missing or unreadable (an interrupted write?)"
     if expected_fingerprint is not None and manifest.get("fingerprint") != expected_fingerprint:
         return False, "stale: params, code or inputs changed since it was built"
-    recorded = manifest.get("outputs", {}).get("files", {})
+    recorded = {**manifest.get("outputs", {}).get("files", {}), **manifest.get("logs", {}).get("files", {})}
     actual = file_hashes(folder)
     if actual != recorded:
         changed = sorted(set(recorded) ^ set(actual) | {k for k in recorded if actual.get(k, recorded[k]) != recorded[k]})
@@ -191,9 +219,16 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every output file and write the manifest (always the last file written)."""
+    """Hash every output file and write the manifest (always the last file written).
+
+    `outputs` holds the results (models, data, metrics files) and their `hash`, the one downstream
+    fingerprints use; `logs` the log files (see LOGS), verified like the rest but hashed apart.
+    """
     hashes = file_hashes(folder)
-    manifest = {**manifest, "outputs": {"files": hashes, "hash": tree_hash(hashes)}}
+    results = {k: v for k, v in hashes.items() if not is_log(k)}
+    logs = {k: v for k, v in hashes.items() if is_log(k)}
+    manifest = {**manifest, "outputs": {"files": results, "hash": tree_hash(results)},
+                "logs": {"files": logs, "hash": tree_hash(logs)}}
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
     os.replace(tmp, folder / MANIFEST)

@@ -33,6 +33,9 @@ class StageSpec:
     # "module:function"(params, upstream manifests) -> {"rows", "what", "per_device", "unit", "batch_key"} or
     # None when not counted yet: set for a stage that trains, which `accelerate launch` and the work pool can run.
     training_rows: str | None = None
+    # dotted params keys naming the user's files or folders the stage reads (data files, a local model): their
+    # content is part of the fingerprint, so editing a data file in place makes the stage stale
+    inputs: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -43,10 +46,15 @@ class StageSpec:
         return self.training_rows is not None
 
     def code(self, root: Path = CODE_ROOT) -> tuple[str, ...]:
-        """The files (relative to `root`) the stage runs: its entry module's import closure."""
-        return imports.closure(self.module, root)
+        """The files (relative to `root`) the stage runs: the import closure of its entry module and of
+        RUN_WITH."""
+        return tuple(sorted({f for m in (self.module, *RUN_WITH) for f in imports.closure(m, root)}))
 
 
+# What stages.runner runs every stage with that shapes its outputs (the seeds drawn before it starts); the
+# rest of the harness (runner, launch, registry) decides when a stage runs, not what it computes.
+RUN_WITH = ("stages.seeding",)
+DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "data.eval_source")
 MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
 # Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
 # outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).
@@ -60,12 +68,14 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.preprocess:run",
             upstream=(),
             params=("model", "data", "preprocess", "run.seed"),
+            inputs=(*DATA_FILES, "model.name_or_path"),
         ),
         StageSpec(
             name="sft",
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
             params=("model", "sft", "run.seed"),
+            inputs=("model.name_or_path",),
             training_rows="stages.pipeline.sft:training_rows",
         ),
         StageSpec(
@@ -80,6 +90,7 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.score:run",
             upstream=("preprocess", "sft", "reward"),
             params=(*MODEL_LOADING, "score", "run.seed"),
+            inputs=("score.dataset",),
             shards="stages.pipeline.score:run_shard",
         ),
         StageSpec(
@@ -101,12 +112,14 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.merge:run",
             upstream=("preprocess", "sft", "policy"),
             params=("model", "merge", "run.seed"),
+            inputs=("model.name_or_path",),
         ),
         StageSpec(
             name="evaluate",
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
             params=("model", "evaluate", "run.seed"),
+            inputs=("model.name_or_path",),
             shards="stages.pipeline.evaluate:run_shard",
         ),
     ]

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import yaml
 
-from stages import artifacts
+from stages import artifacts, seeding
 from stages.config import Params
 from stages.errors import QualityGateFailed, StageFailed  # noqa: F401 (raised by stages, caught by callers)
 from stages.processes import process_rank, run_command, stage_target
@@ -103,11 +103,19 @@ def inspect(name: str, params: Params) -> StageState:
 
 def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
                  root: Path = artifacts.CODE_ROOT) -> str:
-    """The stage's params keys, the content of its code (the import closure of its module, read under `root`)
-    and its upstream outputs' hashes."""
+    """The stage's params keys, the content of its code (the import closure of its module, read under `root`),
+    its upstream outputs' hashes and the content of the user's files it reads (StageSpec.inputs)."""
     spec = get_stage(name)
     code = artifacts.code_hash(spec.code(root), root)
-    return artifacts.fingerprint(name, params.select(spec.params), code, upstream_hashes)
+    inputs = {**upstream_hashes, **input_hashes(spec, params)}
+    return artifacts.fingerprint(name, params.select(spec.params), code, inputs)
+
+
+def input_hashes(spec: StageSpec, params: Params) -> dict[str, str]:
+    """{"file:<key>": content hash} of the user's files the stage reads (StageSpec.inputs) that exist."""
+    values = params.select(spec.inputs)
+    hashes = {key: artifacts.input_hash(value) for key, value in values.items() if isinstance(value, str)}
+    return {f"file:{key}": h for key, h in hashes.items() if h is not None}
 
 
 def _expected_fingerprint(name: str, params: Params, memo: dict[str, str | None] | None = None) -> str | None:
@@ -176,6 +184,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.seed_everything(params.run.seed)  # before the stage draws anything (a fresh head, LoRA, dropout)
         metrics = fn(ctx) or {}
         manifest = artifacts.write_manifest(tmp, {
             "stage": name,
@@ -183,11 +192,13 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
             "params": params.select(spec.params),
             "inputs": {u: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
                        for u, m in state.upstream.items()},
+            "files": input_hashes(spec, params),
             "code": {"hash": artifacts.code_hash(code), "paths": list(code), "git": _git_commit()},
             "metrics": metrics,
             "started_at": started.isoformat(),
             "wall_time_s": round(time.perf_counter() - t0, 3),
             "versions": _versions(),
+            "determinism": seeding.environment(params.run.device),
         })
     shutil.rmtree(work, ignore_errors=True)
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
@@ -221,6 +232,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.seed_everything(params.run.seed)
         summary = fn(ctx, shard, num_shards) or {}
     return {**row, "executed": True, **summary}
 
@@ -260,6 +272,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work)
+        seeding.seed_everything(params.run.seed)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 

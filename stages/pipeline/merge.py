@@ -12,13 +12,15 @@ merged model's logits on a probe batch (the first `merge.probe_size` eval prompt
 their references) must match the adapter model's within `merge.tolerance`; the max
 difference and the lineage (base and adapters with hashes and weights, method, dtype,
 output hash) go into the manifest. Writes `model/` (safetensors, tokenizer, chat template:
-`AutoModelForCausalLM.from_pretrained` and vLLM load it) and `lineage.json`.
+`AutoModelForCausalLM.from_pretrained` and vLLM load it) and `lineage.json` (paths inside
+run.output_dir relative to it, e.g. `policy/model`).
 
     python -m stages merge [--set merge.adapters='[path/to/task-adapter]'] [--set merge.weights='[1.0, 0.5]']
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from stages import merge
@@ -61,9 +63,22 @@ def run(ctx) -> dict[str, Any]:
         ctx.log.info("merge: logits max diff %.3g (merged vs adapter model, tolerance %g)",
                      report["logits_max_diff"], m.tolerance)
     lineage["base_model"] = {"name_or_path": p.model.name_or_path}
+    lineage = relative_paths(lineage, Path(p.run.output_dir))
     (ctx.out / "lineage.json").write_text(json.dumps(lineage, indent=2))
     return {"merged": bool(specs), "source": stage, **{k: v for k, v in report.items() if k != "tolerance"},
             "lineage": lineage}
+
+
+def relative_paths(lineage: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Paths inside run.output_dir written relative to it (`policy/model`): the output must not depend on
+    where run.output_dir is, or two runs of the same params in two folders would hash differently."""
+    def rel(record: dict[str, Any]) -> dict[str, Any]:
+        path = Path(record["path"]).resolve()
+        if path.is_relative_to(root.resolve()):
+            return {**record, "path": path.relative_to(root.resolve()).as_posix()}
+        return record
+
+    return {**lineage, "base": rel(lineage["base"]), "adapters": [rel(a) for a in lineage["adapters"]]}
 
 
 def model_source(ctx) -> tuple[str, str, str]:

@@ -82,3 +82,22 @@ def test_fingerprint_depends_on_params_code_and_upstream():
     assert base != artifacts.fingerprint("sft", {"sft": {"lr": 2}}, "code1", {"preprocess": "h1"})
     assert base != artifacts.fingerprint("sft", {"sft": {"lr": 1}}, "code2", {"preprocess": "h1"})
     assert base != artifacts.fingerprint("sft", {"sft": {"lr": 1}}, "code1", {"preprocess": "h2"})
+
+
+def test_logs_are_verified_but_not_in_the_outputs_hash(tmp_path):
+    def build(folder, run):
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / "weights.bin").write_bytes(b"w" * 100)
+        (folder / "log_history.json").write_text(f'[{{"train_runtime": {run}}}]')
+        (folder / "tensorboard").mkdir()
+        (folder / "tensorboard" / f"events.out.tfevents.{run}.host").write_bytes(b"e")
+        return _seal(folder)
+
+    a, b = build(tmp_path / "a", 1.5), build(tmp_path / "b", 2.5)
+    assert set(a["outputs"]["files"]) == {"model/weights.bin"}
+    assert set(a["logs"]["files"]) == {"log_history.json", "tensorboard/events.out.tfevents.1.5.host"}
+    assert a["outputs"]["hash"] == b["outputs"]["hash"] and a["logs"]["hash"] != b["logs"]["hash"]
+    assert artifacts.verify(tmp_path / "a") == (True, "")
+    (tmp_path / "a" / "log_history.json").write_text("[]")  # a log is still checked: an edited one is damage
+    ok, why = artifacts.verify(tmp_path / "a")
+    assert not ok and "log_history.json" in why

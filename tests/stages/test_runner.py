@@ -9,7 +9,7 @@ from stages.registry import STAGES
 from tests.conftest import STAGE_ORDER, write_params
 
 MANIFEST_KEYS = {"stage", "fingerprint", "params", "inputs", "code", "outputs", "metrics", "started_at",
-                 "wall_time_s", "versions"}
+                 "wall_time_s", "versions", "logs", "determinism"}
 
 
 def test_manifest_records_everything(built_pipeline):

@@ -1,0 +1,74 @@
+"""Seeds and determinism settings, set once before a stage runs; what its outputs still depend on.
+
+`stages.runner` calls `seed_everything(run.seed)` before every stage entry point (and every
+shard, and every launched rank), whichever way it was started (the Prefect flow, `python -m
+stages`, `dvc repro`). So whatever a stage draws before its trainer sets its own seed — a fresh
+reward-model `score` head, a PPO value head, LoRA's `A` matrices, dropout — is drawn from the
+same state on every run, and what earlier stages of the same process drew (the flow runs
+stages one after another in one process) does not leak into the next one.
+
+Bit-identity holds for the same params, code, inputs, library versions, device and torch
+thread count: float reductions are split across intra-op threads, and kernels differ between
+CPU types and GPUs. `environment()` is what a stage's output depends on beyond its
+fingerprint; the runner writes it into the manifest (`determinism`), so two outputs that
+differ can be told apart by it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+from typing import Any
+
+# cuBLAS reuses workspaces across streams unless told otherwise, which makes its matmuls order-dependent
+# (PyTorch's reproducibility notes); it must be in the environment before the first cuBLAS call
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (every device's) global RNGs with `seed`; ask torch for
+    deterministic kernels (a warning, not an error, where an op has none)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for torch
+        pass
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False  # autotuning picks kernels by timing, so by chance
+    torch.backends.cudnn.deterministic = True
+
+
+def environment(device: str = "auto") -> dict[str, Any]:
+    """What a stage's outputs depend on beyond its params, code and inputs (the library versions are
+    in the manifest's `versions`): torch's thread count, the CPU, the GPU (`device`: run.device)."""
+    import torch
+
+    out: dict[str, Any] = {
+        "torch_num_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        out["cuda"] = {"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+                       "cudnn": torch.backends.cudnn.version(),
+                       "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    return out
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (kernels are chosen per instruction set), or platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
