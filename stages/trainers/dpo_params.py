@@ -38,17 +38,22 @@ class DPOParams:
         return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, DPOParams)
-        names = self.objective_names
-        if not names:
-            problems.append(("loss_type", "= []: name at least one loss"))
-        if self.loss_weights is not None:
-            if len(self.loss_weights) != len(names):
-                problems.append(("loss_weights", f"= {self.loss_weights}: {len(self.loss_weights)} weight(s) for "
-                                 f"{len(names)} loss type(s); give one per entry or null for all 1.0"))
-            if any(not (math.isfinite(w) and w >= 0) for w in self.loss_weights):
-                problems.append(("loss_weights", f"= {self.loss_weights}: each must be a finite number >= 0"))
+        problems = check_fields(self, DPOParams) + check_objectives(self.objective_names, self.loss_weights)
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))
         return problems
+
+
+def check_objectives(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
+    """The rules of a `loss_type` list and its `loss_weights`, shared by DPO and online DPO."""
+    problems = []
+    if not names:
+        problems.append(("loss_type", "= []: name at least one loss"))
+    if weights is not None:
+        if len(weights) != len(names):
+            problems.append(("loss_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} loss "
+                             "type(s); give one per entry or null for all 1.0"))
+        if any(not (math.isfinite(w) and w >= 0) for w in weights):
+            problems.append(("loss_weights", f"= {weights}: each must be a finite number >= 0"))
+    return problems

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
+from stages.trainers.dpo_params import check_objectives
 from stages.trainers.generation_params import GenerationParams
 
 
@@ -27,11 +28,4 @@ class OnlineDPOParams:
         return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, OnlineDPOParams)
-        names = self.objective_names
-        if not names:
-            problems.append(("loss_type", "= []: name at least one loss"))
-        if self.loss_weights is not None and len(self.loss_weights) != len(names):
-            problems.append(("loss_weights", f"= {self.loss_weights}: {len(self.loss_weights)} weight(s) for "
-                             f"{len(names)} loss type(s); give one per entry or null for all 1.0"))
-        return problems
+        return check_fields(self, OnlineDPOParams) + check_objectives(self.objective_names, self.loss_weights)
