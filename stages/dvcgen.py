@@ -1,13 +1,18 @@
 """Derive `dvc.yaml` from the stage table, so DVC and Prefect see the same dependencies.
 
-Each DVC stage runs the same command as the Prefect task (`python -m stages <stage>`),
-depends on the same code paths and upstream output folders, and lists only the params keys
-that stage reads. `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
+Each DVC stage runs the same command as the Prefect task (`python -m stages <stage>`, with the
+`python` of the activated project environment), depends on the same code paths and upstream
+output folders, and lists only the params keys that stage reads. Its DVC-cached output is its
+folder; its flat `metrics/<stage>.json` and evaluate's headline per model (`metrics/models/`,
+the declared DVC metrics) are small uncached outputs that git tracks (see .gitignore), so
+`dvc metrics diff` and `dvc exp show` compare commits and experiments. `tests/test_dvc.py`
+checks that the committed `dvc.yaml` matches this.
 """
 from __future__ import annotations
 
 import yaml
 
+from stages.metrics.report import headline_dir
 from stages.registry import STAGES
 
 OUTPUT_DIR = "artifacts"  # dvc.yaml describes the default run.output_dir
@@ -20,10 +25,16 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
             "cmd": f"python -m stages {spec.name}",
             "deps": list(dict.fromkeys([*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)])),
             "params": list(spec.params),
-            "outs": [f"{output_dir}/{spec.name}"],
-            "metrics": [{f"{output_dir}/metrics/{spec.name}.json": {"cache": False}}],
+            "outs": [f"{output_dir}/{spec.name}", *uncached(f"{output_dir}/metrics/{spec.name}.json")],
         }
+        if spec.name == "evaluate":  # the headline per model: what `dvc metrics show/diff` and `dvc exp show` print
+            out[spec.name]["metrics"] = uncached(headline_dir(output_dir).as_posix())
     return {"stages": out, "plots": dvc_plots(output_dir)}
+
+
+def uncached(path: str) -> list[dict]:
+    """An output git tracks (small metrics files), so a commit or an experiment carries it."""
+    return [{path: {"cache": False}}]
 
 
 def dvc_plots(output_dir: str = OUTPUT_DIR) -> list:
