@@ -43,7 +43,7 @@ def dvc_plots(output_dir: str = OUTPUT_DIR) -> list:
     return [
         {"training_loss": {"x": "step", "y": {f"{plots}/loss_{s}.json": "loss" for s in ("sft", "reward", "policy")},
                            "title": "Training loss per stage"}},
-        {f"{plots}/accuracy.json": {"x": "model", "y": "accuracy", "template": "bar_horizontal",
+        {f"{plots}/accuracy.json": {"x": "accuracy", "y": "model", "template": "bar_horizontal",
                                     "title": "Held-out accuracy per stage"}},
         *(f"{plots}/{name}.png" for name in ("loss_curves", "reward_distribution", "accuracy")),
     ]
