@@ -25,6 +25,7 @@ def bin_path(path: str = os.environ["PATH"]) -> str:
 
 def sh(*cmd, cwd, check=True, path=None):
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PATH": path or bin_path()}
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # 20 s is short on a loaded machine
     res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
     if check and res.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
@@ -131,10 +132,10 @@ def test_flow_keeps_dvc_lock_in_step_without_dvc_on_path(dvc_repo):
     # DVC cannot record it (a broken .dvc/config): the run still succeeds, and its log says why, loudly
     (dvc_repo / "dvc.lock").unlink()
     config = dvc_repo / ".dvc" / "config"
-    config.write_text(config.read_text() + "[core]\n    no_such_option = 1\n")
+    config.write_text(config.read_text() + "[no_such_section]\n    x = 1\n")
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=dvc_repo, path=without_venv())
     log = flow.stdout + flow.stderr
-    assert "WARNING" in log and "dvc.lock not updated" in log and "no_such_option" in log, log
+    assert "WARNING" in log and "dvc.lock not updated" in log and "no_such_section" in log, log
     assert not (dvc_repo / "dvc.lock").exists()
 
 
