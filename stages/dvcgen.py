@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import yaml
 
-from stages.metrics.report import headline_dir
+from stages.metrics.report import headline_paths
 from stages.registry import STAGES
 
 OUTPUT_DIR = "artifacts"  # dvc.yaml describes the default run.output_dir
@@ -28,7 +28,8 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
             "outs": [f"{output_dir}/{spec.name}", *uncached(f"{output_dir}/metrics/{spec.name}.json")],
         }
         if spec.name == "evaluate":  # the headline per model: what `dvc metrics show/diff` and `dvc exp show` print
-            out[spec.name]["metrics"] = uncached(headline_dir(output_dir).as_posix())
+            out[spec.name]["metrics"] = [m for path in headline_paths(output_dir).values()
+                                         for m in uncached(path.as_posix())]
     return {"stages": out, "plots": dvc_plots(output_dir)}
 
 
