@@ -2,11 +2,11 @@
 
 Each DVC stage runs the same command as the Prefect task (`python -m stages <stage>`, with the
 `python` of the activated project environment), depends on the same code paths and upstream
-output folders, and lists only the params keys that stage reads. Its DVC-cached output is its
-folder; its flat `metrics/<stage>.json` and evaluate's headline per model (`metrics/models/`,
-the declared DVC metrics) are small uncached outputs that git tracks (see .gitignore), so
-`dvc metrics diff` and `dvc exp show` compare commits and experiments. `tests/test_dvc.py`
-checks that the committed `dvc.yaml` matches this.
+output folders, and lists only the params keys that stage reads. Its DVC-cached outputs are
+its folder and its flat `metrics/<stage>.json`; evaluate's headline per model
+(`metrics/models/<model>.json`, the declared DVC metrics) are small uncached outputs that git
+tracks (see .gitignore), so `dvc metrics diff` and `dvc exp show` compare commits and
+experiments. `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def dvc_stages(output_dir: str = OUTPUT_DIR) -> dict:
             "cmd": f"python -m stages {spec.name}",
             "deps": list(dict.fromkeys([*spec.code, *(f"{output_dir}/{u}" for u in spec.upstream)])),
             "params": list(spec.params),
-            "outs": [f"{output_dir}/{spec.name}", *uncached(f"{output_dir}/metrics/{spec.name}.json")],
+            # the flat metrics file cached like the folder: an uncached plain out would turn off DVC's run-cache
+            "outs": [f"{output_dir}/{spec.name}", f"{output_dir}/metrics/{spec.name}.json"],
         }
         if spec.name == "evaluate":  # the headline per model: what `dvc metrics show/diff` and `dvc exp show` print
             out[spec.name]["metrics"] = [m for path in headline_paths(output_dir).values()
