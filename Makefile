@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test serve clean
+.PHONY: install run test serve clean vega
 
 install: $(VENV)/.installed
 
@@ -26,4 +26,11 @@ serve: install
 	$(BIN)/align serve
 
 clean:
-	rm -rf artifacts .pytest_cache
+	rm -rf artifacts dvc_plots .pytest_cache
+
+# Re-vendor the plotting libraries inlined in the page `dvc plots show` fills (npm registry; BSD-3-Clause).
+VEGA := vega@5.33.1 vega-lite@5.23.0 vega-embed@6.29.0
+vega: install
+	d=$$(mktemp -d) && (cd $$d && npm pack --silent $(VEGA) >/dev/null) && \
+	$(BIN)/python -m stages.metrics.plots_page $$d/*.tgz > .dvc/plots/offline.html.tmp && \
+	mv .dvc/plots/offline.html.tmp .dvc/plots/offline.html && rm -rf $$d

@@ -56,8 +56,8 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     summary = summarise(runs, params)
     if promote:
         summary["promotion"] = promote_task(params, after("evaluate"))
-    if not overrides and any(s["status"] == "executed" for s in summary["stages"]):
-        record_in_dvc_lock(params_file, params.run.output_dir)
+    record_in_dvc_lock(params_file, params.run.output_dir, overrides,
+                       executed=any(s["status"] == "executed" for s in summary["stages"]))
     create_table_artifact(key="align-run", table=summary["stages"], description="stages of this run")
     get_run_logger().info("evaluation: %s", summary["evaluation"])
     return summary

@@ -58,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage":
         return stages_main(rest)
     if args.command in ("status", "dvc-yaml"):
-        return stages_main([args.command, *rest])
+        rc = stages_main([args.command, *rest])
+        if args.command == "status" and rc == 0:  # and whether DVC agrees
+            from flows.dvc_sync import lock_status
+
+            if line := lock_status(os.getcwd()):
+                print(line)
+        return rc
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing

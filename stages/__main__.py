@@ -9,7 +9,7 @@ output folder is current, otherwise builds it atomically with a manifest. A fail
     python -m stages preprocess
     python -m stages sft --set sft.learning_rate=1e-3
     python -m stages status          # which stages are current, and why not
-    python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table
+    python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table and params.yaml
     python -m stages score --shard 0 --num-shards 4   # one share of score's prompts, on any machine
                                                       # sharing run.output_dir; then `python -m stages score`
 
@@ -49,16 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     from stages import logs, processes
 
     logs.setup(logging.INFO if processes.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
-    if args.stage == "dvc-yaml":
-        from stages.dvcgen import render_dvc_yaml
-
-        sys.stdout.write(render_dvc_yaml())
-        return 0
     try:
         params = load_params(args.params, args.overrides)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.stage == "dvc-yaml":  # the input files params.yaml names become deps too
+        from stages.dvcgen import render_dvc_yaml
+
+        sys.stdout.write(render_dvc_yaml(params=params))
+        return 0
     if (args.shard is None) != (args.num_shards is None) or (args.shard is not None and
                                                               (args.force or args.stage not in STAGES)):
         print("error: --shard K needs --num-shards N, a stage and no --force", file=sys.stderr)

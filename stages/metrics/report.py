@@ -15,6 +15,26 @@ from typing import Any
 
 COLUMNS = ("model", "n", "accuracy", "bleu", "rouge1", "rouge2", "rougeL", "reward", "win_rate", "format",
            "mean_completion_tokens")
+HEADLINE = ("accuracy", "reward", "win_rate")  # per model, what `dvc metrics show` prints
+HEADLINE_MODELS = ("base", "sft", "policy", "merged")  # evaluate's rows (base: evaluate.baseline; policy: a method)
+
+
+def headline_paths(output_dir: str | Path) -> dict[str, Path]:
+    """`<run.output_dir>/metrics/models/<model>.json` of HEADLINE per model, so `dvc metrics show` prints
+    one short row per model. Beside the stages' flat `metrics/<stage>.json`, outside every DVC-cached
+    output and tracked by git: a commit carries them. A fixed set of files (DVC's run-cache restores
+    uncached single files, not folders)."""
+    return {m: Path(output_dir) / "metrics" / "models" / f"{m}.json" for m in HEADLINE_MODELS}
+
+
+def write_headline(output_dir: str | Path, table: list[dict[str, Any]]) -> None:
+    """One file per model of HEADLINE_MODELS from the evaluation table; nulls for a model not evaluated."""
+    rows = {r["model"]: r for r in table}
+    for model, path in headline_paths(output_dir).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({c: rows.get(model, {}).get(c) for c in HEADLINE}, indent=2) + "\n")
+        tmp.replace(path)
 
 
 def _pyplot():

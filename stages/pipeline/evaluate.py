@@ -72,6 +72,9 @@ def run(ctx) -> dict[str, Any]:
 
     write_jsonl(ctx.out / "predictions.jsonl", predictions)
     (ctx.out / "metrics.json").write_text(json.dumps(table, indent=2))
+    from stages.metrics.report import write_headline
+
+    write_headline(p.run.output_dir, table)  # for `dvc metrics show/diff`, tracked by git
     notes = report_notes(e, reward_path, outputs)
     plots = {}
     if e.plots:
