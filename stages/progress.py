@@ -9,7 +9,7 @@
     10:42:07 INFO    stages.score: score: sampling 192/600 prompts (32%), 41.3 prompts/s, ETA 10s
 
 The lines go to a `stages.*` logger, so they reach the console, the log file and, inside a
-flow, the Prefect task log (tasks/common.py forwards the `stages` logger). They are
+flow, the Prefect task log (tasks/stage.py forwards the `stages` logger). They are
 rate-limited: at most one every `ALIGN_PROGRESS_EVERY_S` seconds (default 5; 0 logs every
 update), plus the closing line of a loop that took longer than that. Third-party progress
 bars are off (`stages.logs`): this is the only progress output.

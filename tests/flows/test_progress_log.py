@@ -1,4 +1,4 @@
-"""Training progress reaches the Prefect task log, rate-limited (tasks/common.py forwards the `stages` logger)."""
+"""Training progress reaches the Prefect task log, rate-limited (tasks/stage.py forwards the `stages` logger)."""
 import logging
 import re
 import time
@@ -17,8 +17,9 @@ def test_sft_progress_in_the_task_log_at_most_one_line_a_second(tmp_path, prefec
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    from tasks.preprocess import preprocess
-    from tasks.sft import sft
+    from tasks.stage import STAGE_TASKS
+
+    preprocess, sft = STAGE_TASKS["preprocess"], STAGE_TASKS["sft"]
 
     monkeypatch.setenv("ALIGN_PROGRESS_EVERY_S", "1")
     prefect_logger = logging.getLogger("prefect")  # tests/conftest.py sets PREFECT_LOGGING_LEVEL=WARNING
