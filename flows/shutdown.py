@@ -61,8 +61,28 @@ def exit_now(command: str, last_line: str, code: int = EXIT_CODE) -> None:
 
 
 def stop_on_sigterm(command: str, last_line: str) -> None:
-    """On SIGTERM: end every child process, print `last_line` and exit 143 at once."""
+    """On SIGTERM: end every child process, print `last_line` and exit 143 at once; during a flow run, after
+    Prefect's handler has had `GRACE_S` seconds to mark the run crashed.
+
+    Prefect replaces this handler while a flow runs (`prefect.utilities.engine.capture_sigterm`): its own
+    raises `TerminationSignal` in the main thread, and sends the signal again to this handler only once the
+    flow engine has unwound. Unwinding waits for the task runner's threads, and a training stage's thread
+    does not stop: the process would hang until the stage ended. So the handler Prefect installs is wrapped
+    to arm `force_exit_after` first (Prefect installs whatever its module holds under that name).
+    """
     signal.signal(signal.SIGTERM, lambda signum, frame: exit_now(f"{command}: SIGTERM", last_line))
+    from prefect.utilities import engine
+
+    prefects = engine._prefect_sigterm_handler
+    if getattr(prefects, "armed_by_align", False):
+        return
+
+    def arm_then_prefects(signum: int, *args: object):
+        force_exit_after(GRACE_S, f"{command}: SIGTERM", last_line)
+        prefects(signum, *args)
+
+    arm_then_prefects.armed_by_align = True
+    engine._prefect_sigterm_handler = arm_then_prefects
 
 
 def force_exit_after(grace_s: float, command: str, last_line: str, code: int = EXIT_CODE) -> None:

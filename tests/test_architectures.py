@@ -57,7 +57,8 @@ def check_softcapped_reference(params) -> None:
     reference stage's numbers equal a plain logits computation, and differ once the capping is removed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.dpo import REF_COLUMNS, compute_reference_logps
+    from stages.trainers.preference import REF_COLUMNS
+    from stages.trainers.reference import compute_reference_logps
     from stages.trainers.logprobs import lm_head_for_chunking
 
     out = Path(params.run.output_dir)
