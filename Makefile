@@ -20,7 +20,7 @@ run: install
 	$(BIN)/align run
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 serve: install
 	$(BIN)/align serve

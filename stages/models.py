@@ -102,6 +102,9 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # how it was loaded (HF_HUB_OFFLINE set or not), not what it is: saved with the tokenizer, it would make a
+    # stage's output depend on the environment (tests/flows/test_reproducible.py)
+    tok.init_kwargs.pop("local_files_only", None)
     if tok.pad_token is None:  # many base models ship without one; EOS is the usual stand-in
         tok.pad_token = tok.eos_token
     return tok

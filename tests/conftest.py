@@ -19,6 +19,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# Under `pytest -n N` (pytest-xdist; `make test` runs -n auto), each worker gets its share of the cores: torch's
+# default of one thread per core would make the workers fight over them (10-60x slower steps, shared/NOTES.md).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from stages.registry import STAGES  # noqa: E402 (after the environment above; imports no Prefect)
 

@@ -95,3 +95,21 @@ def test_conversational_data_without_chat_template_is_a_clear_error(tmp_path, pl
     params = load_params(write_params(tmp_path, {"model": {"name_or_path": str(plain_model_dir)}}))
     with pytest.raises(ValueError, match="the data is conversational .* has no chat template"):
         runner.run_stage("preprocess", params)
+
+
+def test_a_saved_tokenizer_does_not_depend_on_hub_offline_mode(tmp_path, monkeypatch):
+    """transformers records `local_files_only` (true under HF_HUB_OFFLINE) in the loaded tokenizer's config; saved
+    into a stage's output it made the flow's and the CLI's byte-identical builds differ by the environment."""
+    from huggingface_hub import constants
+
+    from stages.config import ModelConfig
+    from stages.models import load_tokenizer
+
+    folder = resolve_model(ModelConfig(), tmp_path)
+    saved = []
+    for offline in (False, True):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        load_tokenizer(folder).save_pretrained(tmp_path / str(offline))
+        saved.append((tmp_path / str(offline) / "tokenizer_config.json").read_bytes())
+    assert saved[0] == saved[1]
