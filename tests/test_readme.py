@@ -66,7 +66,6 @@ def test_quickstart_then_dvc_section_on_a_fresh_clone(tmp_path):
                 assert "Data and pipelines are up to date." in out, out
             elif cmd == "dvc repro":
                 assert "Running stage" not in out, out
-                assert took <= 3.0, f"dvc repro took {took:.2f}s with nothing to run"
             elif cmd == "dvc metrics show":
                 lines = res.stdout.strip().splitlines()
                 assert lines[0].split() == ["Path", "accuracy", "reward", "win_rate"], out
