@@ -239,15 +239,17 @@ class PPOTrainer(Trainer):
     # ---- metrics, saving
 
     def _log_rollout(self, score, scored, eos, kl, old, returns, mask) -> None:
-        """score: (B,) before the missing-EOS penalty; kl: (B, T) the configured estimator."""
-        n = mask.sum().clamp(min=1)
-        rows = scored.float().sum().clamp(min=1)
-        self._record("score", (score * scored).sum() / rows)
-        self._record("kl", kl.sum(-1).sum() / rows)
-        self._record("entropy", (old["entropy"] * mask).sum() / n)
+        """score: (B,) before the missing-EOS penalty; kl: (B, T) the configured estimator. Means over every
+        rank's scored rows (tokens), so a rank with none adds nothing rather than a 0."""
+        rows = scored.float().sum().item()
+        self._record_mean("score", (score * scored).sum().item(), rows)
+        self._record_mean("kl", kl.sum().item(), rows)
+        self._record_mean("entropy", (old["entropy"] * mask).sum().item(), mask.sum().item())
         self._record("completion_length", mask.sum(-1).float().mean())
         self._record("eos_rate", eos.float().mean())
-        self._record("explained_variance", explained_variance(old["values"], returns, mask))
+        ev = explained_variance(old["values"], returns, mask)  # NaN with < 2 valid tokens on this rank
+        finite = bool(torch.isfinite(ev))
+        self._record_mean("explained_variance", ev.item() if finite else 0.0, int(finite))
 
     def _record_mean(self, key: str, total: float, count: int) -> None:
         """The mean over every rank's `count` items (`total` their sum here); nothing when no rank has any."""

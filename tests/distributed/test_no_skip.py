@@ -8,6 +8,7 @@ moved. The same launch samples a target prompt on each rank inside a batch of 8 
 1's completions equal those of this process sampling the prompt alone.
 """
 import json
+import math
 import sys
 
 import pytest
@@ -59,8 +60,10 @@ def test_a_rank_whose_rewards_all_tie_still_steps_and_the_weights_agree(launched
         assert [h["reward"] for h in steps[0]] == [h["reward"] for h in steps[1]]
     else:  # ppo: rank 1 scored nothing; the reward mean is rank 0's alone, on both ranks
         key = "rewards/low_ids_none_on_rank_1"
-        assert [h[key] for h in steps[0]] == [h[key] for h in steps[1]]
-        assert all(0 < h[key] <= 1 for h in steps[0])
+        for k in (key, "score", "explained_variance"):
+            assert [h[k] for h in steps[0]] == [h[k] for h in steps[1]], k
+        assert all(0 < h[key] <= 1 and h["score"] == pytest.approx(h[key]) for h in steps[0])  # no 0s for rank 1
+        assert all(math.isfinite(h["explained_variance"]) for h in steps[0])  # rank 1's NaN (no tokens) left out
 
 
 @pytest.mark.slow
