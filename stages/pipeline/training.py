@@ -20,7 +20,7 @@ from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
 from stages.trainers.logprobs import unwrap
-from stages.trainers.precision import mixed_precision
+from stages.trainers.precision import mixed_precision, trainer_precision
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
@@ -73,7 +73,7 @@ def precision_report(trainer) -> dict[str, Any]:
     inner = unwrap(model)
     inner = getattr(inner, "pretrained_model", inner)  # PPO's value-head wrapper
     trained = {str(w.dtype).removeprefix("torch.") for w in model.parameters() if w.requires_grad}
-    return {"mixed_precision": "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "no",
+    return {"mixed_precision": trainer_precision(trainer.args),
             "gradient_checkpointing": bool(getattr(inner, "is_activation_checkpointing", False)),
             "trained_weights_dtype": ",".join(sorted(trained))}
 

@@ -11,9 +11,9 @@ What a method compares its policy with, in order of preference:
 - none (`needed=False`: reference_free DPO, GRPO with beta 0).
 
 `reference_model(model, ref, precision=...)` yields the module to run, its forward under the
-policy's autocast. It unwraps `model` from DDP /
-accelerate wrappers first: `DistributedDataParallel` forwards no attribute of the model inside
-it, so `disable_adapter` must be called on the unwrapped PEFT model.
+policy's autocast (so that the policy at step 0 equals its reference). It unwraps `model` from
+DDP / accelerate wrappers first: `DistributedDataParallel` forwards no attribute of the model
+inside it, so `disable_adapter` must be called on the unwrapped PEFT model.
 """
 from __future__ import annotations
 
