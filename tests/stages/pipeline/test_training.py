@@ -86,8 +86,8 @@ def test_qlora_refused_before_loading_without_cuda(tmp_path, built_pipeline):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qlora_from_an_adapter_folder_merges_then_quantizes(tmp_path):
     """An adapter folder loaded for QLoRA: the adapter merged at full precision, then the merged model loaded in
-    4 bits (its Linear layers are bitsandbytes' Linear4bit), its logits those of the merged model within 4-bit
-    rounding."""
+    4 bits (its Linear layers are bitsandbytes' Linear4bit); its logits are the merged model's within 4-bit
+    rounding, nearer to them than to the base's (the adapter was not dropped)."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -103,12 +103,13 @@ def test_qlora_from_an_adapter_folder_merges_then_quantizes(tmp_path):
                                                                                   init_lora_weights=False))
     peft.save_pretrained(tmp_path / "adapter")
     merged = peft.merge_and_unload().cuda().eval()
+    plain = AutoModelForCausalLM.from_pretrained(base).cuda().eval()
     config = quantization_config(LoraParams(enabled=True, quantization="4bit"), device="cuda")
     model = load_causal_lm(str(tmp_path / "adapter"), device="cuda", quantization_config=config).eval()
     assert model.is_loaded_in_4bit
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]], device="cuda")
     with torch.no_grad():
-        want, got = merged(input_ids=ids).logits.float(), model(input_ids=ids).logits.float()
-    assert (got - want).abs().max() < 0.25 * want.abs().max()
+        want, got, base_logits = (m(input_ids=ids).logits.float() for m in (merged, model, plain))
+    assert (got - want).abs().mean() < (got - base_logits).abs().mean()
     assert model.name_or_path == str(tmp_path / "adapter")
