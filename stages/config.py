@@ -148,10 +148,29 @@ class LoraParams:
     quantization: Literal["none", "4bit", "8bit"] = param("none", help="QLoRA: load the base in 4 or 8 bits "
                                                           "(bitsandbytes, CUDA only)")
 
+    def validate(self) -> list[tuple[str, str]]:
+        if self.quantization != "none" and not self.enabled:
+            return [("quantization", f"= {self.quantization!r} with lora.enabled = false: a quantized base trains "
+                     "only through adapters (QLoRA); set lora.enabled: true, or quantization: none")]
+        return []
+
 
 @dataclass
-class TrainingParams:
-    """What every training stage section shares (the trainer, checkpoints, tracking, adapters)."""
+class PrecisionParams:
+    """How a training stage computes (`sft`, `reward`, `policy`): autocast and activation checkpointing, applied
+    by `stages.pipeline.training`. The weights stay at model.dtype (float32: fp32 master weights) under autocast;
+    the `reference` stage computes the policy's reference log-probs under policy.mixed_precision too."""
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto", help="autocast of the forward, fp32 master weights: auto (bf16 on GPUs that have it, no on CPU) | "
+        "no | bf16 (GPU or CPU) | fp16 (GPU only)")
+    gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
+    gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
+
+
+@dataclass
+class TrainingParams(PrecisionParams):
+    """What every training stage section shares (the trainer, precision, checkpoints, tracking, adapters)."""
 
     learning_rate: float = positive(3e-3, "peak learning rate")
     num_train_epochs: float = positive(2.0, "passes over the training rows")
@@ -177,9 +196,6 @@ class SFTSection(SFTParams, TrainingParams):
     weight_decay: float = non_negative(0.0, "AdamW weight decay")
     formatting_func: str | None = param(None, help="module:function turning a row into a training text")
     streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
-    gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
-    gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param("auto", help="auto: bf16 on GPUs that have it")
     eval_steps: int = non_negative(0, "online evaluation: greedy exact match on eval_samples validation prompts "
                                    "every N optimizer steps, logged as eval_exact_match (0: off)")
     eval_samples: int = positive(32, "validation prompts of the online evaluation")

@@ -127,11 +127,32 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tr
         base_path = json.loads(adapter.read_text())["base_model_name_or_path"]
         base = load_causal_lm(base_path, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+        if quantization_config is not None:  # QLoRA on an adapter's model: merge at full precision, then quantise
+            merged = load_quantized(merged, AutoModelForCausalLM, quantization_config, **kwargs)
         # the merged model *is* `path`: an adapter trained on it (e.g. LoRA DPO on a LoRA SFT model) names
         # `path` as its base, so loading that adapter later rebuilds the whole chain
         merged.config._name_or_path = merged.name_or_path = str(path)
+        if quantization_config is not None:
+            return merged  # bitsandbytes placed it; its quantised weights stay frozen (the adapters train)
         return merged.requires_grad_(True).to(device)  # PEFT loads for inference, frozen; training continues here
     if quantization_config is not None:  # bitsandbytes places the quantised weights itself
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
                                                     device_map={"": torch.cuda.current_device()}, **kwargs)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+
+
+def load_quantized(model, auto_class, quantization_config, **kwargs):
+    """`model` (full precision, e.g. a merged adapter) reloaded quantised by `auto_class.from_pretrained`
+    with `quantization_config` onto the current GPU: bitsandbytes quantises while it loads weights from a
+    folder, so the model goes through a temporary one (removed afterwards)."""
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="align-quantize-") as folder:
+        model.save_pretrained(folder)
+        quantized = auto_class.from_pretrained(folder, quantization_config=quantization_config,
+                                               device_map={"": torch.cuda.current_device()}, **kwargs)
+    if not (getattr(quantized, "is_loaded_in_4bit", False) or getattr(quantized, "is_loaded_in_8bit", False)):
+        raise RuntimeError(f"{type(quantized).__name__} came back unquantized from {quantization_config!r}")
+    return quantized

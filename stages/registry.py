@@ -98,7 +98,9 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.reference:run",
             upstream=("preprocess", "sft", "score"),
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
-                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length"),
+                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
+                    # the policy's numerics, which its reference log-probs must share
+                    "policy.mixed_precision", "policy.lora.enabled", "policy.lora.quantization"),
         ),
         StageSpec(
             name="policy",

@@ -34,7 +34,7 @@ def run(ctx) -> dict[str, Any]:
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
     setup = METHODS[pol.method]
     rows, extra = setup.data(ctx)  # data and reward functions checked before any model is loaded
-    model, trainable, total = training.load_trainable_model(start, p, pol, device=device)
+    model, trainable, total = training.load_trainable_model(start, p, pol, device=device, section="policy")
     args = training.trainer_args(ctx, pol, device=device, section="policy")
     method = getattr(pol, pol.method)
     for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
@@ -57,6 +57,7 @@ def run(ctx) -> dict[str, Any]:
         "resumed_from": resume,
         "trainable_parameters": trainable,
         "adapter": pol.lora.enabled,
+        "precision": training.precision_report(trainer),
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
         "last": {k: round(v, 5) for k, v in last.items() if not k.startswith("train_") and k != "total_flos"},
     }

@@ -3,9 +3,12 @@
 DPO compares the policy with a frozen reference (the SFT model) on every pair; that is a
 second forward pass per step. With `policy.dpo.precompute_ref_log_probs` (default) this
 stage runs the reference once over the pairs the policy will train on and writes them,
-with the log-probs added, to `pairs.jsonl`. Its fingerprint covers only what the numbers
-depend on (the SFT model, the pairs, `max_length`, dtype), so a rerun of `policy` with another
-`beta` or `loss_type` finds this stage current and runs no reference forward at all.
+with the log-probs added, to `pairs.jsonl`. It computes them as the policy will run at step 0:
+under `policy.mixed_precision` (the forward autocast, fp32 outputs, as the Trainer runs it) and,
+with QLoRA (`policy.lora.quantization`), on the quantised base. Its fingerprint covers only what
+the numbers depend on (the SFT model, the pairs, `max_length`, dtype, precision, quantization), so
+a rerun of `policy` with another `beta` or `loss_type` finds this stage current and runs no
+reference forward at all.
 For other methods, or with precompute off, it records that nothing was needed.
 
     python -m stages reference
@@ -17,6 +20,8 @@ from typing import Any
 from stages.data import write_jsonl
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import preference_pairs
+from stages.trainers.adapters import quantization_config
+from stages.trainers.precision import autocast_forward, mixed_precision
 from stages.trainers.reference import compute_reference_logps
 
 
@@ -41,8 +46,16 @@ def run(ctx) -> dict[str, Any]:
     device = pick_device(p.run.device)
     sft = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(sft, trust_remote_code=p.model.trust_remote_code)
-    model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code)
-    ctx.log.info("reference: log-probs of %d pairs from %s under %s", len(pairs), source, sft)
-    rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32)
+    # the policy's numerics: its autocast and, for QLoRA, its quantised base (the reference is that base with
+    # the adapter off); both refused here, before loading, where the policy could not run them either
+    precision = mixed_precision(pol.mixed_precision, device, "policy")
+    quantization = quantization_config(pol.lora, device=device, key="policy.lora.quantization")
+    model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
+                           quantization_config=quantization)
+    ctx.log.info("reference: log-probs of %d pairs from %s under %s (mixed precision %s, quantization %s)",
+                 len(pairs), source, sft, precision, pol.lora.quantization if quantization else "none")
+    with autocast_forward(model, precision):
+        rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32)
     write_jsonl(ctx.out / "pairs.jsonl", rows)
-    return {"computed": True, "pairs": len(rows), "source": str(source.parent.name)}
+    return {"computed": True, "pairs": len(rows), "source": str(source.parent.name), "mixed_precision": precision,
+            "quantization": pol.lora.quantization if quantization else "none"}

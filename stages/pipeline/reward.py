@@ -14,6 +14,7 @@ better than that must not steer sampling or RL. Writes `model/` (loadable with
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 from typing import Any
@@ -22,7 +23,6 @@ from stages.data import read_jsonl
 from stages.errors import QualityGateFailed
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.adapters import apply_lora, trainable_fraction
 from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model
 
 
@@ -38,11 +38,9 @@ def run(ctx) -> dict[str, Any]:
     device = pick_device(p.run.device)
     start = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
-    model = load_reward_model(start, tokenizer=tokenizer, dtype=p.model.dtype, device=device,
-                              trust_remote_code=p.model.trust_remote_code)
-    if r.lora.enabled:
-        model = apply_lora(model, r.lora, task_type="SEQ_CLS")
-    trainable, total = trainable_fraction(model)
+    model, trainable, total = training.load_trainable_model(
+        start, p, r, device=device, section="reward", load=functools.partial(load_reward_model, tokenizer=tokenizer),
+        task_type="SEQ_CLS")
     args = training.trainer_config(RewardConfig, r, training.trainer_args(ctx, r, device=device, section="reward"))
     logger, callbacks = training.callbacks(ctx, r.report_to)
     trainer = RewardTrainer(model, args=args, processing_class=tokenizer, train_dataset=train_pairs,
@@ -74,6 +72,7 @@ def run(ctx) -> dict[str, Any]:
         "resumed_from": resume,
         "trainable_parameters": trainable,
         "adapter": r.lora.enabled,
+        "precision": training.precision_report(trainer),
         "table": quality["calibration"],
     }
 

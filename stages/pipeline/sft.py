@@ -30,13 +30,9 @@ def run(ctx) -> dict[str, Any]:
     base = resolve_model(p.model, p.run.output_dir)
     tokenizer = load_tokenizer(base, trust_remote_code=p.model.trust_remote_code)
     train, val = load_rows(ctx, s)
-    model, trainable, total = training.load_trainable_model(
-        base, p, s, device=device, checkpointing_every=s.gradient_checkpointing_every if s.gradient_checkpointing
-        else None)
-
-    precision = training.mixed_precision(s.mixed_precision, device, "sft")
+    model, trainable, total = training.load_trainable_model(base, p, s, device=device, section="sft")
     args = training.trainer_config(SFTConfig, s, {
-        **training.trainer_args(ctx, s, device=device, precision=precision, section="sft"),
+        **training.trainer_args(ctx, s, device=device, section="sft"),
         "weight_decay": s.weight_decay, "eval_strategy": "epoch" if val and not s.streaming else "no"})
     logger, callbacks = training.callbacks(ctx, s.report_to)
     trainer = SFTTrainer(model, args, processing_class=tokenizer, train_dataset=train, eval_dataset=val or None,
@@ -62,6 +58,7 @@ def run(ctx) -> dict[str, Any]:
         "trainable_parameters": trainable,
         "total_parameters": total,
         "adapter": s.lora.enabled,
+        "precision": training.precision_report(trainer),
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
         "base_model": {"name_or_path": p.model.name_or_path, "fingerprint": model_fingerprint(p.model, p.run.output_dir)},
     }

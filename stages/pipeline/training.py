@@ -19,27 +19,37 @@ from stages.fields import is_param
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
+from stages.trainers.logprobs import unwrap
+from stages.trainers.precision import mixed_precision, trainer_precision
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
-def load_trainable_model(path: str, p, s, *, device: str, checkpointing_every: int | None = None):
-    """The model a training stage starts from: loaded (quantised for QLoRA), activation checkpointing
-    every `checkpointing_every` blocks if given, LoRA adapters if `s.lora.enabled`. -> (model, trainable, total)."""
-    model = load_causal_lm(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
-                           quantization_config=quantization_config(s.lora, device=device))
-    if checkpointing_every:
+def load_trainable_model(path: str, p, s, *, device: str, section: str, load=load_causal_lm,
+                         task_type: str = "CAUSAL_LM"):
+    """The model a training stage starts from, from its params section `s` (`section`: its name in params.yaml):
+    loaded by `load` (quantised for QLoRA: `s.lora.quantization`, refused before loading where it cannot
+    work), activation checkpointing (`s.gradient_checkpointing`, every `s.gradient_checkpointing_every`-th
+    block), LoRA adapters if `s.lora.enabled` (PEFT `task_type`). -> (model, trainable, total).
+
+    The weights load at model.dtype; mixed precision is autocast around the forward (`trainer_args`), so
+    with model.dtype float32 the optimizer keeps fp32 master weights."""
+    quantization = quantization_config(s.lora, device=device, key=f"{section}.lora.quantization")
+    model = load(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
+                 quantization_config=quantization)
+    if s.gradient_checkpointing:
         model.config.use_cache = False
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=checkpointing_every)
+                                              every_n_layers=s.gradient_checkpointing_every)
     if s.lora.enabled:
-        model = apply_lora(model, s.lora)
+        model = apply_lora(model, s.lora, task_type=task_type)
     return (model, *trainable_fraction(model))
 
 
-def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) -> dict[str, Any]:
+def trainer_args(ctx, s, *, device: str, section: str) -> dict[str, Any]:
     """TrainingArguments keywords common to every training stage, from its params section `s`."""
     check_trackers(s.report_to, section)
+    precision = mixed_precision(s.mixed_precision, device, section)
     return dict(
         output_dir=str(ctx.work / "checkpoints"), learning_rate=s.learning_rate, num_train_epochs=s.num_train_epochs,
         max_steps=s.max_steps, per_device_train_batch_size=s.per_device_train_batch_size,
@@ -50,8 +60,22 @@ def trainer_args(ctx, s, *, device: str, precision: str = "no", section: str) ->
         report_to=[r for r in s.report_to if r != "tensorboard"] or "none",
         seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
         disable_tqdm=True,  # LogToLogger reports progress with an ETA
+        # accelerate wraps the model's forward in torch.autocast and casts its outputs back to fp32
+        # (stages.trainers.precision.wrap_forward does the same for references computed outside the Trainer)
         bf16=precision == "bf16", fp16=precision == "fp16",
     )
+
+
+def precision_report(trainer) -> dict[str, Any]:
+    """How the stage computed, read from the trained objects (for its manifest): the autocast, whether
+    activation checkpointing was on, and the dtype of the trained (master) weights."""
+    model = trainer.model
+    inner = unwrap(model)
+    inner = getattr(inner, "pretrained_model", inner)  # PPO's value-head wrapper
+    trained = {str(w.dtype).removeprefix("torch.") for w in model.parameters() if w.requires_grad}
+    return {"mixed_precision": trainer_precision(trainer.args),
+            "gradient_checkpointing": bool(getattr(inner, "is_activation_checkpointing", False)),
+            "trained_weights_dtype": ",".join(sorted(trained))}
 
 
 def trainer_config(config_cls, section, args: dict[str, Any]):
@@ -125,14 +149,3 @@ def check_trackers(report_to: list[str], section: str) -> None:
         if importlib.util.find_spec(TRACKERS[name]) is None:
             raise ValueError(f"{section}.report_to includes {name!r} but the {TRACKERS[name]} package is not "
                              f"installed: pip install {TRACKERS[name]}, or remove it from {section}.report_to")
-
-
-def mixed_precision(setting: str, device: str, section: str) -> str:
-    import torch
-
-    if setting == "auto":
-        return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "no"
-    if setting != "no" and device != "cuda":
-        raise ValueError(f"{section}.mixed_precision = {setting!r} needs a GPU; this run is on {device} "
-                         "(use auto or no)")
-    return setting

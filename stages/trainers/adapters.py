@@ -11,16 +11,18 @@ import importlib.util
 from torch import nn
 
 
-def quantization_config(lora, *, device: str, compute_dtype: str = "bfloat16"):
-    """A BitsAndBytesConfig for QLoRA, or None; a clear error where it cannot work."""
+def quantization_config(lora, *, device: str, key: str = "lora.quantization", compute_dtype: str = "bfloat16"):
+    """A BitsAndBytesConfig for QLoRA, or None; an error naming `key` (e.g. policy.lora.quantization) where it
+    cannot work, raised before any model is loaded: QLoRA never silently falls back to plain LoRA."""
     if not lora.enabled or lora.quantization == "none":
         return None
     if device != "cuda":
-        raise ValueError(f"lora.quantization = {lora.quantization!r}: QLoRA needs a CUDA GPU (bitsandbytes "
-                         f"quantises on the GPU) but this run is on {device}; set lora.quantization: none for "
-                         "plain LoRA")
+        raise ValueError(f"{key} = {lora.quantization!r}: QLoRA needs a CUDA GPU (bitsandbytes quantises on the "
+                         f"GPU) but this run is on {device}; set {key}: none for plain LoRA (unquantized), or run "
+                         "on a GPU")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(f"lora.quantization = {lora.quantization!r} needs bitsandbytes: pip install bitsandbytes")
+        raise ValueError(f"{key} = {lora.quantization!r} needs bitsandbytes: pip install bitsandbytes, or set "
+                         f"{key}: none for plain LoRA (unquantized)")
     import torch
     from transformers import BitsAndBytesConfig
 

@@ -41,6 +41,7 @@ from stages.trainers.objectives import objective_problems, resolve_objective
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, preference_loss, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
+from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
                                        reference_model, reference_sequence_logps)
 from stages.trainers.logprobs import unwrap
@@ -128,7 +129,7 @@ class DPOTrainer(Trainer):
             data = getattr(self, split)
             if data is None or set(REF_COLUMNS) <= set(data.column_names):
                 continue
-            with reference_model(self.model, ref) as module, self.compute_loss_context_manager():
+            with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
                 logps = reference_logps_table(
                     module, self.processing_class, data.to_list(), max_length=self.args.max_length,
                     batch_size=self.args.per_device_eval_batch_size, device=self.args.device,
@@ -151,7 +152,7 @@ class DPOTrainer(Trainer):
             return columns
         if self.args.reference_free:
             return None, None
-        with reference_model(model, self.ref_model) as ref:
+        with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs).chunk(2)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -67,6 +67,7 @@ from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.logprobs import unwrap
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import PairCollator, tokenize_pairs
+from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
 
@@ -289,7 +290,7 @@ class GRPOTrainer(Trainer):
             batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.generation.temperature,
                                                     chunked=chunked)
         if a.beta > 0:
-            with reference_model(self.model, self.ref_model) as ref:
+            with reference_model(self.model, self.ref_model, precision=trainer_precision(self.args)) as ref:
                 batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.generation.temperature,
                                                         chunked=chunked)
         self._tick("training_s", time.perf_counter() - start)

@@ -28,6 +28,7 @@ from stages.losses import kto_loss
 from stages.fields import raise_problems
 from stages.trainers.kto_params import KTOParams
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
 
@@ -129,7 +130,7 @@ class KTOTrainer(Trainer):
         logps = sequence_logps(model, matched, chunked=chunked)
         with torch.no_grad():
             kl_logps = sequence_logps(model, mismatched, chunked=chunked)
-            with reference_model(model, self.ref_model) as ref:
+            with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
                 ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
                 ref_kl_logps = reference_sequence_logps(ref, mismatched, chunked=chunked)
             kl = self.accelerator.gather(kl_logps - ref_kl_logps).mean()  # one reference point for all devices

@@ -37,6 +37,7 @@ from stages.trainers.online_dpo_params import OnlineDPOParams
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
                                         sequence_logps)
+from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 
 
@@ -132,7 +133,7 @@ class OnlineDPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
         logps = sequence_logps(model, inputs, chunked=chunked)
-        with reference_model(model, self.ref_model) as ref:
+        with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
         weight = inputs.get("weight")  # (B,): present (0) only on a placeholder pair
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),

@@ -56,6 +56,7 @@ from stages.rewards import build_reward_functions
 from stages.trainers.logprobs import unwrap
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.ppo_params import PPOParams
+from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
@@ -232,7 +233,8 @@ class PPOTrainer(Trainer):
 
     def reference_logps(self, model, batch) -> torch.Tensor:
         """Per-token log-probs of the reference LM (no value head): (B, C)."""
-        with reference_model(unwrap(model).pretrained_model, self.ref_model) as ref:
+        with reference_model(unwrap(model).pretrained_model, self.ref_model,
+                             precision=trainer_precision(self.args)) as ref:
             return completion_logps(ref, batch, temperature=self.args.generation.temperature,
                                     chunked=self.args.use_chunked_logprobs)["logps"]
 

@@ -10,9 +10,10 @@ What a method compares its policy with, in order of preference:
 - a frozen copy of the starting model (`frozen_reference`), or the `ref_model` given;
 - none (`needed=False`: reference_free DPO, GRPO with beta 0).
 
-`reference_model(model, ref)` yields the module to run. It unwraps `model` from DDP /
-accelerate wrappers first: `DistributedDataParallel` forwards no attribute of the model inside
-it, so `disable_adapter` must be called on the unwrapped PEFT model.
+`reference_model(model, ref, precision=...)` yields the module to run, its forward under the
+policy's autocast (so that the policy at step 0 equals its reference). It unwraps `model` from
+DDP / accelerate wrappers first: `DistributedDataParallel` forwards no attribute of the model
+inside it, so `disable_adapter` must be called on the unwrapped PEFT model.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import copy
 import torch
 
 from stages.trainers.logprobs import unwrap
+from stages.trainers.precision import autocast_forward
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, sequence_logps,
                                         tokenize_pairs)
 
@@ -52,14 +54,17 @@ def frozen_reference(model, ref_model=None, *, needed: bool = True):
 
 
 @contextlib.contextmanager
-def reference_model(model, ref_model):
+def reference_model(model, ref_model, *, precision: str = "no"):
     """The module to run as the reference: `ref_model` on `model`'s device, or `model` (unwrapped from
-    DDP) with its adapter off. Run it under no_grad."""
+    DDP) with its adapter off; its forward under the policy's autocast `precision` ("no", "bf16", "fp16";
+    `stages.trainers.precision.trainer_precision(args)`), as the Trainer runs the policy's, so that the
+    policy at step 0 equals its reference. Run it under no_grad."""
     inner = unwrap_wrappers(model)
     if ref_model is not None:
-        yield ref_model.to(next(inner.parameters()).device)
+        with autocast_forward(ref_model.to(next(inner.parameters()).device), precision) as ref:
+            yield ref
     elif is_peft(inner):
-        with inner.disable_adapter():
+        with inner.disable_adapter(), autocast_forward(inner, precision):
             yield inner
     else:
         raise ValueError("no reference model: pass ref_model, use a PEFT model, or turn the reference off "

@@ -89,7 +89,12 @@ def load_reward_model(path: str, tokenizer=None, *, dtype: str = "float32", devi
 
         model = AutoPeftModelForSequenceClassification.from_pretrained(path, **kwargs).merge_and_unload()
         model.requires_grad_(True)
-    else:
+    if adapter.exists() and quantization_config is not None:  # QLoRA: merged at full precision, then quantised
+        from stages.models import load_quantized
+
+        return _with_pad(load_quantized(model, AutoModelForSequenceClassification, quantization_config, **kwargs),
+                         tokenizer)
+    if not adapter.exists():
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
         if heads and config.num_labels != 1:

@@ -24,3 +24,52 @@ def test_nothing_to_compute_for_other_methods():
     p = PolicyParams()
     p.dpo.precompute_ref_log_probs = False
     assert "precompute_ref_log_probs = false" in needed(p)
+
+
+# bf16 noise allowed on a step-0 DPO reward (a batch mean of beta x log-prob differences): beta x 2 fp32 ulps of
+# a summed log-prob in [64, 128) (ulp 7.6e-6: what the reference's batch shape alone moved one by; measured 0.0)
+STEP0_TOLERANCE = 0.1 * 2 * 2 ** -17
+
+
+def _first_logged_rewards(log_history: list[dict]) -> dict[str, float]:
+    return {k: log_history[0][k] for k in ("rewards/margins", "rewards/chosen", "rewards/rejected")}
+
+
+def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipeline):
+    """With policy.mixed_precision = bf16 the reference stage computes under the policy's autocast: the first
+    logged DPO step (before any update: policy = reference) has rewards 0 within STEP0_TOLERANCE. The same bf16
+    trainer against the fp32 reference of the built pipeline (auto = no on CPU: what this stage computed
+    before it followed the policy's precision) logs rewards that are not 0."""
+    import json
+    import shutil
+
+    from stages.config import load_params
+    from stages.models import load_causal_lm, load_tokenizer
+    from stages.trainers.dpo import DPOConfig, DPOTrainer
+    from tests.conftest import write_params
+
+    params, manifests = built_pipeline
+    shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
+    p = load_params(write_params(tmp_path, {"policy": {"mixed_precision": "bf16", "gradient_checkpointing": True,
+                                                       "max_steps": 1}}))
+    ref = runner.run_stage("reference", p)
+    assert ref["executed"] and ref["metrics"]["mixed_precision"] == "bf16"  # the precision is in its fingerprint
+    m = runner.run_stage("policy", p)["metrics"]
+    assert m["precision"] == {"mixed_precision": "bf16", "gradient_checkpointing": True,
+                              "trained_weights_dtype": "float32"}  # fp32 master weights under autocast
+    fixed = _first_logged_rewards(json.loads((tmp_path / "artifacts" / "policy" / "log_history.json").read_text()))
+
+    sft = str(runner.output_dir(params, "sft") / "model")
+    fp32_rows = read_jsonl(runner.output_dir(params, "reference") / "pairs.jsonl")
+    assert manifests["reference"]["metrics"]["mixed_precision"] == "no"
+    args = DPOConfig(output_dir=str(tmp_path / "unfixed"), bf16=True, use_cpu=True, max_steps=1, logging_steps=1,
+                     per_device_train_batch_size=p.policy.per_device_train_batch_size, report_to="none",
+                     seed=p.run.seed, data_seed=p.run.seed, save_strategy="no", disable_tqdm=True,
+                     beta=p.policy.dpo.beta, max_length=p.policy.dpo.max_length)
+    trainer = DPOTrainer(load_causal_lm(sft), args=args, processing_class=load_tokenizer(sft),
+                         train_dataset=fp32_rows)
+    trainer.train()
+    unfixed = _first_logged_rewards(trainer.state.log_history)
+    print(f"\nstep-0 DPO rewards, bf16 policy: bf16 reference {fixed}; fp32 reference {unfixed}")
+    assert all(abs(v) <= STEP0_TOLERANCE for v in fixed.values()), fixed
+    assert max(abs(v) for v in unfixed.values()) > 4 * STEP0_TOLERANCE, unfixed

@@ -76,3 +76,28 @@ def test_frozen_copy_none_and_columns(setup):
     columns = {**batch, REF_COLUMNS[0]: torch.zeros(4), REF_COLUMNS[1]: torch.ones(4)}
     chosen, rejected = precomputed(columns)
     assert chosen.tolist() == [0.0] * 4 and rejected.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("reference", ["frozen copy", "adapter disabled", "precomputed by the trainer"])
+def test_reference_runs_under_the_policys_bf16_autocast(setup, tmp_path, reference):
+    """Under bf16 every reference the trainer builds itself runs as the policy's forward does (autocast, fp32
+    outputs: `reference_model(..., precision=)`): the first logged step, before any update, has rewards 0.
+    Before, the frozen copy and the precompute (run before `train()` prepares the model) ran in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.trainers.dpo import DPOConfig, DPOTrainer
+
+    path, _ = setup
+    model = _lora(path) if reference == "adapter disabled" else AutoModelForCausalLM.from_pretrained(path)
+    if reference == "adapter disabled":  # B = 0, as a fresh adapter: the policy at step 0 is its base
+        for name, w in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.zeros_(w)
+    args = DPOConfig(output_dir=str(tmp_path), bf16=True, use_cpu=True, max_steps=1, logging_steps=1,
+                     per_device_train_batch_size=4, report_to="none", save_strategy="no", disable_tqdm=True,
+                     precompute_ref_log_probs=reference == "precomputed by the trainer", max_length=256)
+    trainer = DPOTrainer(model, args=args, processing_class=AutoTokenizer.from_pretrained(path),
+                         train_dataset=builtin_rows("preference", "preference")[:4])
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert [first[k] for k in ("rewards/margins", "rewards/chosen", "rewards/rejected")] == [0.0] * 3, first
