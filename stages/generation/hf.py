@@ -17,6 +17,7 @@ import torch
 
 from stages.data.tokenize import render_prompt
 from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+from stages.sharding import generate_kwargs
 from stages.utils import pad
 
 
@@ -43,7 +44,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         if not ids:
             raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
 
-    kwargs = _generate_kwargs(sampling, eos, pad_id)
+    kwargs = {**_generate_kwargs(sampling, eos, pad_id), **generate_kwargs(model)}
     order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
     per_prompt: list[list[list[int]]] = [[] for _ in prompts]
     device = next(model.parameters()).device
