@@ -14,13 +14,13 @@ import pytest
 
 from stages.processes import run_command
 from tests.distributed import sharded_worker
-from tests.distributed.test_data_parallel import free_port, model  # noqa: F401 (the shared tiny-model fixture)
+from tests.distributed.conftest import free_port
 
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(model, tmp_path_factory):  # noqa: F811
+def ranks(model, tmp_path_factory):
     """[rank 0's measurements, rank 1's], each {sharding: {...}} (see sharded_worker.measure)."""
     out = tmp_path_factory.mktemp("sharded")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
