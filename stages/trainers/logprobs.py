@@ -69,7 +69,17 @@ def selected_hidden(model, inputs: dict, select: torch.Tensor):
 def head_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, **kw):
     """log p(targets) from hidden states: (N, H), targets: (N,) -> (N,) (and entropy with return_entropy)."""
     with gathered_head(head) as (weight, bias):
+        hidden, weight, bias = head_operands(hidden, weight, bias)
         return chunked_logprobs(hidden, weight, targets, bias=bias, **kw)
+
+
+def head_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(hidden, weight, bias) in the dtype the head's matmul runs in inside the model's forward: the autocast
+    dtype under autocast, else the weight's. Mixed precision hands back float32 hidden states (accelerate
+    converts a forward's outputs to float32) while a bf16 model's head runs in bf16."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @torch.no_grad()
@@ -77,6 +87,7 @@ def head_argmax(hidden: torch.Tensor, head: nn.Linear, rows: int = 1024) -> torc
     """Greedy token per row, in row chunks (for accuracy metrics): (N, H) -> (N,)."""
     out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
     with gathered_head(head) as (weight, bias):
+        hidden, weight, bias = head_operands(hidden, weight, bias)
         for start in range(0, hidden.shape[0], rows):
             out[start:start + rows] = nn.functional.linear(hidden[start:start + rows], weight, bias).argmax(-1)
     return out
