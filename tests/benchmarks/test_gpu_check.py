@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: its command line, its skip without CUDA, and (marker gpu) the run itself on a GPU."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,16 +23,24 @@ def test_help_names_the_model_and_the_options():
     assert "0.5B" in done.stdout and "--steps" in done.stdout and "--modes" in done.stdout
 
 
-def test_unknown_mode_is_refused():
-    done = run("--modes", "lora,fp8")
-    assert done.returncode == 2 and "unknown ['fp8']; choose from lora, qlora" in done.stderr
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unknown_mode_is_refused(gpu_check, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--modes", "lora,fp8"])
+    assert stop.value.code == 2 and "unknown ['fp8']; choose from lora, qlora" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible: the gpu-marked test runs instead")
-def test_without_cuda_it_says_so_and_exits_77():
-    done = run()
-    assert done.returncode == 77, done.stderr
-    assert "gpu_check: skipped: no CUDA GPU is visible" in done.stdout
+def test_without_cuda_it_says_so_and_exits_77(gpu_check, capsys):
+    assert gpu_check.main([]) == 77
+    assert "gpu_check: skipped: no CUDA GPU is visible" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
