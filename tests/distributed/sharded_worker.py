@@ -71,6 +71,7 @@ def measure(how: str, model_path: str, rank: int) -> dict:
     from stages.trainers.logprobs import lm_head_for_chunking
     from stages.trainers.preference import sequence_logps
     from stages.trainers.reference import frozen_reference
+    from stages.trainers.rollout import completion_logps
 
     tok = AutoTokenizer.from_pretrained(model_path)
     plain = AutoModelForCausalLM.from_pretrained(model_path)
@@ -86,6 +87,12 @@ def measure(how: str, model_path: str, rank: int) -> dict:
         got["logps_nograd_diff"] = max_diff(sequence_logps(sharded, batch, chunked=True), want)
         got["head_is_dtensor_after_forward"] = type(sharded.lm_head.weight).__name__ == "DTensor"
         got["plain_chunked_diff"] = max_diff(sequence_logps(plain, batch, chunked=True), want)
+        # the online methods' path (GRPO, PPO): every token's log-prob and entropy
+        rollout = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                   "completion_mask": batch["attention_mask"][:, 1:]}
+        want = completion_logps(plain, rollout, chunked=False, with_entropy=True)
+        have = completion_logps(sharded, rollout, chunked=True, with_entropy=True)
+        got["rollout_logps_diff"] = max(max_diff(have[k], want[k]) for k in ("logps", "entropy"))
 
     # gradients: the logits path; the same rows on both ranks, so the averaged gradient is this rank's
     got["chunked_with_grad"] = lm_head_for_chunking(sharded) is not None

@@ -39,7 +39,7 @@ def test_sharded_model_matches_the_unsharded_one(ranks, how):
         # without gradients the head is read outside the forward (gathered when FSDP2 resharded it) ...
         assert got["chunked_without_grad"]
         assert got["head_is_dtensor_after_forward"] == (how == "head")
-        assert got["logps_nograd_diff"] <= TOLERANCE
+        assert got["logps_nograd_diff"] <= TOLERANCE and got["rollout_logps_diff"] <= TOLERANCE
         # ... with gradients the logits path: FSDP2 reduces only the gradients of its own forward
         assert not got["chunked_with_grad"]
         assert got["logps_grad_diff"] <= TOLERANCE and got["grad_rel_diff"] <= 1e-4
