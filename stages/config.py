@@ -554,6 +554,9 @@ class Params:
             problems.append(("merge.weights", f"= {m.weights}: {len(m.weights)} weight(s) for {adapters} adapter(s) "
                              f"(the {'policy' if self.policy.method != 'none' else 'sft'} stage's adapter if it "
                              "trains one, then merge.adapters); give one per adapter or null for all 1.0"))
+        from stages.trainers.adapters import lora_target_problems  # lazy: it loads the model's config
+
+        problems += lora_target_problems(self)
         return problems
 
     def to_dict(self) -> dict[str, Any]:

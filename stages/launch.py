@@ -114,6 +114,17 @@ def preflight(stage: str, params: Params) -> Path:
 
     Returns the resolved accelerate config file.
     """
+    config = check_config(params)
+    check_batch(stage, params)
+    launch = params.run.launch
+    if launch.num_machines > 1 and launch.machine_rank > 0:
+        wait_for_main(launch.main_process_ip, launch.main_process_port, launch.connect_timeout_s)
+    return config
+
+
+def check_config(params: Params) -> Path:
+    """The accelerate config against the processes and the hardware (FSDP / DeepSpeed need CUDA), before
+    anything else is looked at (even before the upstream stages): LaunchError naming the key."""
     launch = params.run.launch
     config = resolve_config(launch.accelerate_config)
     kind = distributed_type(config)
@@ -127,8 +138,9 @@ def preflight(stage: str, params: Params) -> Path:
         import torch
 
         if params.run.device == "cpu" or not torch.cuda.is_available():
+            why = "run.device = cpu" if params.run.device == "cpu" else "none is visible"
             raise LaunchError(f"run.launch.accelerate_config = {launch.accelerate_config}: {GPU_ONLY[kind]} needs "
-                              "CUDA GPUs and none is visible; use configs/accelerate/ddp.yaml on CPU")
+                              f"CUDA GPUs and {why}; use configs/accelerate/ddp.yaml on CPU (nothing was launched)")
         if kind == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
             raise LaunchError(f"run.launch.accelerate_config = {launch.accelerate_config} needs the deepspeed "
                               "package: pip install deepspeed")
@@ -140,9 +152,6 @@ def preflight(stage: str, params: Params) -> Path:
             raise LaunchError(f"run.launch.num_processes = {launch.num_processes} over {launch.num_machines} "
                               f"machine(s) is {local} per machine, but this machine has "
                               f"{torch.cuda.device_count()} GPU(s): one process per GPU")
-    check_batch(stage, params)
-    if launch.num_machines > 1 and launch.machine_rank > 0:
-        wait_for_main(launch.main_process_ip, launch.main_process_port, launch.connect_timeout_s)
     return config
 
 
@@ -198,6 +207,7 @@ def launch_stage(stage: str, params: Params, *, on_line: Callable[[str], Any] = 
 
     The run's params are written out resolved (overrides included) and every rank reads that file.
     """
+    check_config(params)
     state = runner.inspect(stage, params)
     if state.current and not force:
         return {**artifacts.read_manifest(state.folder), "executed": False}

@@ -41,6 +41,26 @@ def model_fingerprint(cfg: ModelConfig, output_dir: str | Path) -> str:
     return f"hub:{cfg.name_or_path}"
 
 
+def model_skeleton(cfg: ModelConfig, *, sequence_classifier: bool = False):
+    """The model's modules without its weights (on the meta device: no memory, no download), for checks made
+    before any training. Reads only config.json (builtin:tiny: its config from model.builtin)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if cfg.name_or_path.startswith("builtin:"):
+        from stages.builtin import tiny
+
+        spec = {k: v for k, v in dataclasses.asdict(cfg.builtin).items() if k != "seed"}
+        config = tiny.model_config(**spec)
+    else:
+        config = AutoConfig.from_pretrained(resolve_model(cfg, "."), trust_remote_code=cfg.trust_remote_code)
+    auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM
+    if sequence_classifier:
+        config.num_labels = 1
+    with torch.device("meta"):
+        return auto.from_config(config, trust_remote_code=cfg.trust_remote_code)
+
+
 def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
     from stages.builtin import tiny
 

@@ -51,16 +51,24 @@ def build_tokenizer(vocab_size: int):
     )
 
 
+def model_config(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                 **tokens):
+    """The Llama config of the built-in model (`tokens`: eos/pad ids, max_position_embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                       tie_word_embeddings=False, bos_token_id=None, **tokens)
+
+
 def build_model(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int, seed: int):
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        max_position_embeddings=tokenizer.model_max_length, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )
+    config = model_config(vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
+                          num_heads=num_heads, intermediate_size=intermediate_size,
+                          max_position_embeddings=tokenizer.model_max_length,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -24,6 +24,7 @@ import torch
 
 from stages.data.tokenize import render_prompt
 from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+from stages.sharding import generate_kwargs
 from stages.utils import pad
 
 
@@ -51,7 +52,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
             raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
 
     per_row = sampling.do_sample and sampling.num_beams == 1
-    kwargs = _generate_kwargs(sampling, eos, pad_id, per_row)
+    kwargs = {**_generate_kwargs(sampling, eos, pad_id, per_row), **generate_kwargs(model)}
     n = sampling.n
     order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
     per_prompt: list[list[list[int]]] = [[] for _ in prompts]

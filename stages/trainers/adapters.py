@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 
-from torch import nn
-
 
 def quantization_config(lora, *, device: str, key: str = "lora.quantization", compute_dtype: str = "bfloat16"):
     """A BitsAndBytesConfig for QLoRA, or None; an error naming `key` (e.g. policy.lora.quantization) where it
@@ -32,10 +30,52 @@ def quantization_config(lora, *, device: str, key: str = "lora.quantization", co
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
+def lora_module_names(model) -> list[str]:
+    """Full names of the layers LoRA can adapt: Linear, Embedding, Conv1d/2d and GPT-2's Conv1D."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, Conv1D)
+    return [name for name, m in model.named_modules() if isinstance(m, kinds)]
+
+
 def linear_module_names(model) -> list[str]:
-    """Short names of the Linear layers LoRA can target (q_proj, v_proj, ...)."""
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return sorted(names)
+    """Short names of the layers LoRA can target (q_proj, v_proj, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in lora_module_names(model)})
+
+
+def missing_targets(targets: list[str], model) -> list[str]:
+    """The entries of `lora.target_modules` that name no adaptable layer, matched as PEFT matches a list
+    (a name equal to the layer's full name or ending it after a dot); [] for [all-linear]."""
+    if targets == ["all-linear"]:
+        return []
+    names = lora_module_names(model)
+    return [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+
+
+def lora_target_problems(params) -> list[tuple[str, str]]:
+    """Params problems for every enabled `<section>.lora.target_modules` naming layers the model lacks,
+    checked on the model's skeleton (config.json only) before anything is loaded or launched."""
+    sections = [("sft", False), ("reward", True)] + ([("policy", False)] if params.policy.method != "none" else [])
+    wanted = [(name, cls) for name, cls in sections
+              if getattr(params, name).lora.enabled and getattr(params, name).lora.target_modules != ["all-linear"]]
+    if not wanted:
+        return []
+    from stages.models import model_skeleton
+
+    problems = []
+    for name, sequence_classifier in wanted:
+        try:
+            model = model_skeleton(params.model, sequence_classifier=sequence_classifier)
+        except Exception:  # noqa: BLE001 -- model.name_or_path's own check reports an unloadable model
+            return problems
+        targets = getattr(params, name).lora.target_modules
+        if missing := missing_targets(targets, model):
+            problems.append((f"{name}.lora.target_modules", (
+                f"= {targets}: {missing} name no layer of {type(model).__name__} (model.name_or_path = "
+                f"{params.model.name_or_path}); the layers LoRA can adapt are {linear_module_names(model)}; "
+                "name some of them or use [all-linear]")))
+    return problems
 
 
 def apply_lora(model, lora, *, task_type: str = "CAUSAL_LM"):
@@ -46,13 +86,10 @@ def apply_lora(model, lora, *, task_type: str = "CAUSAL_LM"):
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    available = linear_module_names(model)
     targets = lora.target_modules
-    if targets != ["all-linear"]:
-        missing = [t for t in targets if t not in available]
-        if missing:
-            raise ValueError(f"lora.target_modules = {targets}: {missing} not in the model; its Linear layers "
-                             f"are {available} (or use [all-linear])")
+    if missing := missing_targets(targets, model):
+        raise ValueError(f"lora.target_modules = {targets}: {missing} not in the model; the layers LoRA can adapt "
+                         f"are {linear_module_names(model)} (or use [all-linear])")
     named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in lora.modules_to_save if m not in named]
     if missing:

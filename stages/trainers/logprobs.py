@@ -9,7 +9,10 @@
   adapter on the head, tied heads wrapped in custom modules);
 - the config post-processes logits (`final_logit_softcapping`, `logit_scale`,
   `logits_scaling`, ... as in Gemma 2, Cohere, Granite);
-- the forward has no `logits_to_keep` argument (the logits could not be skipped anyway).
+- the forward has no `logits_to_keep` argument (the logits could not be skipped anyway);
+- the parameters are sharded (FSDP, DeepSpeed ZeRO-3) and gradients are on: the engine reduces
+  only gradients taken inside a module's forward (`stages.sharding`). Without gradients
+  the sharded head is gathered for the call (`head_logprobs`, `head_argmax`).
 
 The trainers then run the model's forward themselves (so DDP/FSDP hooks fire as usual),
 asking for the final hidden states and only one position of logits.
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from stages.kernels import chunked_logprobs
+from stages.sharding import chunking_allowed, gathered_head, module_type
 
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -38,7 +42,7 @@ def lm_head_for_chunking(model) -> nn.Linear | None:
     """The output layer to use with chunked_logprobs, or None when the logits path is required."""
     inner = unwrap(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if module_type(head) is not nn.Linear:
         return None
     config = getattr(inner, "config", None)
     for attr in LOGIT_POSTPROCESSING:
@@ -47,6 +51,8 @@ def lm_head_for_chunking(model) -> nn.Linear | None:
         if value not in ((None,) if attr.endswith("softcapping") else (None, 1, 1.0)):
             return None
     if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+        return None
+    if not chunking_allowed(model):
         return None
     return head
 
@@ -62,13 +68,26 @@ def selected_hidden(model, inputs: dict, select: torch.Tensor):
 
 def head_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, **kw):
     """log p(targets) from hidden states: (N, H), targets: (N,) -> (N,) (and entropy with return_entropy)."""
-    return chunked_logprobs(hidden, head.weight, targets, bias=head.bias, **kw)
+    with gathered_head(head) as (weight, bias):
+        hidden, weight, bias = head_operands(hidden, weight, bias)
+        return chunked_logprobs(hidden, weight, targets, bias=bias, **kw)
+
+
+def head_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(hidden, weight, bias) in the dtype the head's matmul runs in inside the model's forward: the autocast
+    dtype under autocast, else the weight's. Mixed precision hands back float32 hidden states (accelerate
+    converts a forward's outputs to float32) while a bf16 model's head runs in bf16."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @torch.no_grad()
 def head_argmax(hidden: torch.Tensor, head: nn.Linear, rows: int = 1024) -> torch.Tensor:
     """Greedy token per row, in row chunks (for accuracy metrics): (N, H) -> (N,)."""
     out = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
-    for start in range(0, hidden.shape[0], rows):
-        out[start:start + rows] = head(hidden[start:start + rows]).argmax(-1)
+    with gathered_head(head) as (weight, bias):
+        hidden, weight, bias = head_operands(hidden, weight, bias)
+        for start in range(0, hidden.shape[0], rows):
+            out[start:start + rows] = nn.functional.linear(hidden[start:start + rows], weight, bias).argmax(-1)
     return out

@@ -7,7 +7,9 @@ What a method compares its policy with, in order of preference:
   no reference model at all;
 - adapter disabled: with a PEFT (LoRA) policy, the same weights with the adapter switched off,
   no second copy in memory;
-- a frozen copy of the starting model (`frozen_reference`), or the `ref_model` given;
+- a frozen copy of the starting model (`frozen_reference`), or the `ref_model` given; a sharded
+  model (FSDP2) is not copied but loaded again from its checkpoint folder and sharded the same way
+  (`stages.sharding.sharded_reference`);
 - none (`needed=False`: reference_free DPO, GRPO with beta 0).
 
 `reference_model(model, ref, precision=...)` yields the module to run, its forward under the
@@ -22,6 +24,7 @@ import copy
 
 import torch
 
+from stages.sharding import sharded_reference, sharding_engine
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import autocast_forward
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, sequence_logps,
@@ -47,7 +50,7 @@ def frozen_reference(model, ref_model=None, *, needed: bool = True):
     if not needed:
         return None
     if ref_model is None and not is_peft(model):
-        ref_model = copy.deepcopy(unwrap(model))
+        ref_model = sharded_reference(model) if sharding_engine(model) else copy.deepcopy(unwrap(model))
     if ref_model is not None:
         ref_model.eval().requires_grad_(False)
     return ref_model

@@ -10,17 +10,16 @@ worker.py) on the built-in tiny model from the same start, with the same global 
   normalised over the tokens of the whole accumulated batch, not per micro-batch: the rows
   alternate long and short completions so a per-micro-batch mean would differ) and DPO.
 """
-import socket
 import sys
 
 import pytest
 import torch
 
-from stages.builtin import tiny
 from stages.config import LaunchConfig
 from stages.launch import launch_command
 from stages.processes import run_command
 from tests.distributed import worker
+from tests.distributed.conftest import free_port
 
 STEPS = 3
 
@@ -39,22 +38,10 @@ def assert_same_update(got: dict, want: dict, rtol: float = 1e-3, label: str = "
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(tiny.build(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, num_heads=2,
-                          intermediate_size=64, vocab_size=384, seed=0))
-
-
-@pytest.fixture(scope="module")
 def one_process(model, tmp_path_factory):
     """{method: update} of 1 process x 8 rows (x 1 accumulation step)."""
     out = tmp_path_factory.mktemp("one")
     return {m: worker.train(m, model, out, batch=8, steps=STEPS) for m in worker.METHODS}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -32,8 +32,10 @@ def test_lora_adapter_loads_with_peft_and_evaluates(tmp_path):
 
 
 def test_unknown_lora_target_is_a_clear_error(tmp_path):
-    params = _params(tmp_path, lora={"enabled": True, "target_modules": ["query"]})
-    with pytest.raises(ValueError, match=r"\['query'\] not in the model; its Linear layers are .*q_proj"):
+    """The stage's own check, behind the params check (tests/bad_inputs/test_sharded_inputs.py)."""
+    params = _params(tmp_path, lora={"enabled": True})
+    params.sft.lora.target_modules = ["query"]
+    with pytest.raises(ValueError, match=r"\['query'\] not in the model; the layers LoRA can adapt are .*q_proj"):
         runner.run_stage("sft", params)
     assert not runner.output_dir(params, "sft").exists()
 

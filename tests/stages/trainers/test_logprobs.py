@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
-from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
+from stages.trainers.logprobs import (head_argmax, head_logprobs, head_operands, lm_head_for_chunking,
+                                      selected_hidden)
 from tests.stages.trainers.conftest import build_tiny
 
 
@@ -64,3 +65,19 @@ def test_falls_back_for_non_linear_head(model):
         assert lm_head_for_chunking(model) is None
     finally:
         model.lm_head = original
+
+
+def test_head_runs_in_its_compute_dtype_when_mixed_precision_hands_back_float32_hidden_states():
+    """A bf16 head with float32 hidden states (accelerate converts the forward's outputs to float32 under
+    mixed precision) gives what `head(hidden.bf16())` gives, as the model's own forward would; under autocast
+    the autocast dtype wins over the weight's."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 11).to(torch.bfloat16)
+    hidden, targets = torch.randn(5, 8), torch.randint(0, 11, (5,))
+    want = torch.log_softmax(head(hidden.bfloat16()).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert torch.allclose(head_logprobs(hidden, head, targets).float(), want, atol=2e-2)
+    assert torch.equal(head_argmax(hidden, head), head(hidden.bfloat16()).argmax(-1))
+    fp32 = nn.Linear(8, 11)
+    assert {t.dtype for t in head_operands(hidden, fp32.weight, fp32.bias)} == {torch.float32}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {t.dtype for t in head_operands(hidden, fp32.weight, fp32.bias)} == {torch.bfloat16}
