@@ -123,6 +123,7 @@ def test_training_stage_on_a_process_work_pool_has_the_in_process_manifest(tmp_p
     summary = state.result()["stages"]
     # sft went to the pool and came back with its outputs hash: every stage below it stays current
     assert {s["stage"]: s["status"] for s in summary} == {s: "executed" if s == "sft" else "cached" for s in STAGE_ORDER}
+    assert pool_runs(process_worker) == ["Completed"]  # sft, run by the worker; current reward and policy not sent
     in_process = flat(manifests["sft"])
     on_pool = flat(json.loads((runner.output_dir(params, "sft") / "manifest.json").read_text()))
     in_process.pop("executed", None)
@@ -132,6 +133,17 @@ def test_training_stage_on_a_process_work_pool_has_the_in_process_manifest(tmp_p
     assert {k for k in differ if not k.startswith(TIMING)} == set(), sorted(differ)
     print(f"\n[pool] sft on a process work pool: flow {wall:.1f} s (the stage {on_pool['wall_time_s']:.1f} s in the "
           f"worker's flow run); in-process {in_process['wall_time_s']:.1f} s; manifest identical but {sorted(differ)}")
+
+
+def pool_runs(pool: str) -> list[str]:
+    """The states of the flow runs of deployment align-stage/<pool>."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(f"align-stage/{pool}")
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+    return [r.state.name for r in runs]
 
 
 TIMING = ("started_at", "wall_time_s", "metrics.train_runtime_s", "logs.")
