@@ -31,9 +31,12 @@ def shard_runner(params: Params) -> Iterator[TaskRunner | None]:
     if not address:
         yield None
         return
+    try:
+        from prefect_dask import DaskTaskRunner  # the [dask] extra: needed only when an address is set
+    except ImportError as e:
+        raise ImportError(f"{KEY} = {address!r} needs prefect-dask ({e}): pip install -e '.[dask]', or set "
+                          f"{KEY}: null; nothing was run or written") from None
     check_reachable(address)
-    from prefect_dask import DaskTaskRunner  # the [dask] extra: needed only when an address is set
-
     with DaskTaskRunner(address=address) as runner:  # connects at its first task
         yield runner
 
