@@ -13,7 +13,9 @@ folder is current (same params, code and inputs, files intact), so rerunning the
 executes what changed downstream of a change. Run it with `align run`, or through the
 deployments (`align serve`, then `prefect deployment run align/full`). With
 `run.parallel_shards` > 1, the work of the stages with shards (`StageSpec.shards`: score's
-prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py).
+prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py):
+in processes of this machine, or on the workers of the Dask cluster at `run.dask_address`
+(tasks/cluster.py; checked reachable before any stage runs).
 """
 from __future__ import annotations
 
@@ -29,12 +31,12 @@ from flows.promote import promote as promote_task
 from stages.config import Params, load_params
 from stages.registry import STAGES
 from stages.runner import output_dir
+from tasks.cluster import shard_runner
 from tasks.shards import fan_out
 from tasks.stage import STAGE_TASKS
 
 
-# Runs the shard tasks (run.parallel_shards: that many at once); on a cluster, e.g.
-# align.with_options(task_runner=DaskTaskRunner(address=...)) (prefect-dask; README "Scale out").
+# Runs the shard tasks (run.parallel_shards: that many at once) unless run.dask_address sends them to a cluster.
 @flow(name="align", task_runner=ThreadPoolTaskRunner())
 def align(params_file: str = "params.yaml", overrides: list[str] | None = None, promote: bool = False
           ) -> dict[str, Any]:
@@ -47,11 +49,12 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here
         return [runs[n].result() for n in names]
 
-    for spec in STAGES.values():  # the table's order: a stage's upstream stages come before it
-        upstream = after(*spec.upstream)
-        if spec.shards:
-            upstream = fan_out(spec.name, params, upstream)
-        runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
+    with shard_runner(params) as shard_tasks:  # an unreachable run.dask_address fails here, before any stage
+        for spec in STAGES.values():  # the table's order: a stage's upstream stages come before it
+            upstream = after(*spec.upstream)
+            if spec.shards:
+                upstream = fan_out(spec.name, params, upstream, shard_tasks)
+            runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
 
     summary = summarise(runs, params)
     if promote:

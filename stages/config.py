@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ from stages.trainers.generation_params import GenerationParams
 from stages.trainers.ppo_params import PPOParams
 from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.sft_params import SFTParams
+
+
+# A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
+DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
 
 
 class ParamsError(ValueError):
@@ -520,6 +525,17 @@ class RunConfig:
     launch: LaunchConfig = param(default_factory=LaunchConfig, help="processes and machines of training stages")
     parallel_shards: int = positive(1, "the flow computes score's prompt shards and evaluate's models in this many "
                                     "processes at once, through its task runner (1: in the stage's own run)")
+    dask_address: str | None = param(None, help="Dask scheduler whose workers run the flow's shard tasks "
+                                     "(tasks/cluster.py; pip install -e '.[dask]'); null: threads of the flow's "
+                                     "own process", check=lambda v: DASK_ADDRESS.fullmatch(v) is not None,
+                                     rule="expected [tcp:// or tls://]host:port, e.g. tcp://10.0.0.5:8786")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.dask_address and self.parallel_shards < 2:
+            return [("dask_address", f"= {self.dask_address!r} but run.parallel_shards = {self.parallel_shards}: "
+                     "no shard task would go to the cluster; set run.parallel_shards to its number of workers, or "
+                     "run.dask_address to null")]
+        return []
 
 
 @dataclass

@@ -8,14 +8,15 @@ and only assembles and seals the output.
 Each shard runs as its own `python -m stages <stage> --shard K --num-shards N` process:
 sampling seeds torch's process-wide RNG, so shards sampled in threads of one process would not
 reproduce the sequential run. With the flow's default ThreadPoolTaskRunner those processes run
-on this machine; with a DaskTaskRunner or RayTaskRunner they run on the cluster's workers, which
-need this code and `run.output_dir` on shared storage (README "Scale out").
+on this machine; with `run.dask_address` set they go to that Dask cluster's workers instead
+(tasks/cluster.py), which need this code and `run.output_dir` on shared storage (README "Scale out").
 """
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
+from prefect.task_runners import TaskRunner
 
 from stages.config import Params
 from stages.runner import inspect, run_shard_process
@@ -31,12 +32,14 @@ def stage_shard(name: str, params: Params, shard: int, num_shards: int, upstream
     return {"stage": name, "shard": shard, "num_shards": num_shards}
 
 
-def fan_out(name: str, params: Params, upstream: list[dict]) -> list[dict]:
+def fan_out(name: str, params: Params, upstream: list[dict], runner: TaskRunner | None = None) -> list[dict]:
     """`upstream`, plus the results of stage `name`'s `run.parallel_shards` shard tasks, run at once
-    through the flow's task runner and all finished; no tasks when that is 1 or the stage is current."""
+    through `runner` (None: the flow's task runner) and all finished; no tasks when that is 1 or the
+    stage is current."""
     n = params.run.parallel_shards
     if n <= 1 or inspect(name, params).current:
         return upstream
-    futures = [stage_shard.submit(name, params, k, n, upstream) for k in range(n)]
+    calls = [{"name": name, "params": params, "shard": k, "num_shards": n, "upstream": upstream} for k in range(n)]
+    futures = [runner.submit(stage_shard, c) if runner else stage_shard.submit(**c) for c in calls]
     wait(futures)  # every shard ends before a failed one's error is raised
     return upstream + [f.result() for f in futures]

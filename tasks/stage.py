@@ -27,7 +27,7 @@ from prefect.states import Completed
 from stages import launch
 from stages.config import Params
 from stages.registry import STAGES, get_stage
-from stages.runner import flat_metrics, run_stage
+from stages.runner import flat_metrics, inspect, run_stage
 from tasks.pool import run_on_pool
 from tasks.report import publish_report
 
@@ -78,8 +78,8 @@ def run_stage_task(name: str, params: Params):
 
 def execute(name: str, params: Params) -> dict[str, Any]:
     """Run the stage here, through accelerate launch, or on the training work pool (its manifest either way)."""
-    if get_stage(name).trains and params.run.launch.work_pool:
-        return run_on_pool(name, params)
+    if get_stage(name).trains and params.run.launch.work_pool and not inspect(name, params).current:
+        return run_on_pool(name, params)  # a current stage is found so here (shared run.output_dir), sent nowhere
     if launch.needs_launch(name, params.run.launch):
         log = get_run_logger()
         return launch.launch_stage(name, params, on_line=lambda line: log.info("%s", line))

@@ -33,6 +33,10 @@ OVERRIDES = [
     ("cron_fields", ["run.schedule.cron=* *"], "preprocess", [r"run\.schedule\.cron = '\* \*': needs 5 fields"]),
     ("epsilon_high_below_epsilon", ["policy.grpo.epsilon_high=0.1"], "policy",
      [r"policy\.grpo\.epsilon_high = 0\.1: must be >= epsilon"]),
+    ("dask_address_not_host_port", ["run.parallel_shards=2", "run.dask_address=scheduler"], "preprocess",
+     [r"run\.dask_address = 'scheduler': expected \[tcp:// or tls://\]host:port"]),
+    ("dask_address_without_shards", ["run.dask_address=tcp://10.0.0.5:8786"], "preprocess",
+     [r"run\.dask_address = 'tcp://10\.0\.0\.5:8786' but run\.parallel_shards = 1"]),
     ("set_without_equals", ["sft.learning_rate"], "sft", [r"--set 'sft\.learning_rate': expected KEY=VALUE"]),
     ("set_into_a_value", ["sft.learning_rate.x=1"], "sft", [r"--set sft\.learning_rate\.x: 'learning_rate' is a value"]),
 ]
