@@ -47,6 +47,7 @@ Cumulative seconds and token counts are kept in `trainer.timing`.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import time
 from collections import defaultdict
@@ -66,9 +67,11 @@ from stages.trainers.logprobs import unwrap
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import PairCollator, tokenize_pairs
 from stages.trainers.reference import frozen_reference, reference_model
+from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -388,6 +391,32 @@ class GRPOTrainer(Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.reward_head is not None and (Path(resume_from_checkpoint) / REWARD_HEAD_FILE).exists():
             self.reward_head.load_state_dict(RewardHead.load(resume_from_checkpoint).state_dict())
+
+    # ---- checkpoints carry the sampling state (stages.trainers.resume), so a resume samples alike ----
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        reused = self.state.global_step % self.args.num_iterations != 0  # the next step reuses these rollouts
+        tensors = flatten(self._buffer) if reused else {}
+        if self.reward_head is not None:
+            tensors["pair_rng"] = self._pair_rng.get_state()
+        save_state(output_dir, self.args.process_index, tensors, {"generations": self._generations})
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        self._window_start_step = self.state.global_step
+        saved = load_state(checkpoint, self.args.process_index)
+        if saved is None:
+            logger.warning("%s has no rollout state for process %d (saved by an older version or another number "
+                           "of processes): training resumes, but samples differ from an uninterrupted run",
+                           checkpoint, self.args.process_index)
+            return
+        tensors, counters = saved
+        self._generations = counters["generations"]
+        self._buffer = unflatten(tensors, device=self.args.device)
+        if self.reward_head is not None and "pair_rng" in tensors:
+            self._pair_rng.set_state(tensors["pair_rng"])
 
     # ---- logging ----
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
