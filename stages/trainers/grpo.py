@@ -241,6 +241,8 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._slot_step != self.state.global_step:  # a new optimizer step
             self._slot_step, self._slot = self.state.global_step, 0
+            if self.reward_head is not None:  # Trainer zeroes the model's gradients only, not the head's
+                self.reward_head.zero_grad(set_to_none=True)
         slot, self._slot = self._slot, self._slot + 1
         if self.state.global_step % self.args.num_iterations == 0 or slot not in self._buffer:
             self._buffer[slot] = self.make_batch(inputs)
