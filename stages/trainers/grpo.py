@@ -43,6 +43,11 @@ completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, and per optim
 timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
 completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
 Cumulative seconds and token counts are kept in `trainer.timing`.
+
+Checkpoints hold, besides the Trainer's state, what decides the next samples and updates
+(`stages.trainers.resume`): the draw counter, the buffered rollouts a later iteration of the
+same generation reuses, and the reward head's minibatch RNG, so a resumed run samples and
+trains exactly as an uninterrupted one.
 """
 from __future__ import annotations
 
