@@ -147,22 +147,22 @@ def assert_trained(tmp_path: Path, reward_key: str) -> None:
 @pytest.mark.slow
 def test_grpo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp_path, built_pipeline):
     """Two updates per generation (num_iterations 2) and two micro-batches per step, checkpoints every 3 steps:
-    a resume at step 3 or 9 falls between the two updates of one generation, so the rerun must reuse the
-    buffered samples of the killed run (and their log-probs at sampling time), not draw new ones."""
+    a resume at step 3 (the first checkpoint) falls between the two updates of one generation, so the rerun
+    must reuse the buffered samples of the killed run (and their log-probs at sampling time), not draw new ones."""
     section = {"method": "grpo", "save_steps": 3, "logging_steps": 1, "gradient_accumulation_steps": 2,
-               "grpo": {"max_steps": 12, "num_iterations": 2, "reward_functions": ["reward_model"]}}
+               "grpo": {"max_steps": 8, "num_iterations": 2, "reward_functions": ["reward_model"]}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
-                                        steps=12, save=3, keys=("loss", "reward"))
+                                        steps=8, save=3, keys=("loss", "reward"))
     print(f"\nGRPO resume: {figures}")
     assert_trained(tmp_path, "reward")
 
 
 @pytest.mark.slow
 def test_ppo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp_path, built_pipeline):
-    section = {"method": "ppo", "save_steps": 2, "logging_steps": 1, "ppo": {"max_steps": 8, "num_ppo_epochs": 2,
+    section = {"method": "ppo", "save_steps": 2, "logging_steps": 1, "ppo": {"max_steps": 6, "num_ppo_epochs": 2,
                                                                            "num_mini_batches": 2}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
-                                        steps=8, save=2, keys=("loss", "score"))
+                                        steps=6, save=2, keys=("loss", "score"))
     print(f"\nPPO resume: {figures}")
     assert_trained(tmp_path, "score")
 
