@@ -4,7 +4,9 @@ Rows are `prompt` (a string or chat messages) plus any extra columns (`answer`, 
 reach the reward functions repeated once per completion. Every optimizer step:
 
 1. generation: the prompts of each micro-batch get G = `num_generations` sampled completions
-   from the policy itself (`stages.generation.generate`, no gradient);
+   from the policy itself (`stages.generation.generate`, no gradient), seeded from the run seed,
+   the optimizer step and the prompt (`stages.trainers.online_sampling`), so a prompt gets the
+   same samples on any rank, in any micro-batch, and after a resume;
 2. scoring: the reward functions (`stages.rewards.RewardFunctions`) score every completion;
    advantages are the rewards relative to their group (`stages.losses.grpo_advantages`);
    completions left unscored (a function returned None) get advantage 0 and no loss;
@@ -44,10 +46,9 @@ timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (p
 completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
 Cumulative seconds and token counts are kept in `trainer.timing`.
 
-Checkpoints hold, besides the Trainer's state, what decides the next samples and updates
-(`stages.trainers.resume`): the draw counter, the buffered rollouts a later iteration of the
-same generation reuses, and the reward head's minibatch RNG, so a resumed run samples and
-trains exactly as an uninterrupted one.
+Checkpoints hold, besides the Trainer's state, the buffered rollouts a later iteration of the
+same generation reuses and the reward head's minibatch RNG (`stages.trainers.resume`), so a
+resumed run samples and trains exactly as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ class GRPOTrainer(Trainer):
 
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: dict[int, dict[str, torch.Tensor]] = {}
-        self._slot, self._slot_step, self._generations = 0, None, 0
+        self._slot, self._slot_step = 0, None
         self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
         self._window: dict[str, float] = defaultdict(float)  # the same since the last log
         self._window_start_step = 0
@@ -271,8 +272,7 @@ class GRPOTrainer(Trainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
-                             seed=sampling_seed(a.seed, self._generations, a.process_index))
-        self._generations += 1
+                             seed=sampling_seed(a.seed, self.state.global_step))
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -406,21 +406,19 @@ class GRPOTrainer(Trainer):
         tensors = flatten(self._buffer) if reused else {}
         if self.reward_head is not None:
             tensors["pair_rng"] = self._pair_rng.get_state()
-        save_state(output_dir, self.args.process_index, tensors, {"generations": self._generations})
+        save_state(output_dir, self.args.process_index, tensors)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
         self._window_start_step = self.state.global_step
-        saved = load_state(checkpoint, self.args.process_index)
-        if saved is None:
+        tensors = load_state(checkpoint, self.args.process_index)
+        if tensors is None:
             logger.warning("%s has no rollout state for process %d (saved by an older version or another number "
-                           "of processes): training resumes, but samples differ from an uninterrupted run",
-                           checkpoint, self.args.process_index)
+                           "of processes): training resumes, but may sample and train differently from an "
+                           "uninterrupted run", checkpoint, self.args.process_index)
             return
-        tensors, counters = saved
-        self._generations = counters["generations"]
         self._buffer = unflatten(tensors, device=self.args.device)
         if self.reward_head is not None and "pair_rng" in tensors:
             self._pair_rng.set_state(tensors["pair_rng"])

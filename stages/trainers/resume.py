@@ -1,26 +1,24 @@
 """The sampling state an online trainer's checkpoint carries beyond the Trainer's own, for exact resumes.
 
 A `transformers.Trainer` checkpoint restores weights, optimizer, scheduler, the global RNGs
-and the data position. An online trainer (GRPO) also holds state that decides its future
-samples and updates: rollouts generated at one step and reused by later ones
-(`num_iterations` > 1, with their log-probs at sampling time), draw counters, and private
-`torch.Generator`s. `save_state` writes them, per process, into the checkpoint folder as
-`rollout_state_<process>.safetensors` (tensors, plus integer counters as JSON metadata; no
-pickle); `load_state` reads them back. The trainer calls both from its RNG-state hooks, which
-transformers runs before it writes `trainer_state.json`, so a checkpoint the runner accepts as
-complete (`stages.pipeline.training.complete_checkpoint`) always holds this file.
+and the data position; sampling seeds follow from the run seed, the step and the prompt
+(`stages.trainers.online_sampling`), so they need no state. What an online trainer (GRPO) must
+add: rollouts generated at one step and reused by later ones (`num_iterations` > 1, with their
+log-probs at sampling time; the policy has moved since, so they cannot be sampled again) and
+private `torch.Generator`s. `save_state` writes them, per process, into the checkpoint folder
+as `rollout_state_<process>.safetensors` (no pickle); `load_state` reads them back. The
+trainer calls both from its RNG-state hooks, which transformers runs before it writes
+`trainer_state.json`, so a checkpoint the runner accepts as complete
+(`stages.pipeline.training.complete_checkpoint`) holds this file (under DDP each rank writes
+its own, with no barrier before rank 0's state file, as for transformers' own RNG files).
 
-    tensors:  {"buffer.0.input_ids": (B, T) ..., "pair_rng": (N,) uint8}  (see `flatten`)
-    counters: {"generations": 12}
+    {"buffer.0.input_ids": (B, T), ..., "buffer.1.old_logps": (B, C), "pair_rng": (N,) uint8}  (`flatten`)
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-
-COUNTERS_KEY = "counters"
 
 
 def state_file(folder: str | Path, process_index: int) -> Path:
@@ -43,26 +41,20 @@ def unflatten(tensors: dict[str, torch.Tensor], prefix: str = "buffer",
     return buffer
 
 
-def save_state(folder: str | Path, process_index: int, tensors: dict[str, torch.Tensor],
-               counters: dict[str, int]) -> Path:
-    """Write `tensors` and integer `counters` for process `process_index` into checkpoint `folder`."""
+def save_state(folder: str | Path, process_index: int, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `tensors` for process `process_index` into checkpoint `folder`."""
     from safetensors.torch import save_file
 
     path = state_file(folder, process_index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
-              metadata={COUNTERS_KEY: json.dumps(counters)})
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
     return path
 
 
-def load_state(folder: str | Path, process_index: int) -> tuple[dict[str, torch.Tensor], dict[str, int]] | None:
-    """(tensors, counters) saved by `save_state` for this process, or None when the checkpoint has none
-    (written by an older version, or by a run with another number of processes)."""
-    from safetensors import safe_open
+def load_state(folder: str | Path, process_index: int) -> dict[str, torch.Tensor] | None:
+    """The tensors `save_state` wrote for this process, or None when the checkpoint has none (written by an
+    older version, or by a run with another number of processes)."""
+    from safetensors.torch import load_file
 
     path = state_file(folder, process_index)
-    if not path.exists():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        counters = json.loads((f.metadata() or {}).get(COUNTERS_KEY, "{}"))
-        return {k: f.get_tensor(k) for k in f.keys()}, counters
+    return load_file(str(path)) if path.exists() else None

@@ -1,5 +1,5 @@
-"""The sampling state in a checkpoint: buffered rollouts, counters and generator states survive a round trip
-bit for bit, per process; a checkpoint without the file reads as None."""
+"""The sampling state in a checkpoint: buffered rollouts and generator states survive a round trip bit for bit,
+per process; a checkpoint without the file reads as None."""
 import torch
 
 from stages.trainers.resume import flatten, load_state, save_state, state_file, unflatten
@@ -12,11 +12,10 @@ def test_round_trip_per_process(tmp_path):
                   "old_logps": torch.tensor([[-0.25, -1.5, 0.0]])},
               1: {"input_ids": torch.tensor([[7, 8, 9]]), "truncated": torch.tensor([False]),
                   "old_logps": torch.tensor([[-0.5, -2.0, -3.0]])}}
-    save_state(tmp_path, 1, {**flatten(buffer), "pair_rng": gen.get_state()}, {"generations": 12})
+    save_state(tmp_path, 1, {**flatten(buffer), "pair_rng": gen.get_state()})
     assert state_file(tmp_path, 1).exists() and load_state(tmp_path, 0) is None  # rank 0 wrote nothing here
 
-    tensors, counters = load_state(tmp_path, 1)
-    assert counters == {"generations": 12}
+    tensors = load_state(tmp_path, 1)
     got = unflatten(tensors)
     assert got.keys() == buffer.keys()
     for slot, batch in buffer.items():
@@ -28,6 +27,6 @@ def test_round_trip_per_process(tmp_path):
 
 
 def test_nothing_buffered(tmp_path):
-    save_state(tmp_path, 0, {}, {"generations": 0})
-    tensors, counters = load_state(tmp_path, 0)
-    assert tensors == {} and unflatten(tensors) == {} and counters == {"generations": 0}
+    save_state(tmp_path, 0, {})
+    tensors = load_state(tmp_path, 0)
+    assert tensors == {} and unflatten(tensors) == {}
