@@ -62,7 +62,7 @@ def assert_same_weights(a: Path, b: Path, tolerance: float = 1e-5) -> float:
 
 
 def check_killed_then_resumed(tmp_path: Path, stage: str, section: dict, prepare, *, steps: int = STEPS,
-                              save: int = SAVE, keys: tuple[str, ...] = ("loss",)) -> dict:
+                              save: int = SAVE, keys: tuple[str, ...] = ("loss",), tolerance: float = 1e-5) -> dict:
     """Run `stage` uninterrupted, then SIGKILLed after a checkpoint and rerun: the same steps, the same logged
     `keys` at every step and the same weights. -> the figures (resumed_at, largest differences)."""
     for name in ("clean", "killed"):
@@ -93,7 +93,8 @@ def check_killed_then_resumed(tmp_path: Path, stage: str, section: dict, prepare
         assert all(abs(a[s] - b[s]) <= 1e-5 * max(1.0, abs(a[s])) for s in a), \
             (key, [(s, a[s], b[s]) for s in a if a[s] != b[s]])
         figures[f"max_{key}_diff"] = max(abs(a[s] - b[s]) for s in a)
-    figures["max_weight_diff"] = assert_same_weights(runner.output_dir(clean, stage), runner.output_dir(killed, stage))
+    figures["max_weight_diff"] = assert_same_weights(runner.output_dir(clean, stage), runner.output_dir(killed, stage),
+                                                     tolerance)
     assert runner.inspect(stage, killed).current
     assert not list(Path(killed.run.output_dir, ".work").glob(f"{stage}-*"))  # checkpoints removed on success
     assert runner.run_stage("preprocess", killed)["executed"] is False  # stages before it: cache hits
@@ -152,17 +153,19 @@ def test_grpo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp
     section = {"method": "grpo", "save_steps": 3, "logging_steps": 1, "gradient_accumulation_steps": 2,
                "grpo": {"max_steps": 8, "num_iterations": 2, "reward_functions": ["reward_model"]}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
-                                        steps=8, save=3, keys=("loss", "reward"))
+                                        steps=8, save=3, keys=("loss", "reward"), tolerance=1e-6)
     print(f"\nGRPO resume: {figures}")
     assert_trained(tmp_path, "reward")
 
 
 @pytest.mark.slow
 def test_ppo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp_path, built_pipeline):
+    """A rollout and its PPO epochs are one Trainer step, so no rollout outlives a checkpoint: the samples follow
+    from the step's seed, the minibatch shuffles from the restored RNG state."""
     section = {"method": "ppo", "save_steps": 2, "logging_steps": 1, "ppo": {"max_steps": 6, "num_ppo_epochs": 2,
                                                                            "num_mini_batches": 2}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
-                                        steps=6, save=2, keys=("loss", "score"))
+                                        steps=6, save=2, keys=("loss", "score"), tolerance=1e-6)
     print(f"\nPPO resume: {figures}")
     assert_trained(tmp_path, "score")
 
