@@ -8,7 +8,10 @@ one as chosen and the other as rejected, and applies the DPO loss to those fresh
 same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
 `stages.trainers.reference`). Pairs whose two scores tie
 (identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
-carry no preference: they are dropped and counted.
+carry no preference: they are dropped and counted. A micro-batch whose pairs all drop still
+runs the full step on one placeholder pair of loss weight 0, so under data parallelism every
+rank takes part in the same backward (DDP's gradient all-reduce) and metric gathers, in the
+same order; its gradient is zero and its metrics carry weight 0.
 
 `training_step` is the only override of the Trainer loop: it generates, builds the pair batch
 and hands it to the usual step, whose `compute_loss` is the DPO one.
@@ -99,14 +102,13 @@ class OnlineDPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        batch = self.make_pairs(inputs)
-        if batch is None:  # every pair tied: nothing to learn; the step logs loss 0 (see pairs/dropped)
-            return torch.zeros((), device=self.args.device)
-        return super().training_step(model, batch, num_items_in_batch)
+        return super().training_step(model, self.make_pairs(inputs), num_items_in_batch)
 
     @torch.no_grad()
-    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor] | None:
-        """Sample two completions per prompt, score and rank them: a `PairCollator` batch, or None."""
+    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Sample two completions per prompt, score and rank them: a `PairCollator` batch. When every pair
+        drops, one placeholder pair (prompt 0's two samples) with `weight` 0: nothing is learnt, yet the step
+        runs the same forward, backward and gathers as on the other ranks."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
@@ -119,7 +121,8 @@ class OnlineDPOTrainer(Trainer):
         if scored:
             self._metrics["scores/mean"].append(sum(scored) / len(scored))
         if not pairs:
-            return None
+            return self.pair_collator([{**pair_features(gens.prompt_ids[0], gens.completion_ids[0],
+                                                        gens.completion_ids[1], a.max_length), "weight": 0.0}])
         self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
         self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
         features = [pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
@@ -131,12 +134,16 @@ class OnlineDPOTrainer(Trainer):
         logps = sequence_logps(model, inputs, chunked=chunked)
         with reference_model(model, self.ref_model) as ref:
             ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
+        weight = inputs.get("weight")  # (B,): present (0) only on a placeholder pair
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
-                                      ref_chosen, ref_rejected, beta=self.args.beta)
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta)
         if "rewards/accuracies" in stats:
             stats["win_rate"] = stats.pop("rewards/accuracies")
-        for key, value in stats.items():
-            self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
+        weight = torch.ones_like(ref_chosen) if weight is None else weight
+        for key, value in stats.items():  # every rank gathers every key, placeholder or not
+            total, count = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None]).sum(0)
+            if count > 0:  # pairs on some rank: their mean; a placeholder weighs nothing
+                self._metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
