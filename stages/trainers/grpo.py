@@ -45,10 +45,15 @@ completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, and per optim
 timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
 completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
 Cumulative seconds and token counts are kept in `trainer.timing`.
+
+Checkpoints hold, besides the Trainer's state, the buffered rollouts a later iteration of the
+same generation reuses and the reward head's minibatch RNG (`stages.trainers.resume`), so a
+resumed run samples and trains exactly as an uninterrupted one.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import time
 from collections import defaultdict
@@ -69,9 +74,11 @@ from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import PairCollator, tokenize_pairs
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
+from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -241,6 +248,8 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._slot_step != self.state.global_step:  # a new optimizer step
             self._slot_step, self._slot = self.state.global_step, 0
+            if self.reward_head is not None:  # Trainer zeroes the model's gradients only, not the head's
+                self.reward_head.zero_grad(set_to_none=True)
         slot, self._slot = self._slot, self._slot + 1
         if self.state.global_step % self.args.num_iterations == 0 or slot not in self._buffer:
             self._buffer[slot] = self.make_batch(inputs)
@@ -390,6 +399,30 @@ class GRPOTrainer(Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.reward_head is not None and (Path(resume_from_checkpoint) / REWARD_HEAD_FILE).exists():
             self.reward_head.load_state_dict(RewardHead.load(resume_from_checkpoint).state_dict())
+
+    # ---- checkpoints carry the sampling state (stages.trainers.resume), so a resume samples alike ----
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        reused = self.state.global_step % self.args.num_iterations != 0  # the next step reuses these rollouts
+        tensors = flatten(self._buffer) if reused else {}
+        if self.reward_head is not None:
+            tensors["pair_rng"] = self._pair_rng.get_state()
+        save_state(output_dir, self.args.process_index, tensors)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        self._window_start_step = self.state.global_step
+        tensors = load_state(checkpoint, self.args.process_index)
+        if tensors is None:
+            logger.warning("%s has no rollout state for process %d (saved by an older version or another number "
+                           "of processes): training resumes, but may sample and train differently from an "
+                           "uninterrupted run", checkpoint, self.args.process_index)
+            return
+        self._buffer = unflatten(tensors, device=self.args.device)
+        if self.reward_head is not None and "pair_rng" in tensors:
+            self._pair_rng.set_state(tensors["pair_rng"])
 
     # ---- logging ----
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -285,3 +285,37 @@ def test_trains_on_gpu_with_beta_and_iterations(setup, tmp_path):
     trainer.train()
     assert trainer._buffer[0]["advantages"].is_cuda and trainer._buffer[0]["ref_logps"].is_cuda
     assert _changed(model, {n: p.to(model.device) for n, p in before.items()})
+
+
+def test_resume_between_iterations_reuses_the_buffered_rollouts_and_the_pair_rng(setup, tmp_path):
+    """A run resumed from checkpoint-1 (num_iterations 2: step 2 reuses step 1's rollouts; the shared reward
+    head draws its preference minibatches from a private generator) ends exactly as the uninterrupted run."""
+    from safetensors import safe_open
+
+    path, tok, prompts, pairs = setup
+    head = RewardHead(_model(path).config.hidden_size)
+
+    def trainer(folder):
+        args = _args(folder, max_steps=4, num_iterations=2, reward_head="shared", reward_head_batch_size=4,
+                     save_strategy="steps", save_steps=1, learning_rate=5e-3)
+        return GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
+                           preference_dataset=pairs, reward_head=copy.deepcopy(head), args=args)
+
+    clean = trainer(tmp_path / "clean")
+    clean.train()
+    checkpoint = tmp_path / "clean" / "checkpoint-1"
+    with safe_open(str(checkpoint / "rollout_state_0.safetensors"), framework="pt") as f:
+        assert "pair_rng" in f.keys() and any(k.startswith("buffer.0.") for k in f.keys())
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    def logged(t):
+        keys = ("loss", "reward", "reward_head/loss")  # reward: on the steps that generate (1 and 3)
+        return {h["step"]: [h[k] for k in keys if k in h] for h in t.state.log_history if "loss" in h}
+
+    a, b = logged(clean), logged(resumed)
+    assert sorted(b) == [1, 2, 3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-9) for s in b), (a, b)
+    for (name, p), q in zip(clean.model.named_parameters(), resumed.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    for k, v in clean.reward_head.state_dict().items():
+        assert torch.allclose(v, resumed.reward_head.state_dict()[k], atol=1e-6), k
