@@ -12,11 +12,14 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages import artifacts
 from stages.builtin import BUILTIN_MODELS
-from stages.config import ModelConfig
 from stages.model_source import model_source_problem
+
+if TYPE_CHECKING:  # annotations only: stages.config checks LoRA targets through this module
+    from stages.config import ModelConfig
 
 
 def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> str:

@@ -101,6 +101,15 @@ def generate_kwargs(model) -> dict:
     return {}
 
 
+def unwrap(model):
+    """The model inside the DDP / accelerate wrappers and PEFT's adapter wrapper."""
+    while hasattr(model, "module"):  # DDP / accelerate wrappers
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
 def sharded_reference(model):
     """A frozen reference for a sharded `model`: its checkpoint loaded again (`config._name_or_path`) and
     sharded over the same modules, never a copy of the shards. ValueError when there is no folder to load
@@ -108,8 +117,6 @@ def sharded_reference(model):
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
-
-    from stages.trainers.logprobs import unwrap  # lazy: logprobs imports this module
 
     engine, inner = sharding_engine(model), unwrap(model)
     source = getattr(inner.config, "_name_or_path", "") or ""

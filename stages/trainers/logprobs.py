@@ -25,17 +25,9 @@ import torch
 from torch import nn
 
 from stages.kernels import chunked_logprobs
-from stages.sharding import chunking_allowed, gathered_head, module_type
+from stages.sharding import chunking_allowed, gathered_head, module_type, unwrap  # noqa: F401 (unwrap re-exported)
 
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def unwrap(model):
-    while hasattr(model, "module"):  # DDP / accelerate wrappers
-        model = model.module
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
-    return model
 
 
 def lm_head_for_chunking(model) -> nn.Linear | None:

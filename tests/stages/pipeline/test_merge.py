@@ -48,12 +48,14 @@ def test_full_policy_model_is_resaved_without_extras(built_pipeline, tmp_path):
 
 @pytest.fixture(scope="module")
 def lora_run(built_pipeline, tmp_path_factory):
-    """The small pipeline's outputs with a LoRA policy: only policy (and merge) run again."""
+    """The small pipeline's outputs with a LoRA policy: only reference (its fingerprint holds the policy's
+    LoRA and quantization settings), policy (and merge) run again."""
     params, _ = built_pipeline
     folder = tmp_path_factory.mktemp("lora")
     shutil.copytree(params.run.output_dir, folder / "artifacts")
     lora = {"policy": {"lora": {"enabled": True, "r": 4}, "learning_rate": 0.01}}
     p = load_params(write_params(folder, lora))
+    runner.run_stage("reference", p)
     policy = runner.run_stage("policy", p)
     assert policy["executed"] and merge.is_adapter(runner.output_dir(p, "policy") / "model")
     return folder, lora, p
@@ -94,7 +96,7 @@ def test_extra_adapters_weights_and_bases(lora_run, tmp_path):
     with pytest.raises(ParamsError, match=r"merge.prune_fraction = 1.0: must be in \[0, 1\)"):
         load_params(write_params(folder, {"merge": {"prune_fraction": 1.0}}))
     base = runner.output_dir(p, "builtin")  # the raw base model is not the policy adapter's base (the SFT model)
-    foreign = make_adapter(next(base.iterdir()), tmp_path / "foreign", r=4, seed=6)
+    foreign = make_adapter(next(d for d in base.iterdir() if d.is_dir()), tmp_path / "foreign", r=4, seed=6)
     bad = load_params(write_params(folder, {**lora, "merge": {"adapters": [foreign]}}))
     with pytest.raises(MergeError, match=r"different bases: the policy stage's adapter on .*merge.adapters\[0\]"):
         runner.run_stage("merge", bad)
