@@ -9,8 +9,14 @@ same objectives, reference and loss path as `stages.trainers.dpo` (`stages.train
 (identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
 carry no preference: they are dropped and counted.
 
-`training_step` is the only override of the Trainer loop: it generates, builds the pair batch
-and hands it to the usual step, whose `compute_loss` is the DPO one.
+`get_batch_samples` is the only override of the Trainer loop: when the Trainer fetches an
+optimizer step's micro-batches of prompts, it samples, scores and pairs them all (the policy
+does not change within the step), so the step's number of kept pairs is known on every process
+before the first backward. Every prompt yields a pair; a dropped one has weight 0, so every
+process and micro-batch runs its forward and backward (no rank skips a collective, even when
+all its pairs tie). The loss is the sum over a micro-batch's kept pairs divided by the kept
+pairs of the whole step (all micro-batches, all processes): 2 processes x B/2 prompts, 1 prompt
+x B accumulation steps and B x 1 give the same update.
 
 Logged: scores/mean (reward-function total of every sampled completion: what online training
 raises), scores/chosen, scores/rejected (the same over the kept pairs),
@@ -61,9 +67,11 @@ def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
     return pairs, dropped
 
 
-def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int) -> dict:
-    """One prompt and two completions (token ids) -> the chosen_*/rejected_* features of `PairCollator`."""
-    out = {}
+def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+                  weight: float = 1.0) -> dict:
+    """One prompt and two completions (token ids) -> the chosen_*/rejected_* features of `PairCollator`
+    (weight 0: a dropped pair, which runs through the model but adds nothing to the loss)."""
+    out = {"weight": weight}
     for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
         tokens = (prompt_ids + ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(ids))[:max_length]
@@ -75,7 +83,7 @@ def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: li
 
 
 class OnlineDPOTrainer(Trainer):
-    loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
+    loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
 
     def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
                  train_dataset, **kwargs):
@@ -98,15 +106,22 @@ class OnlineDPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._generations = 0
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        batch = self.make_pairs(inputs)
-        if batch is None:  # every pair tied: nothing to learn; the step logs loss 0 (see pairs/dropped)
-            return torch.zeros((), device=self.args.device)
-        return super().training_step(model, batch, num_items_in_batch)
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches of prompts -> pair batches, each carrying "step_pairs": the
+        kept pairs of the whole step on every process (the loss's denominator)."""
+        rows, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [self.make_pairs(r) for r in rows]
+        if batches:
+            kept = sum(b["weight"].gt(0).sum() for b in batches).to(self.args.device).float()
+            if self.accelerator.num_processes > 1:
+                kept = self.accelerator.reduce(kept, "sum")
+            batches = [{**b, "step_pairs": kept} for b in batches]
+        return batches, num_items
 
     @torch.no_grad()
-    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor] | None:
-        """Sample two completions per prompt, score and rank them: a `PairCollator` batch, or None."""
+    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Sample two completions per prompt, score and rank them: a `PairCollator` batch of one pair per
+        prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
@@ -119,25 +134,34 @@ class OnlineDPOTrainer(Trainer):
         scored = [v for v in scores if v is not None]
         if scored:
             self._metrics["scores/mean"].append(sum(scored) / len(scored))
-        if not pairs:
-            return None
-        self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
-        self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
-        features = [pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
-                                  a.max_length) for c, r in pairs]
-        return self.pair_collator(features)
+        if pairs:
+            self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
+            self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
+        kept = dict(pairs)
+        features = []
+        for k in range(0, len(scores), 2):  # prompt-major: one pair per prompt, kept or weight 0
+            c, r = (k, kept[k]) if k in kept else (k + 1, k) if k + 1 in kept else (k, k + 1)
+            features.append(pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
+                                          a.max_length, weight=1.0 if c in kept else 0.0))
+        return {k: v.to(a.device) for k, v in self.pair_collator(features).items()}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
         logps = sequence_logps(model, inputs, chunked=chunked)
         with reference_model(model, self.ref_model) as ref:
             ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
+        weight = inputs["weight"]
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
-                                      ref_chosen, ref_rejected, beta=self.args.beta)
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta)
+        # mean x pairs = the sum over this micro-batch's kept pairs; x processes: DDP averages the gradients
+        loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:
             stats["win_rate"] = stats.pop("rewards/accuracies")
+        kept = self.accelerator.gather_for_metrics(weight) > 0
         for key, value in stats.items():
-            self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
+            value = self.accelerator.gather_for_metrics(value)[kept]
+            if value.numel():
+                self._metrics[key].append(value.mean().item())
         return (loss, {"logps": logps}) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
