@@ -30,10 +30,12 @@ STEPS = 2
 BATCH = 4
 RTOL = 1e-3
 ATOL = 1e-7  # float32 resolution of the weights (~0.1) an update is read from: after - before
+WAYS = ("2 proc", "accumulation")
 MATRIX: dict[tuple[str, str, str], str] = {}  # (method, adapter, way) -> the cell's text in the printed table
 NOT_INVARIANT = {
     # (method, way): why the cell cannot hold; its test checks that the run is refused before training
-    ("ppo", "accumulation"): "n/a: PPO steps the optimizer per rollout itself; gradient_accumulation_steps must be 1",
+    ("ppo", "accumulation"): "n/a: PPO makes its own optimizer steps per rollout (num_ppo_epochs x num_mini_batches); "
+                              "gradient_accumulation_steps must be 1 and is refused before training",
 }
 
 
@@ -68,12 +70,11 @@ def check_cell(method: str, adapter: str, way: str, got: dict, want: dict) -> No
 def print_matrix():
     """After the module: the table, method x {full, LoRA} x {2 processes, accumulation} (pytest -s shows it)."""
     yield
-    ways = ("2 proc", "accumulation")
-    head = f"{'method':<16}" + "".join(f"{a + ' ' + w:>22}" for a in worker.ADAPTERS for w in ways)
+    head = f"{'method':<16}" + "".join(f"{a + ' ' + w:>22}" for a in worker.ADAPTERS for w in WAYS)
     lines = ["", f"support matrix: worst relative difference of the update (pass: <= {RTOL:g})", head]
     for method in worker.METHODS:
-        cells = [MATRIX.get((method, a, w), NOT_INVARIANT.get((method, w), "not run")[:4]) for a in worker.ADAPTERS
-                 for w in ("2 proc", "accumulation")]
+        cells = [MATRIX.get((method, a, w), "n/a" if (method, w) in NOT_INVARIANT else "not run")
+                 for a in worker.ADAPTERS for w in WAYS]
         lines.append(f"{method:<16}" + "".join(f"{c:>22}" for c in cells))
     lines += [f"{m} {w}: {why}" for (m, w), why in NOT_INVARIANT.items()]
     print("\n".join(lines))
@@ -115,16 +116,16 @@ def two_processes(model, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method,adapter", worker.CELLS, ids=[worker.cell_name(*c) for c in worker.CELLS])
 def test_two_processes_give_the_single_process_update(method, adapter, two_processes, one_process):
-    check_cell(method, adapter, "2 proc", two_processes[method, adapter], one_process[method, adapter])
+    check_cell(method, adapter, WAYS[0], two_processes[method, adapter], one_process[method, adapter])
 
 
-ACCUMULATED = [c for c in worker.CELLS if (c[0], "accumulation") not in NOT_INVARIANT]
+ACCUMULATED = [c for c in worker.CELLS if (c[0], WAYS[1]) not in NOT_INVARIANT]
 
 
 @pytest.mark.parametrize("method,adapter", ACCUMULATED, ids=[worker.cell_name(*c) for c in ACCUMULATED])
 def test_accumulating_micro_batches_of_1_equals_one_batch(method, adapter, model, one_process, tmp_path):
     accumulated = worker.train(method, adapter, model, tmp_path, batch=1, accum=BATCH, steps=STEPS)
-    check_cell(method, adapter, "accumulation", accumulated, one_process[method, adapter])
+    check_cell(method, adapter, WAYS[1], accumulated, one_process[method, adapter])
 
 
 def test_ppo_refuses_gradient_accumulation_before_training(tmp_path):
