@@ -14,7 +14,10 @@ temporary folder) or the model given with `--model`.
 
 Two variants of the same call, `generate(model, tok, prompts, SamplingParams(n=4, do_sample=True, ...))`:
 - batched: `batch_size=--batch-size` prompts (x 4 samples) per `model.generate`, left-padded, KV cache;
-- one at a time: `batch_size=1`, i.e. one `model.generate` per prompt (its 4 samples together).
+- one at a time: `batch_size=1`, i.e. one `model.generate` per prompt (its 4 samples together);
+and, for the cost of seeding every prompt's rows apart (`stages.generation.row_sampling`), a third:
+- batched, HF's sampler: the same batches through `model.generate(do_sample=True, num_return_sequences=4)`
+  directly, which samples the whole batch from torch's global RNG (not prompt-seeded).
 Throughput = generated tokens (up to and including EOS) / wall time, minimum over `--repeats`
 rounds run round-robin so both see the same background load, after an untimed warm-up.
 It also checks that greedy decoding gives identical tokens batched and one at a time.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+HF_SAMPLER = "batched, HF's sampler"
 
 
 def build_model(args, folder: Path):
@@ -54,6 +58,32 @@ def task_prompts(n: int) -> list:
 
     cfg = dataclasses.asdict(ArithmeticConfig(num_train=10, num_preference=n, num_eval=10))
     return [r["prompt"] for r in arithmetic.generate(**cfg)["prompts"]][:n]
+
+
+def hf_batch_sampler(model, tok, prompts, sampling, batch_size: int) -> list[list[int]]:
+    """HF's own sampler over the same left-padded, length-sorted batches (what `generate` did before per-prompt
+    seeds): the reference for the per-row sampler's cost."""
+    import torch
+
+    from stages.data.tokenize import render_prompt
+    from stages.generation.common import eos_token_ids, trim_at_eos
+    from stages.utils import pad
+
+    eos = eos_token_ids(tok, model)
+    ids = tok([render_prompt(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = []
+    with torch.no_grad():
+        torch.manual_seed(sampling.seed)
+        for start in range(0, len(order), batch_size):
+            rows = [torch.tensor(ids[i]) for i in order[start:start + batch_size]]
+            x = pad(rows, tok.pad_token_id, "left").to(model.device)
+            mask = pad([torch.ones_like(r) for r in rows], 0, "left").to(model.device)
+            gen = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
+                                 do_sample=True, top_k=0, num_return_sequences=sampling.n, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id)
+            out += [trim_at_eos(r, eos) for r in gen[:, x.shape[1]:].tolist()]
+    return out
 
 
 def timed(fn):
@@ -96,15 +126,19 @@ def main() -> None:
         path, model, tok = build_model(args, Path(tmp))
         prompts = task_prompts(args.prompts)
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.samples, do_sample=True, seed=0)
-        variants = {"batched": args.batch_size, "one prompt at a time": 1}
+        variants = {"batched": args.batch_size, "one prompt at a time": 1, HF_SAMPLER: args.batch_size}
         for bs in variants.values():  # warm-up: allocator, kernels, first-call overheads
             generate(model, tok, prompts[:2], sampling, batch_size=bs)
         best: dict[str, tuple[float, int, float]] = {}
         for _ in range(repeats):
             for name, bs in variants.items():
-                gens, secs = timed(lambda: generate(model, tok, prompts, sampling, batch_size=bs))
-                tokens = sum(map(len, gens.completion_ids))
-                finished = sum(gens.finished) / len(gens)
+                if name == HF_SAMPLER:
+                    comps, secs = timed(lambda: hf_batch_sampler(model, tok, prompts, sampling, bs))
+                    finished = sum(bool(c) and c[-1] in (tok.eos_token_id,) for c in comps) / len(comps)
+                else:
+                    gens, secs = timed(lambda: generate(model, tok, prompts, sampling, batch_size=bs))
+                    comps, finished = gens.completion_ids, sum(gens.finished) / len(gens)
+                tokens = sum(map(len, comps))
                 if name not in best or secs < best[name][0]:
                     best[name] = (secs, tokens, finished)
         same_greedy = None
@@ -121,6 +155,7 @@ def main() -> None:
               f"{tokens / secs:9.0f} tokens/s  finished {finished:.0%}")
     speedup = rows[0][4] / rows[1][4]
     print(f"speed-up batched / one at a time: {speedup:.1f}x (target >= 5x) -> {'MET' if speedup >= 5 else 'NOT MET'}")
+    print(f"per-prompt seeded sampler / HF's batch sampler, tokens/s: {rows[0][4] / rows[2][4]:.2f}")
     if same_greedy is not None:
         print(f"greedy tokens identical batched vs one at a time (32 prompts): {same_greedy}")
     if args.write:
@@ -160,6 +195,8 @@ def write_results(args, path, rows, speedup, same_greedy, repeats) -> None:
         "",
         f"Speed-up batched / one prompt at a time: **{speedup:.1f}x** (target >= 5x: "
         f"{'met' if speedup >= 5 else 'NOT met'}).",
+        f"Per-prompt seeded rows (`stages.generation.row_sampling`) / HF's batch sampler on the same batches: "
+        f"**{rows[0][4] / rows[2][4]:.2f}x** the tokens/s.",
     ]
     if same_greedy is not None:
         lines.append(f"Greedy decoding gives identical tokens batched and one at a time (first 32 prompts): "

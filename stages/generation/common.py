@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from stages.seeding import stable_seed
 from stages.utils import parse_completions, pad
 
 THINK_TAGS = ("<think>", "</think>")
@@ -26,7 +27,8 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 = off.
         num_beams: beam search when > 1; returns the ``n`` best beams (``n <= num_beams``).
-        seed: seeds the sampler; the same seed, prompts and batch size give the same samples.
+        seed: the call's seed; each prompt's completions are sampled from ``prompt_seed(seed, its
+            token ids)``, so a prompt gets the same samples whatever else is in the call.
     """
 
     max_new_tokens: int = 64
@@ -113,6 +115,12 @@ class Generations:
         columns = {k: [rows[i].get(k) for i in self.prompt_index] for k in names}
         columns.update(completion_ids=self.completion_ids, reasoning=self.reasoning, finished=self.finished)
         return columns
+
+
+def prompt_seed(seed: int, prompt_ids: Sequence[int]) -> int:
+    """The seed of one prompt's completions: a stable hash of the call's seed and the rendered prompt's
+    token ids. Neither the batch, the prompt's position in it, the rank nor the shard enters."""
+    return stable_seed(seed, prompt_ids)
 
 
 def eos_token_ids(tokenizer, model=None) -> list[int]:

@@ -5,9 +5,16 @@ tokenised once without padding, sorted by length (less left padding per batch), 
 batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each
 prompt's ``n`` completions come back in the original, prompt-major order.
 
-The sampler is seeded inside ``torch.random.fork_rng``, so a call is deterministic for a
-given seed, prompts and batch size, and the caller's RNG state (a trainer's dropout,
-shuffling) is left exactly as it was.
+Sampling (``do_sample`` without beams) does not use torch's global RNG: each prompt's ``n``
+rows draw their uniforms from a ``torch.Generator`` seeded with ``prompt_seed(seed, prompt
+ids)``, one per generated token, and ``row_sampling.PerRowSampler`` (the last logits processor of an
+otherwise greedy ``generate``) picks each row's token by inverse-CDF from the temperature /
+top-k / top-p filtered distribution, then leaves only that token for the argmax. So a prompt
+gets the same completions whatever its batch, its position in it, the batch size, the rank or
+the shard (up to float differences in its logits under other padding, which move a sample only
+when a uniform falls within rounding of a CDF boundary). Beam search (and beam sampling) stays
+HF's own, seeded inside ``torch.random.fork_rng``; the caller's RNG state (a trainer's dropout,
+shuffling) is left exactly as it was in every mode.
 """
 from __future__ import annotations
 
@@ -43,7 +50,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         if not ids:
             raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
 
-    kwargs = _generate_kwargs(sampling, eos, pad_id)
+    per_row = sampling.do_sample and sampling.num_beams == 1
+    kwargs = _generate_kwargs(sampling, eos, pad_id, per_row)
+    n = sampling.n
     order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
     per_prompt: list[list[list[int]]] = [[] for _ in prompts]
     device = next(model.parameters()).device
@@ -51,17 +60,23 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices()):
-            torch.manual_seed(sampling.seed)
+            torch.manual_seed(sampling.seed)  # beam sampling only: HF's sampler reads the global RNG
             bar = _progress_bar(len(prompts), progress)
             for start in range(0, len(order), batch_size):
                 batch = order[start: start + batch_size]
                 rows = [torch.tensor(prompt_ids[i], dtype=torch.long) for i in batch]
                 input_ids = pad(rows, pad_id, "left").to(device)
                 attention_mask = pad([torch.ones_like(r) for r in rows], 0, "left").to(device)
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                extra = {}
+                if per_row:  # n consecutive rows per prompt, as HF's num_return_sequences lays them out
+                    from stages.generation.row_sampling import per_row_sampler
+
+                    input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
+                    extra["logits_processor"] = per_row_sampler([prompt_ids[i] for i in batch], sampling,
+                                                                input_ids.shape[1], device)
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)
                 new = out[:, input_ids.shape[1]:].tolist()
-                # HF expands each input into n consecutive rows (num_return_sequences), best beam first.
-                n = sampling.n
+                # n consecutive rows per prompt (HF's num_return_sequences: best beam first)
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
                 if bar is not None:
@@ -74,12 +89,13 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                              backend="hf")
 
 
-def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int) -> dict:
+def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int, per_row: bool) -> dict:
     """``model.generate`` arguments. Unset knobs fall back to the model's generation_config, so the
-    ones SamplingParams owns are always passed explicitly (top_k=0 overrides HF's default of 50)."""
-    kw = dict(max_new_tokens=s.max_new_tokens, do_sample=s.do_sample, num_beams=s.num_beams,
-              num_return_sequences=s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id)
-    if s.do_sample:
+    ones SamplingParams owns are always passed explicitly (top_k=0 overrides HF's default of 50).
+    per_row: HF decodes greedily over rows already expanded n times; `PerRowSampler` samples."""
+    kw = dict(max_new_tokens=s.max_new_tokens, do_sample=s.do_sample and not per_row, num_beams=s.num_beams,
+              num_return_sequences=1 if per_row else s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id)
+    if s.do_sample and not per_row:
         kw.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k)
     return kw
 

@@ -19,8 +19,9 @@ older servers' answers fall back to ``logprobs`` tokens written as ``token_id:N`
 the text is re-tokenised with our tokenizer.
 
 One request per prompt, ``batch_size`` in flight at once (the server batches them
-continuously); prompt ``i`` is sampled with seed ``seed + i``, so results do not depend
-on the batch size or the order requests arrive in.
+continuously); each request carries its prompt's own seed (vLLM's per-request ``seed``),
+``prompt_seed(seed, prompt token ids)``, so results do not depend on the batch size, the
+prompt's position or the order requests arrive in.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import urllib.error
 import urllib.request
 
 from stages.data.tokenize import render_prompt
-from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+from stages.generation.common import (Generations, SamplingParams, build_generations, eos_token_ids, prompt_seed,
+                                     trim_at_eos)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 URL_ENV, API_KEY_ENV = "ALIGN_VLLM_URL", "VLLM_API_KEY"
@@ -88,7 +90,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     rendered = [render_prompt(tokenizer, p) for p in prompts]
     prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
 
-    bodies = [request_body(name, ids, sampling, eos, seed=sampling.seed + i) for i, ids in enumerate(prompt_ids)]
+    bodies = [request_body(name, ids, sampling, eos, seed=prompt_seed(sampling.seed, ids)) for ids in prompt_ids]
     if bodies:
         client.check_model(name)  # fail fast with one clear error, before spawning threads
     bar = None

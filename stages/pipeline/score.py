@@ -41,6 +41,7 @@ from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
 from stages.progress import Progress
+from stages.trainers.generation_params import sampling_seed
 from stages.rewards import build_reward_functions, exact_match
 from stages.utils import answer_after_reasoning
 
@@ -144,9 +145,10 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
             ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
             loaded.append(load_causal_lm(sft, dtype=p.model.dtype, device=device,
                                          trust_remote_code=p.model.trust_remote_code) if g.backend == "hf" else sft)
-        # seeded by the shard's first prompt: a shard sampled again after a crash, or in another process, is the same
-        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True,
-                                  temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=p.run.seed + start)
+        # seeded per prompt (run seed, draw 0, the prompt's tokens): a shard sampled again after a crash, in
+        # another process, or cut at other boundaries gives the same completions
+        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
+                                  top_p=g.top_p, top_k=g.top_k, seed=sampling_seed(p.run.seed, 0))
         return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]],
                         sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
 

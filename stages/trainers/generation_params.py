@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import non_negative, param, positive
-
-SEED_STRIDE = 100_003  # a prime: draws of one run never share a seed across ranks (< 100k processes)
+from stages.seeding import stable_seed
 
 
 @dataclass
@@ -32,9 +31,13 @@ class GenerationParams:
 GENERATION_BACKENDS = typing.get_args(typing.get_type_hints(GenerationParams)["backend"])
 
 
-def sampling_seed(seed: int, draw: int, process_index: int) -> int:
-    """The seed of generation call number `draw` on process `process_index` (see the module doc)."""
-    return seed + SEED_STRIDE * draw + process_index
+def sampling_seed(seed: int, draw: int) -> int:
+    """The seed of draw `draw` (online trainers: the optimizer step; `score`: 0) of a run seeded `seed`.
+
+    A stable hash of the two; each prompt's completions are then seeded from it and the prompt's
+    token ids (`stages.generation.common.prompt_seed`), so no rank, batch or shard enters.
+    """
+    return stable_seed(seed, draw)
 
 
 def backend_options(g: GenerationParams, model_path: str | None) -> dict[str, str]:

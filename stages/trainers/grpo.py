@@ -4,7 +4,9 @@ Rows are `prompt` (a string or chat messages) plus any extra columns (`answer`, 
 reach the reward functions repeated once per completion. Every optimizer step:
 
 1. generation: the prompts of each micro-batch get G = `num_generations` sampled completions
-   from the policy itself (`stages.generation.generate`, no gradient);
+   from the policy itself (`stages.generation.generate`, no gradient), seeded from the run seed,
+   the optimizer step and the prompt (`stages.trainers.online_sampling`), so a prompt gets the
+   same samples on any rank, in any micro-batch, and after a resume;
 2. scoring: the reward functions (`stages.rewards.RewardFunctions`) score every completion;
    advantages are the rewards relative to their group (`stages.losses.grpo_advantages`);
    completions left unscored (a function returned None) get advantage 0 and no loss;
@@ -220,7 +222,7 @@ class GRPOTrainer(Trainer):
 
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: dict[int, dict[str, torch.Tensor]] = {}
-        self._slot, self._slot_step, self._generations = 0, None, 0
+        self._slot, self._slot_step = 0, None
         self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
         self._window: dict[str, float] = defaultdict(float)  # the same since the last log
         self._window_start_step = 0
@@ -261,8 +263,7 @@ class GRPOTrainer(Trainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
-                             seed=sampling_seed(a.seed, self._generations, a.process_index))
-        self._generations += 1
+                             seed=sampling_seed(a.seed, self.state.global_step))
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()

@@ -1,7 +1,8 @@
 """Online DPO: `OnlineDPOConfig` + `OnlineDPOTrainer` (a `transformers.Trainer`).
 
 Rows are prompts (plus any columns the reward functions read, e.g. `answer`). Each training
-step samples two completions per prompt from the current policy (`stages.generation.generate`),
+step samples two completions per prompt from the current policy (`stages.generation.generate`,
+seeded from the run seed, the optimizer step and the prompt: `stages.trainers.online_sampling`),
 scores both with the reward functions (`stages.rewards.RewardFunctions`), takes the higher-scored
 one as chosen and the other as rejected, and applies the DPO loss to those fresh pairs, with the
 same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
@@ -104,7 +105,6 @@ class OnlineDPOTrainer(Trainer):
         self.ref_model = frozen_reference(self.model, ref_model)
         self.pair_collator = PairCollator(processing_class.pad_token_id)
         self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._generations = 0
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The optimizer step's micro-batches of prompts -> pair batches, each carrying "step_pairs": the
@@ -125,8 +125,7 @@ class OnlineDPOTrainer(Trainer):
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
-                             seed=sampling_seed(a.seed, self._generations, a.process_index))
-        self._generations += 1
+                             seed=sampling_seed(a.seed, self.state.global_step))
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
         pairs, dropped = rank_pairs(scores)

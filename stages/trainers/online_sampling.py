@@ -3,18 +3,21 @@
 `GenerationParams` is the sampling section (`policy.<method>.generation`, `score.generation`)
 and the `generation` field of the online trainers' configs; `sample_online` turns it into one
 `stages.generation.sample_policy` call; `sampling_seed` is the one seed formula every online
-trainer uses, so two trainers given the same seed and draw number sample alike:
+trainer (and `score`) uses:
 
-    seed(draw) = run seed + 100_003 · draw + process index
+    call seed   = stable_hash(run seed, draw)                      (sampling_seed)
+    prompt seed = stable_hash(call seed, the prompt's token ids)   (stages.generation.common.prompt_seed)
 
-`draw` counts the trainer's generation calls (one per micro-batch for GRPO and online DPO, one
-per rollout for PPO); the process index gives every data-parallel rank its own samples.
-Torch and the generation backends are imported only when sampling.
+`draw` is the optimizer step (`state.global_step`: global, the same on every rank, restored on
+resume); `score` samples once, draw 0. Each prompt's n completions come from its own prompt
+seed, so a prompt gets the same token ids whatever its batch, position in it, rank, shard or
+resume. Two equal prompts in one step get equal completions. Torch and the generation backends
+are imported only when sampling.
 """
 from __future__ import annotations
 
-from stages.trainers.generation_params import (GENERATION_BACKENDS, SEED_STRIDE,  # noqa: F401 (re-exported)
-                                               GenerationParams, backend_options, sampling_seed)
+from stages.trainers.generation_params import (GENERATION_BACKENDS, GenerationParams,  # noqa: F401 (re-exported)
+                                               backend_options, sampling_seed)
 
 
 def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int):

@@ -29,7 +29,8 @@ trunk, which `vf_coef` (0.1 by default) keeps small. The reference: a frozen cop
 starting LM, or with a PEFT model the same weights with the adapter disabled (no copy), as for
 every method (`stages.trainers.reference`). `PPOConfig` is `PPOParams` (stages.trainers.ppo_params,
 shared with params.yaml's `policy.ppo`) combined with `transformers.TrainingArguments`; sampling
-settings are its `generation` field.
+settings are its `generation` field; each prompt's sample is seeded from the run seed, the
+optimizer step and the prompt (`stages.trainers.online_sampling`), so ranks and resumes agree.
 
 Offline mode (rows with prompt, completion, score and no reward functions) runs the same
 updates on fixed completions: the ratio starts at 1 on each batch, so it is PPO's clipped
@@ -228,7 +229,7 @@ class PPOTrainer(Trainer):
         a = self.args
         # vllm: off-policy once training moves the policy (old log-probs are still the current policy's)
         gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.generation, n=1,
-                             seed=sampling_seed(a.seed, self.state.global_step, a.process_index))
+                             seed=sampling_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         for name, values in per_function.items():
             got = [v for v in values if v is not None]

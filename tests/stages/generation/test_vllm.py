@@ -26,6 +26,7 @@ import torch
 
 from stages.data.tokenize import render_prompt
 from stages.generation import SamplingParams, generate
+from stages.generation.common import prompt_seed
 from stages.generation.vllm import VLLMServerError, serve_command
 
 from .conftest import PROMPTS
@@ -135,13 +136,15 @@ def test_greedy_matches_the_hf_backend_and_the_request_is_vllms(tiny_path, eos_m
     for field in ("prompt_index", "prompt_ids", "completion_ids", "completions", "reasoning", "finished"):
         assert getattr(gens, field) == getattr(reference, field), field
     assert gens.backend == "vllm" and gens.seed == 3
-    bodies = sorted((b for _, b in server.requests), key=lambda b: b["seed"])
-    assert [b["seed"] for b in bodies] == [3 + i for i in range(len(PROMPTS))]  # one seed per prompt
-    for i, b in enumerate(bodies):
-        assert b["prompt"] == tok(render_prompt(tok, PROMPTS[i]), add_special_tokens=False)["input_ids"]
-        assert b == {"model": str(tiny_path), "prompt": b["prompt"], "n": 1, "max_tokens": 12, "temperature": 0.0,
-                     "top_p": 1.0, "top_k": -1, "seed": 3 + i, "stop_token_ids": [EOS], "skip_special_tokens": False,
-                     "spaces_between_special_tokens": False, "return_token_ids": True}
+    bodies = {tuple(b["prompt"]): b for _, b in server.requests}
+    assert len(bodies) == len(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        ids = tok(render_prompt(tok, p), add_special_tokens=False)["input_ids"]
+        # the prompt's own seed, from the call's seed and its token ids (not its position)
+        assert bodies[tuple(ids)] == {"model": str(tiny_path), "prompt": ids, "n": 1, "max_tokens": 12,
+                                      "temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": prompt_seed(3, ids),
+                                      "stop_token_ids": [EOS], "skip_special_tokens": False,
+                                      "spaces_between_special_tokens": False, "return_token_ids": True}
 
 
 @pytest.mark.parametrize("style", ["logprobs", "text", "drop_eos"])
@@ -157,15 +160,19 @@ def test_token_id_fallbacks_give_the_same_completions(eos_model, tok, style):
         assert got.completion_ids == want.completion_ids
 
 
-def scripted(tok):
-    """Choice k of the prompt whose seed is s: [s, k, k] then EOS for even k, else cut at max_tokens; shuffled."""
+def scripted(tok, seed: int = 0):
+    """Choice k of prompt p (known by its request seed): [110 + p, 20 + k, 20 + k] then EOS for even k, else cut at
+    max_tokens; shuffled."""
+    seeds = [prompt_seed(seed, tok(render_prompt(tok, p), add_special_tokens=False)["input_ids"]) for p in PROMPTS]
+
     def respond(body):
         s, out = body["seed"], []
+        p = seeds.index(s)
         for k in range(body["n"]):
             if k % 2 == 0:
-                out.append(choice(tok, k, [10 + s, 20 + k, 20 + k, EOS], "stop"))
+                out.append(choice(tok, k, [110 + p, 20 + k, 20 + k, EOS], "stop"))
             else:
-                out.append(choice(tok, k, [10 + s] + [20 + k] * (body["max_tokens"] - 1), "length"))
+                out.append(choice(tok, k, [110 + p] + [20 + k] * (body["max_tokens"] - 1), "length"))
         random.Random(s).shuffle(out)
         return out
 
@@ -174,7 +181,7 @@ def scripted(tok):
 
 def test_sampling_request_and_prompt_major_order(tok):
     sampling = SamplingParams(max_new_tokens=5, n=3, do_sample=True, temperature=0.7, top_p=0.9, top_k=5, seed=100)
-    with FakeVLLM("m", scripted(tok)) as server:
+    with FakeVLLM("m", scripted(tok, 100)) as server:
         gens = generate("m", tok, PROMPTS, sampling, backend="vllm", base_url=server.url, batch_size=3)
     body = server.requests[0][1]
     assert (body["n"], body["temperature"], body["top_p"], body["top_k"], body["max_tokens"]) == (3, 0.7, 0.9, 5, 5)
@@ -182,7 +189,7 @@ def test_sampling_request_and_prompt_major_order(tok):
     assert gens.prompt_index == [p for p in range(len(PROMPTS)) for _ in range(3)]
     for j, (p, ids, done) in enumerate(zip(gens.prompt_index, gens.completion_ids, gens.finished)):
         k = j % 3
-        assert ids[0] == 10 + 100 + p  # the prompt's own seed: belongs to prompt p
+        assert ids[0] == 110 + p  # the prompt's own seed: belongs to prompt p
         assert ids == ([110 + p, 20 + k, 20 + k, EOS] if k % 2 == 0 else [110 + p] + [20 + k] * 4)
         assert done == (k % 2 == 0)
 

@@ -1,0 +1,61 @@
+"""Sampling each row of a batched HF `generate` from its own prompt-seeded uniforms (see `stages.generation.hf`).
+
+HF's sampler draws from torch's global RNG across the whole batch, so a prompt's samples depend
+on what else is in its batch. Here HF decodes greedily and `PerRowSampler`, its last logits
+processor, does the sampling: row r's token t is the inverse-CDF sample of the filtered
+distribution at uniform u[r, t], and only that token is left for the argmax. The uniforms of a
+prompt's n rows come from a generator seeded with `prompt_seed(seed, prompt ids)`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
+
+from stages.generation.common import SamplingParams, prompt_seed
+
+
+def per_row_sampler(prompt_ids: list[list[int]], s: SamplingParams, start: int, device) -> LogitsProcessorList:
+    """The `logits_processor` of one batch of prompts whose rows are expanded n times (prompt-major)."""
+    return LogitsProcessorList([PerRowSampler(row_uniforms(prompt_ids, s).to(device), start, s)])
+
+
+def row_uniforms(prompt_ids: list[list[int]], s: SamplingParams) -> torch.Tensor:
+    """U(0, 1) draws of each prompt's n rows, one per generated token: (P·n, max_new_tokens), float64.
+
+    Prompt p's block comes from its own generator seeded with `prompt_seed(s.seed, prompt_ids[p])`,
+    so it is the same in any batch."""
+    blocks = [torch.rand((s.n, s.max_new_tokens), dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(prompt_seed(s.seed, ids))) for ids in prompt_ids]
+    return torch.cat(blocks)
+
+
+class PerRowSampler(LogitsProcessor):
+    """Sample every row from its own uniforms; return logits that leave only the sampled token.
+
+    uniforms: (B, max_new_tokens) from `row_uniforms`; start: the input width, so the token being
+    generated is number input_ids.shape[1] - start. Temperature, top-k and top-p are HF's own
+    warpers, applied in HF's order; the sample is the first token whose cumulative probability
+    (float64) exceeds u · total.
+    """
+
+    def __init__(self, uniforms: torch.Tensor, start: int, s: SamplingParams):
+        self.uniforms, self.start = uniforms, start
+        self.warpers = LogitsProcessorList()
+        if s.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(float(s.temperature)))
+        if s.top_k:
+            self.warpers.append(TopKLogitsWarper(s.top_k))
+        if s.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(float(s.top_p)))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = self.warpers(input_ids, scores.float())
+        cdf = logits.double().softmax(-1).cumsum(-1)
+        total = cdf[:, -1:]
+        u = self.uniforms[:, input_ids.shape[1] - self.start, None] * total
+        last = (cdf < total).sum(-1, keepdim=True)  # the last token of non-zero probability (u·total rounding to it)
+        token = torch.minimum(torch.searchsorted(cdf, u, right=True), last)
+        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
