@@ -145,7 +145,8 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
 
-def train(method: str, adapter: str, model_path: str, out: Path, *, batch: int, accum: int = 1, steps: int = 2) -> dict[str, torch.Tensor] | None:
+def train(method: str, adapter: str, model_path: str, out: Path, *, batch: int, accum: int = 1,
+          steps: int = 2) -> dict[str, torch.Tensor] | None:
     """Train one cell for `steps` optimizer steps; return {parameter: update} on rank 0 (None elsewhere)."""
     trainer = build(method, adapter, model_path, out, batch=batch, accum=accum, steps=steps)
     model = trainer.model
