@@ -8,14 +8,15 @@ one as chosen and the other as rejected, and applies the DPO loss to those fresh
 same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
 `stages.trainers.reference`). Pairs whose two scores tie
 (identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
-carry no preference: they are dropped and counted.
+carry no preference: they are dropped and counted. A dropped pair stays in the batch with loss
+weight 0, so under data parallelism every rank takes part in the same backward (DDP's gradient
+all-reduce) and metric gathers, in the same order, even when all its pairs drop; its gradient
+is zero and its metrics carry weight 0.
 
 `get_batch_samples` is the only override of the Trainer loop: when the Trainer fetches an
 optimizer step's micro-batches of prompts, it samples, scores and pairs them all (the policy
 does not change within the step), so the step's number of kept pairs is known on every process
-before the first backward. Every prompt yields a pair; a dropped one has weight 0, so every
-process and micro-batch runs its forward and backward (no rank skips a collective, even when
-all its pairs tie). The loss is the sum over a micro-batch's kept pairs divided by the kept
+before the first backward. Every prompt yields a pair (weight 0 when dropped). The loss is the sum over a micro-batch's kept pairs divided by the kept
 pairs of the whole step (all micro-batches, all processes): 2 processes x B/2 prompts, 1 prompt
 x B accumulation steps and B x 1 give the same update.
 
@@ -156,11 +157,10 @@ class OnlineDPOTrainer(Trainer):
         loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:
             stats["win_rate"] = stats.pop("rewards/accuracies")
-        kept = self.accelerator.gather_for_metrics(weight) > 0
-        for key, value in stats.items():
-            value = self.accelerator.gather_for_metrics(value)[kept]
-            if value.numel():
-                self._metrics[key].append(value.mean().item())
+        for key, value in stats.items():  # every rank gathers every key, kept pairs or not
+            total, count = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None]).sum(0)
+            if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
+                self._metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

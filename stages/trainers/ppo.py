@@ -21,6 +21,9 @@ One Trainer step = one rollout batch + its PPO epochs:
 
 Padding and tokens after the first EOS never enter the loss, the KL or the values
 (masks come from lengths and EOS positions, not from `ids != pad`, so pad == EOS is fine).
+Unscored completions (a reward function returned None) are masked out too; a rank whose whole
+batch is unscored still runs every forward, backward and metric gather with an empty mask (zero
+gradient), so data-parallel ranks stay in step; a batch unscored on every rank is an error.
 
 Policy and critic share one trunk (`AutoModelForCausalLMWithValueHead`: the LM plus a
 scalar head). This halves memory and forward passes against a separate critic model (as in
@@ -231,11 +234,12 @@ class PPOTrainer(Trainer):
         gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.generation, n=1,
                              seed=sampling_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
+        # every rank gathers every key, also with nothing scored here (a skipped gather would pair with the next)
         for name, values in per_function.items():
             got = [v for v in values if v is not None]
-            if got:
-                self._record(f"rewards/{name}", torch.tensor(got).mean())
-        if all(t is None for t in totals):
+            self._record_mean(f"rewards/{name}", float(sum(got)), len(got))
+        scored = self.accelerator.gather(torch.tensor([sum(t is not None for t in totals)], device=a.device)).sum()
+        if scored == 0:  # on every rank at once; one rank's unscored batch trains with an empty mask instead
             raise ValueError("every completion of this batch was left unscored (the reward functions returned None "
                              "for all of them); check that the rows carry the columns the functions need")
         return [gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids, totals
@@ -249,15 +253,23 @@ class PPOTrainer(Trainer):
     # ---- metrics, saving
 
     def _log_rollout(self, score, scored, eos, kl, old, returns, mask) -> None:
-        """score: (B,) before the missing-EOS penalty; kl: (B, T) the configured estimator."""
-        n = mask.sum().clamp(min=1)
-        rows = scored.float().sum().clamp(min=1)
-        self._record("score", (score * scored).sum() / rows)
-        self._record("kl", kl.sum(-1).sum() / rows)
-        self._record("entropy", (old["entropy"] * mask).sum() / n)
+        """score: (B,) before the missing-EOS penalty; kl: (B, T) the configured estimator. Means over every
+        rank's scored rows (tokens), so a rank with none adds nothing rather than a 0."""
+        rows = scored.float().sum().item()
+        self._record_mean("score", (score * scored).sum().item(), rows)
+        self._record_mean("kl", kl.sum().item(), rows)
+        self._record_mean("entropy", (old["entropy"] * mask).sum().item(), mask.sum().item())
         self._record("completion_length", mask.sum(-1).float().mean())
         self._record("eos_rate", eos.float().mean())
-        self._record("explained_variance", explained_variance(old["values"], returns, mask))
+        ev = explained_variance(old["values"], returns, mask)  # NaN with < 2 valid tokens on this rank
+        finite = bool(torch.isfinite(ev))
+        self._record_mean("explained_variance", ev.item() if finite else 0.0, int(finite))
+
+    def _record_mean(self, key: str, total: float, count: int) -> None:
+        """The mean over every rank's `count` items (`total` their sum here); nothing when no rank has any."""
+        total, count = self.accelerator.gather(torch.tensor([[total, count]], device=self.args.device)).sum(0)
+        if count > 0:
+            self._metrics[key].append((total / count).item())
 
     def _record(self, key: str, value: torch.Tensor) -> None:
         self._metrics[key].append(self.accelerator.gather_for_metrics(value.detach().reshape(1)).float().mean().item())
