@@ -67,13 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         rank = processes.process_rank()
         name = f"stage-{args.stage}" + (f"-rank{rank}" if rank else "")
         logs.attach_log_file(Path(params.run.output_dir) / "logs", name)
+    ok = False
     try:
-        return run(args, params)
+        code = run(args, params)
+        ok = True
+        return code
     except Exception as e:  # noqa: BLE001 -- every failure ends the same way: the cause last, the traceback logged
         logs.report_failure(failure_line(args.stage, e), e)
         return exit_code(e)
     finally:
         logs.detach_log_file()
+        if processes.inside_launch():  # a launched rank: leave the process group before the interpreter exits
+            processes.shutdown_distributed(barrier=ok)
 
 
 def run(args, params) -> int:

@@ -5,6 +5,8 @@ the trainers in `stages.trainers` only gather the inputs and call these.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -432,7 +434,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
 
 def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
              old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2,
-             cliprange_value: float = 0.2, vf_coef: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             cliprange_value: float = 0.2, vf_coef: float = 0.1, num_tokens: torch.Tensor | float | None = None,
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped policy loss plus its clipped value loss, masked means over the tokens.
 
     All arguments (B, T): per-token log-probs now and at sampling, advantages, value-head
@@ -443,6 +446,8 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
       value   mean(0.5·max((v - R)², (clip(v, v_old - c_v, v_old + c_v) - R)²))
       loss    policy + vf_coef·value
 
+    num_tokens: the mean's denominator (default: mask.sum()); under data parallelism, the
+    tokens of the whole batch / processes, so the averaged gradients are the whole batch's mean.
     Returns (loss, metrics) with "policy_loss", "value_loss", "clipfrac" (share of tokens where
     the clipped policy term is the larger), "value_clipfrac", "approx_kl" (mean ½(logps -
     old_logps)²), all detached.
@@ -457,12 +462,13 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
     ratio = torch.exp(log_ratio)
     pg_plain = -advantages * ratio
     pg_clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    policy = _masked_mean(torch.maximum(pg_plain, pg_clipped), mask)
+    denominator = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    policy = (torch.maximum(pg_plain, pg_clipped) * mask).sum() / denominator
 
     v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     vf_plain = (values - returns) ** 2
     vf_clipped = (v_clipped - returns) ** 2
-    value = 0.5 * _masked_mean(torch.maximum(vf_plain, vf_clipped), mask)
+    value = 0.5 * (torch.maximum(vf_plain, vf_clipped) * mask).sum() / denominator
 
     with torch.no_grad():
         metrics = {
@@ -494,16 +500,20 @@ def per_token_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, scores: torc
     return rewards, kl
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the entries where mask is 1 (unbiased variance).
 
     x, mask: same shape; 0 where mask is 0. shift_mean=False adds the mean back (PPO whitens
-    per-token rewards that way, so their sign is kept).
+    per-token rewards that way, so their sign is kept). reduce: sums a tensor over the
+    processes that share the batch (data parallelism), so mean and variance are the whole
+    batch's, not this shard's; None: this tensor is the whole batch.
     """
+    reduce = reduce or (lambda t: t)
     mask = mask.to(x.dtype)
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    n = reduce(mask.sum())
+    mean = reduce((x * mask).sum()) / n.clamp(min=1)
+    var = reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     return (out if shift_mean else out + mean) * mask
 

@@ -40,6 +40,31 @@ def inside_launch() -> bool:
     return LAUNCHED_ENV in os.environ or "LOCAL_RANK" in os.environ
 
 
+def shutdown_distributed(*, barrier: bool = True, join_timeout_s: float = 10.0) -> None:
+    """End this rank cleanly: leave the process group and join the threads we started.
+
+    A rank that exits with its process group alive leaves c10d's C++ threads (gloo/NCCL
+    workers, the TCPStore client) to be destroyed during interpreter teardown, which aborts
+    with `terminate called without an active exception` now and then. Every rank first
+    waits for the others (a barrier: no rank tears down while another still talks to it),
+    then destroys the group; then non-daemon Python threads are joined. A no-op outside a
+    distributed run; safe to call twice. barrier=False after a failure on this rank (the
+    others may be inside a collective that this rank will never join).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if barrier:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and thread is not threading.main_thread() and not thread.daemon:
+            thread.join(join_timeout_s)
+
+
 def stage_target(stage: str, params_file: str | Path, overrides: list[str] | None = None) -> list[str]:
     return ["-m", "stages", stage, "--params", str(params_file), *(a for o in overrides or [] for a in ("--set", o))]
 

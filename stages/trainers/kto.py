@@ -3,9 +3,13 @@
 Rows are unpaired prompt/completion/label (label True: a desirable completion). Each row's
 summed completion log-prob under the policy and the reference gives r = policy - reference;
 `stages.losses.kto_loss` compares r with a reference point z, an estimate of KL(policy ||
-reference). z comes from mismatched pairs inside the batch: prompt i with the completion of
-row i + 1 (the last with the first), whose mean log-ratio is a sample of the KL (detached,
-and clamped at 0 in kto_loss). So the batch needs at least 2 rows.
+reference). z comes from mismatched pairs: each row's prompt with the completion of the next
+row of the dataset (the last with the first; fixed at tokenisation, so a row's pair does not
+depend on the batch it lands in), whose mean log-ratio over the whole optimizer step's batch
+(every micro-batch of the accumulation window, on every process) is a sample of the KL
+(detached, and clamped at 0 in kto_loss). It is computed once per optimizer step, before the
+window's first micro-batch (`get_batch_samples`), so 2 processes x B/2 rows, 1 row x B
+accumulation steps and B rows x 1 all use the same z.
 
 The reference is every method's (`stages.trainers.reference`): a frozen copy, or with a PEFT
 model the base weights with the adapter disabled.
@@ -58,6 +62,8 @@ def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict
                              "left (raise max_length or filter long prompts)")
         out.append({"prompt_ids": t["input_ids"][:n_prompt], "completion_ids": t["input_ids"][n_prompt:],
                     "label": r["label"]})
+    for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
+        row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
     return out
 
 
@@ -83,15 +89,14 @@ def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight
 @dataclass
 class KTOCollator:
     """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
-    (prompt i + completion i+1 mod B) for the KL estimate; right-padded; `desirable`: (B,) bool."""
+    (prompt i + its `kl_completion_ids`) for the KL estimate; right-padded; `desirable`: (B,) bool."""
 
     pad_token_id: int
     max_length: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        n = len(features)
         matched = [(f["prompt_ids"], f["completion_ids"]) for f in features]
-        shifted = [(f["prompt_ids"], features[(i + 1) % n]["completion_ids"]) for i, f in enumerate(features)]
+        shifted = [(f["prompt_ids"], f["kl_completion_ids"]) for f in features]
         batch = {"desirable": torch.tensor([f["label"] for f in features])}
         for prefix, pairs in (("", matched), (KL_PREFIX, shifted)):
             ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
@@ -124,16 +129,39 @@ class KTOTrainer(Trainer):
         self.ref_model = frozen_reference(self.model, ref_model)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
+    @torch.no_grad()
+    def kl_estimate(self, model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Mean log-ratio policy / reference of the mismatched rows of `batches` on every process: a scalar."""
+        chunked = self.args.use_chunked_logprobs
+        total = torch.zeros((), device=self.args.device)
+        rows = torch.zeros((), device=self.args.device)
+        with self.compute_loss_context_manager():
+            for batch in batches:
+                mismatched = _part(batch, KL_PREFIX)
+                kl_logps = sequence_logps(model, mismatched, chunked=chunked)
+                with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+                    kl_logps = kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked)
+                total, rows = total + kl_logps.sum(), rows + kl_logps.numel()
+        if self.accelerator.num_processes > 1:
+            total, rows = self.accelerator.reduce(total, "sum"), self.accelerator.reduce(rows, "sum")
+        return total / rows.clamp(min=1)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches, each with the step's one KL estimate ("kl") attached."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches:
+            kl = self.kl_estimate(self.model, batches)
+            batches = [{**b, "kl": kl} for b in batches]
+        return batches, num_items
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
-        matched, mismatched = _part(inputs, ""), _part(inputs, KL_PREFIX)
+        matched = _part(inputs, "")
         logps = sequence_logps(model, matched, chunked=chunked)
         with torch.no_grad():
-            kl_logps = sequence_logps(model, mismatched, chunked=chunked)
             with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
                 ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
-                ref_kl_logps = reference_sequence_logps(ref, mismatched, chunked=chunked)
-            kl = self.accelerator.gather(kl_logps - ref_kl_logps).mean()  # one reference point for all devices
+            kl = inputs["kl"] if "kl" in inputs else self.kl_estimate(model, [inputs])  # training: the step's
         desirable = inputs["desirable"]
         losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
                           desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)

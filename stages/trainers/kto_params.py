@@ -19,9 +19,4 @@ class KTOParams:
                                        "full logits, where the model allows")
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, KTOParams)
-        batch = getattr(self, "per_device_train_batch_size", None)  # the trainer's, or the section's override
-        if batch is not None and batch < 2:
-            problems.append(("per_device_train_batch_size", f"= {batch}: must be >= 2 (the KL reference point "
-                             "pairs each prompt with another row's completion)"))
-        return problems
+        return check_fields(self, KTOParams)

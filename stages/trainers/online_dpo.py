@@ -8,13 +8,17 @@ one as chosen and the other as rejected, and applies the DPO loss to those fresh
 same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
 `stages.trainers.reference`). Pairs whose two scores tie
 (identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
-carry no preference: they are dropped and counted. A micro-batch whose pairs all drop still
-runs the full step on one placeholder pair of loss weight 0, so under data parallelism every
-rank takes part in the same backward (DDP's gradient all-reduce) and metric gathers, in the
-same order; its gradient is zero and its metrics carry weight 0.
+carry no preference: they are dropped and counted. A dropped pair stays in the batch with loss
+weight 0, so under data parallelism every rank takes part in the same backward (DDP's gradient
+all-reduce) and metric gathers, in the same order, even when all its pairs drop; its gradient
+is zero and its metrics carry weight 0.
 
-`training_step` is the only override of the Trainer loop: it generates, builds the pair batch
-and hands it to the usual step, whose `compute_loss` is the DPO one.
+`get_batch_samples` is the only override of the Trainer loop: when the Trainer fetches an
+optimizer step's micro-batches of prompts, it samples, scores and pairs them all (the policy
+does not change within the step), so the step's number of kept pairs is known on every process
+before the first backward. Every prompt yields a pair (weight 0 when dropped). The loss is the sum over a micro-batch's kept pairs divided by the kept
+pairs of the whole step (all micro-batches, all processes): 2 processes x B/2 prompts, 1 prompt
+x B accumulation steps and B x 1 give the same update.
 
 Logged: scores/mean (reward-function total of every sampled completion: what online training
 raises), scores/chosen, scores/rejected (the same over the kept pairs),
@@ -66,9 +70,11 @@ def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
     return pairs, dropped
 
 
-def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int) -> dict:
-    """One prompt and two completions (token ids) -> the chosen_*/rejected_* features of `PairCollator`."""
-    out = {}
+def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+                  weight: float = 1.0) -> dict:
+    """One prompt and two completions (token ids) -> the chosen_*/rejected_* features of `PairCollator`
+    (weight 0: a dropped pair, which runs through the model but adds nothing to the loss)."""
+    out = {"weight": weight}
     for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
         tokens = (prompt_ids + ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(ids))[:max_length]
@@ -80,7 +86,7 @@ def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: li
 
 
 class OnlineDPOTrainer(Trainer):
-    loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
+    loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
 
     def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
                  train_dataset, **kwargs):
@@ -102,14 +108,22 @@ class OnlineDPOTrainer(Trainer):
         self.pair_collator = PairCollator(processing_class.pad_token_id)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        return super().training_step(model, self.make_pairs(inputs), num_items_in_batch)
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches of prompts -> pair batches, each carrying "step_pairs": the
+        kept pairs of the whole step on every process (the loss's denominator)."""
+        rows, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [self.make_pairs(r) for r in rows]
+        if batches:
+            kept = sum(b["weight"].gt(0).sum() for b in batches).to(self.args.device).float()
+            if self.accelerator.num_processes > 1:
+                kept = self.accelerator.reduce(kept, "sum")
+            batches = [{**b, "step_pairs": kept} for b in batches]
+        return batches, num_items
 
     @torch.no_grad()
     def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """Sample two completions per prompt, score and rank them: a `PairCollator` batch. When every pair
-        drops, one placeholder pair (prompt 0's two samples) with `weight` 0: nothing is learnt, yet the step
-        runs the same forward, backward and gathers as on the other ranks."""
+        """Sample two completions per prompt, score and rank them: a `PairCollator` batch of one pair per
+        prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
@@ -121,29 +135,32 @@ class OnlineDPOTrainer(Trainer):
         scored = [v for v in scores if v is not None]
         if scored:
             self._metrics["scores/mean"].append(sum(scored) / len(scored))
-        if not pairs:
-            return self.pair_collator([{**pair_features(gens.prompt_ids[0], gens.completion_ids[0],
-                                                        gens.completion_ids[1], a.max_length), "weight": 0.0}])
-        self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
-        self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
-        features = [pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
-                                  a.max_length) for c, r in pairs]
-        return self.pair_collator(features)
+        if pairs:
+            self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
+            self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
+        kept = dict(pairs)
+        features = []
+        for k in range(0, len(scores), 2):  # prompt-major: one pair per prompt, kept or weight 0
+            c, r = (k, kept[k]) if k in kept else (k + 1, k) if k + 1 in kept else (k, k + 1)
+            features.append(pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
+                                          a.max_length, weight=1.0 if c in kept else 0.0))
+        return {k: v.to(a.device) for k, v in self.pair_collator(features).items()}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
         logps = sequence_logps(model, inputs, chunked=chunked)
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
-        weight = inputs.get("weight")  # (B,): present (0) only on a placeholder pair
+        weight = inputs["weight"]
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
                                       ref_chosen, ref_rejected, weight=weight, beta=self.args.beta)
+        # mean x pairs = the sum over this micro-batch's kept pairs; x processes: DDP averages the gradients
+        loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:
             stats["win_rate"] = stats.pop("rewards/accuracies")
-        weight = torch.ones_like(ref_chosen) if weight is None else weight
-        for key, value in stats.items():  # every rank gathers every key, placeholder or not
+        for key, value in stats.items():  # every rank gathers every key, kept pairs or not
             total, count = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None]).sum(0)
-            if count > 0:  # pairs on some rank: their mean; a placeholder weighs nothing
+            if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
                 self._metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
 

@@ -11,9 +11,11 @@ One Trainer step = one rollout batch + its PPO epochs:
    per-token rewards r_t = -kl_coef·KL_t, plus the score at the last completion token
    (score - missing_eos_penalty where the completion has no EOS; `stages.losses.per_token_rewards`);
    optional reward whitening (`stages.losses.masked_whiten`);
-   advantages and returns by `stages.losses.gae`; advantages whitened over the batch;
+   advantages and returns by `stages.losses.gae`; advantages whitened over the batch
+   (under data parallelism over every process's shard of it: all-reduced sums);
 3. num_ppo_epochs passes over the rollout in num_mini_batches shuffled minibatches, each an
-   optimizer step on `stages.losses.ppo_loss` (clipped policy + vf_coef·clipped value loss).
+   optimizer step on `stages.losses.ppo_loss` (clipped policy + vf_coef·clipped value loss),
+   a mean over the minibatch's tokens on all processes together.
    The last minibatch's step is the Trainer's own (so its clipping, fp16 scaling and LR
    schedule apply as usual); the LR schedule advances once per rollout.
 
@@ -135,6 +137,10 @@ class PPOTrainer(Trainer):
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
         args.remove_unused_columns = False
+        if args.ddp_find_unused_parameters is None:
+            # every trainable weight gets a gradient; DDP's search for unused ones would mark the LM head
+            # "unused" (chunked log-probs read it outside the forward) and then fail when its gradient arrives
+            args.ddp_find_unused_parameters = False
         kwargs.setdefault("data_collator", _keep_rows)
         super().__init__(model=model, args=args, processing_class=processing_class,
                          train_dataset=datasets.Dataset.from_list(rows), **kwargs)
@@ -169,15 +175,22 @@ class PPOTrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
+    def sum_over_processes(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the data-parallel processes (each holds a shard of the rollout batch)."""
+        return self.accelerator.reduce(x, reduction="sum") if self.accelerator.num_processes > 1 else x
+
     def minibatch_loss(self, model, rollout: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         mb = {k: v[idx] for k, v in rollout.items()}
+        # the mean over the whole minibatch's tokens on every process (DDP averages the gradients)
+        num_tokens = self.sum_over_processes(mb["completion_mask"].sum().float()).clamp(min=1) \
+            / self.accelerator.num_processes
         with self.compute_loss_context_manager():
             out = completion_logps(model, mb, temperature=self.args.generation.temperature,
                                    chunked=self.args.use_chunked_logprobs)
             loss, metrics = ppo_loss(out["logps"], mb["old_logps"], mb["advantages"], out["values"],
                                      mb["old_values"], mb["returns"], mb["completion_mask"],
                                      cliprange=self.args.cliprange, cliprange_value=self.args.cliprange_value,
-                                     vf_coef=self.args.vf_coef)
+                                     vf_coef=self.args.vf_coef, num_tokens=num_tokens)
         for key, value in metrics.items():
             self._record(key, value)
         return loss
@@ -205,10 +218,11 @@ class PPOTrainer(Trainer):
             ref_logps = self.reference_logps(model, batch)
         rewards, kl = per_token_rewards(old["logps"], ref_logps, score, mask, kl_coef=self.args.kl_coef,
                                         kl_estimator=self.args.kl_estimator)
+        # whitened over the whole rollout batch, every process's shard (not per shard)
         if self.args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=self.sum_over_processes)
         advantages, returns = gae(rewards, old["values"], mask, gamma=self.args.gamma, lam=self.args.lam)
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask, reduce=self.sum_over_processes)
         self._log_rollout(raw, scored, eos, kl, old, returns, mask)
         return {**batch, "old_logps": old["logps"], "old_values": old["values"], "advantages": advantages,
                 "returns": returns}

@@ -111,10 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
-    torch.manual_seed(0)
-    for method in METHODS:
-        torch.save(train(method, a.model, a.out), a.out / f"{method}-rank{rank()}.pt")
-    (a.out / f"sample-rank{rank()}.json").write_text(json.dumps(sample_target(a.model)))
+    from stages.processes import shutdown_distributed
+
+    ok = False
+    try:
+        torch.manual_seed(0)
+        for method in METHODS:
+            torch.save(train(method, a.model, a.out), a.out / f"{method}-rank{rank()}.pt")
+        (a.out / f"sample-rank{rank()}.json").write_text(json.dumps(sample_target(a.model)))
+        ok = True
+    finally:
+        shutdown_distributed(barrier=ok)  # a clean exit: no rank dies tearing down a live process group
     return 0
 
 

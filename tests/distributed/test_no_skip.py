@@ -19,7 +19,7 @@ from stages.config import LaunchConfig
 from stages.launch import launch_command
 from stages.processes import run_command
 from tests.distributed import no_skip_worker as worker
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.conftest import free_port
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,19 @@
-"""A few optimizer steps of SFT, DPO and GRPO on the built-in tiny model; rank 0 saves each update.
+"""Every cell of the support matrix: a few optimizer steps of each method, full and LoRA; rank 0 saves each update.
 
-Run as one process (`train(...)` from a test) or as N through `accelerate launch` (gloo on CPU):
+A cell is (method, adapter): the methods of `METHODS` x {"full", "lora"}. `train(...)` runs one
+cell in this process; `main` runs every cell one after the other in one launch, so one
+`accelerate launch` (gloo on CPU) covers the whole matrix:
 
     python -m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml --num_processes 2 \\
-        tests/distributed/worker.py --model DIR --out DIR --batch 4
+        tests/distributed/worker.py --model DIR --out DIR --batch 2
 
 Plain SGD, a constant learning rate and no clipping, so an update is exactly -lr x the
 gradient: a gradient off by a factor (a wrong normalisation over ranks, micro-batches or
 tokens) shows in the update, where Adam's first step (about lr x sign) would hide it.
-GRPO trains on fixed completions and rewards stored in its rows (`make_batch` is replaced),
-so 1 and N processes see the same samples; its data path, loss and gradient reduction are
-the trainer's own.
+The online methods (online DPO, GRPO, PPO) run as in production: they sample from the
+policy (backend hf) and score with real reward functions (`exact_match` plus `variety`
+below, by its dotted path); nothing inside the trainers is replaced. No dropout anywhere
+(LoRA dropout 0), so a row's forward does not depend on which rank or micro-batch it is in.
 """
 from __future__ import annotations
 
@@ -26,97 +29,128 @@ if str(ROOT) not in sys.path:  # launched as a script
     sys.path.insert(0, str(ROOT))
 
 from stages.builtin import arithmetic  # noqa: E402
-from stages.config import ArithmeticConfig  # noqa: E402
+from stages.config import ArithmeticConfig, LoraParams  # noqa: E402
 from stages.data.formats import normalise  # noqa: E402
 
-METHODS = ("sft", "dpo", "grpo")
-GENERATIONS = 4
-LR = {"sft": 0.5, "dpo": 0.5, "grpo": 0.5}
+METHODS = ("sft", "reward", "dpo_precomputed", "dpo_live", "kto", "online_dpo", "grpo_beta0", "grpo_beta", "ppo")
+ADAPTERS = ("full", "lora")
+CELLS = tuple((m, a) for m in METHODS for a in ADAPTERS)
+GENERATIONS = 4  # GRPO completions per prompt
+NEW_TOKENS = 6
+LR = {"full": 0.5, "lora": 2.0}
+LORA = LoraParams(enabled=True, r=4, alpha=8, dropout=0.0)
+REWARDS = ["exact_match", "tests.distributed.worker:variety"]
 
 
-def common_args(out: Path, method: str, batch: int, accum: int, steps: int) -> dict:
-    return dict(output_dir=str(out / f"run-{method}"), max_steps=steps, per_device_train_batch_size=batch,
-                gradient_accumulation_steps=accum, learning_rate=LR[method], optim="sgd",
+def variety(prompts: list, completions: list[str], **_) -> list[float]:
+    """Distinct characters per character, in quarters: exact_match alone is 0 for every sample of an
+    untrained model (nothing would be learned); this one separates some samples and ties others, so
+    online DPO drops some pairs and keeps others, unevenly over ranks and micro-batches."""
+    return [round(4 * len(set(c)) / (len(c) + 1)) / 4 for c in completions]
+
+
+def cell_name(method: str, adapter: str) -> str:
+    return f"{method}-{adapter}"
+
+
+def common_args(out: Path, name: str, adapter: str, batch: int, accum: int, steps: int) -> dict:
+    return dict(output_dir=str(out / f"run-{name}"), max_steps=steps, per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accum, learning_rate=LR[adapter], optim="sgd",
                 lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
                 report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1,
                 seed=0, data_seed=0, dataloader_num_workers=0)
 
 
+def _data(**kw) -> dict:
+    cfg = ArithmeticConfig(**{"num_train": 8, "num_preference": 16, "num_eval": 4, **kw})
+    return arithmetic.generate(**dataclasses.asdict(cfg))
+
+
 def sft_rows() -> list[dict]:
     """Completions of very different lengths: half keep the reasoning block, half only the answer."""
-    cfg = ArithmeticConfig(num_train=64, num_preference=8, num_eval=4)
     rows = []
-    for i, r in enumerate(arithmetic.generate(**dataclasses.asdict(cfg))["sft"][:32]):
+    for i, r in enumerate(_data(num_train=32)["sft"][:16]):
         *prompt, answer = r["messages"]
         content = answer["content"].split("</think>")[-1] if i % 2 else answer["content"]
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": content}]})
     return rows
 
 
-def dpo_rows() -> list[dict]:
-    cfg = ArithmeticConfig(num_train=8, num_preference=64, num_eval=4)
-    return [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]][:32]
+def pair_rows() -> list[dict]:
+    return [normalise("preference", r) for r in _data()["preference"]][:16]
 
 
-def grpo_rows(tokenizer, n: int = 16) -> list[dict]:
-    """Prompts with GENERATIONS fixed completions (random tokens ending in EOS, lengths 2..9) and rewards."""
-    from stages.data.tokenize import render_prompt
-
-    cfg = ArithmeticConfig(num_train=8, num_preference=8, num_eval=4)
-    prompts = arithmetic.generate(**dataclasses.asdict(cfg))["prompts"][:n]
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for p in prompts:
-        ids = tokenizer(render_prompt(tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
-        comps = [torch.randint(10, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-                 + [tokenizer.eos_token_id] for _ in range(GENERATIONS)]
-        rows.append({"prompt": p["prompt"], "prompt_ids": ids, "completion_ids": comps,
-                     "rewards": torch.rand(GENERATIONS, generator=g).tolist()})
-    return rows
+def unpaired_rows() -> list[dict]:
+    """Alternating desirable / undesirable rows (chosen and rejected of the preference pairs)."""
+    return [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+            for r in pair_rows()[:8] for side in ("chosen", "rejected")]
 
 
-def fixed_grpo_trainer():
-    from stages.trainers.grpo import GRPOTrainer, completion_tensors
-    from stages.losses import grpo_advantages
-
-    class FixedCompletions(GRPOTrainer):
-        def make_batch(self, rows):
-            a, tok = self.args, self.processing_class
-            batch = completion_tensors([r["prompt_ids"] for r in rows for _ in r["completion_ids"]],
-                                       [c for r in rows for c in r["completion_ids"]],
-                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            rewards = torch.tensor([x for r in rows for x in r["rewards"]])
-            batch["advantages"] = grpo_advantages(rewards, a.num_generations, scale_rewards=a.scale_rewards)
-            batch["loss_mask"] = batch["completion_mask"]
-            return {k: v.to(a.device) for k, v in batch.items()}
-
-    return FixedCompletions
+def prompt_rows() -> list[dict]:
+    return _data(num_train=16)["prompts"][:16]
 
 
-def train(method: str, model_path: str, out: Path, *, batch: int, accum: int = 1, steps: int = 3):
-    """Train `method` for `steps` optimizer steps; return {name: update} on rank 0 (None elsewhere)."""
+def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, accum: int, steps: int):
+    """The cell's trainer, on a fresh model from `model_path`. batch: rows (GRPO: prompts) per micro-batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.trainers.adapters import apply_lora
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_path)
+    args = common_args(out, cell_name(method, adapter), adapter, batch, accum, steps)
+    lora = adapter == "lora"
+    if method == "reward":
+        from stages.trainers.reward import RewardConfig, RewardTrainer, load_reward_model
+
+        model = load_reward_model(model_path, tokenizer=tok)  # the LM's trunk + a fresh head (seeded above)
+        model = apply_lora(model, LORA, task_type="SEQ_CLS") if lora else model
+        return RewardTrainer(model, args=RewardConfig(**args), processing_class=tok, train_dataset=pair_rows())
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = common_args(out, method, batch, accum, steps)
+    model = apply_lora(model, LORA) if lora else model
+    from stages.trainers.generation_params import GenerationParams
+
+    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
     if method == "sft":
         from stages.trainers.sft import SFTConfig, SFTTrainer
 
-        trainer = SFTTrainer(model, SFTConfig(**args, max_seq_length=256), processing_class=tok,
-                             train_dataset=sft_rows())
-    elif method == "dpo":
+        return SFTTrainer(model, SFTConfig(**args, max_seq_length=256), processing_class=tok, train_dataset=sft_rows())
+    if method.startswith("dpo"):
         from stages.trainers.dpo import DPOConfig, DPOTrainer
 
-        trainer = DPOTrainer(model, args=DPOConfig(**args, beta=0.5), processing_class=tok, train_dataset=dpo_rows())
-    else:
-        from stages.trainers.grpo import GRPOConfig
+        config = DPOConfig(**args, beta=0.5, precompute_ref_log_probs=method == "dpo_precomputed")
+        return DPOTrainer(model, args=config, processing_class=tok, train_dataset=pair_rows())
+    if method == "kto":
+        from stages.trainers.kto import KTOConfig, KTOTrainer
+
+        return KTOTrainer(model, args=KTOConfig(**args, beta=0.5), processing_class=tok,
+                          train_dataset=unpaired_rows())
+    if method == "online_dpo":
+        from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        return OnlineDPOTrainer(model, REWARDS, args=OnlineDPOConfig(**args, beta=0.5, generation=generation),
+                                processing_class=tok, train_dataset=prompt_rows())
+    if method.startswith("grpo"):
+        from stages.trainers.grpo import GRPOConfig, GRPOTrainer
 
         args["per_device_train_batch_size"] = batch * GENERATIONS  # counts completions
-        trainer = fixed_grpo_trainer()(model, ["exact_match"], processing_class=tok, train_dataset=grpo_rows(tok),
-                                       args=GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo"))
+        config = GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo", generation=generation,
+                            beta=0.0 if method == "grpo_beta0" else 0.2)
+        return GRPOTrainer(model, REWARDS, args=config, processing_class=tok, train_dataset=prompt_rows())
+    if method == "ppo":
+        from stages.trainers.ppo import PPOConfig, PPOTrainer
+
+        config = PPOConfig(**args, num_ppo_epochs=1, num_mini_batches=1, generation=generation)
+        return PPOTrainer(model, args=config, processing_class=tok, train_dataset=prompt_rows(), reward_funcs=REWARDS)
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def train(method: str, adapter: str, model_path: str, out: Path, *, batch: int, accum: int = 1,
+          steps: int = 2) -> dict[str, torch.Tensor] | None:
+    """Train one cell for `steps` optimizer steps; return {parameter: update} on rank 0 (None elsewhere)."""
+    trainer = build(method, adapter, model_path, out, batch=batch, accum=accum, steps=steps)
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
     if not trainer.is_world_process_zero():
         return None
@@ -128,13 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--batch", type=int, required=True, help="rows (GRPO: prompts) per device")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--cells", default=",".join(cell_name(*c) for c in CELLS))
     a = ap.parse_args(argv)
-    for method in a.methods.split(","):
-        update = train(method, a.model, a.out, batch=a.batch, steps=a.steps)
-        if update is not None:
-            torch.save(update, a.out / f"{method}.pt")
+    from stages.processes import shutdown_distributed
+
+    ok = False
+    try:
+        for name in a.cells.split(","):
+            method, adapter = name.rsplit("-", 1)
+            update = train(method, adapter, a.model, a.out, batch=a.batch, steps=a.steps)
+            if update is not None:
+                torch.save(update, a.out / f"{name}.pt")
+        ok = True
+    finally:
+        shutdown_distributed(barrier=ok)  # a clean exit: no rank dies tearing down a live process group
     return 0
 
 

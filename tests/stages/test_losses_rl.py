@@ -401,3 +401,48 @@ def test_explained_variance_hand_computed():
     _close(explained_variance(returns, returns, mask).item(), 1.0)
     _close(explained_variance(torch.full_like(returns, 2.0), returns, mask).item(), 0.0)
     assert math.isnan(explained_variance(returns, returns, torch.tensor([[1, 0, 0, 0]])).item())
+
+
+def _two_shards(fn, a, b):
+    """Run fn(shard, reduce) for shards a and b in two threads whose `reduce` sums over both (an all-reduce)."""
+    import threading
+
+    barrier, slots, out = threading.Barrier(2), [[], []], [None, None]
+
+    def run(i, shard):
+        def reduce(t):
+            slots[i].append(t)
+            barrier.wait()
+            total = slots[0][-1] + slots[1][-1]
+            barrier.wait()
+            return total
+        out[i] = fn(shard, reduce)
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate((a, b))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return out
+
+
+def test_masked_whiten_over_shards_equals_whitening_the_whole_batch():
+    """Data parallelism: each process whitens its shard with mean and variance summed over all shards."""
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(6, 5, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
+    whole = masked_whiten(x, mask)
+    top, bottom = _two_shards(lambda s, r: masked_whiten(x[s], mask[s], reduce=r), slice(0, 2), slice(2, 6))
+    torch.testing.assert_close(torch.cat([top, bottom]), whole)
+    assert not torch.allclose(masked_whiten(x[:2], mask[:2]), whole[:2])  # a shard's own statistics differ
+
+
+def test_ppo_loss_num_tokens_gives_the_whole_batch_mean_when_averaged_over_shards():
+    """Two shards with 3 and 5 tokens: each divides its token sum by 8 / 2; their average is the mean of all 8."""
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(2, 5, generator=g) for _ in range(6)]
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1.0]])
+    whole, _ = ppo_loss(*args, mask)
+    assert ppo_loss(*args, mask, num_tokens=mask.sum())[0] == pytest.approx(whole.item())
+    n = mask.sum() / 2
+    shards = [ppo_loss(*[a[i:i + 1] for a in args], mask[i:i + 1], num_tokens=n)[0] for i in range(2)]
+    assert ((shards[0] + shards[1]) / 2).item() == pytest.approx(whole.item())
+    plain = [ppo_loss(*[a[i:i + 1] for a in args], mask[i:i + 1])[0] for i in range(2)]
+    assert ((plain[0] + plain[1]) / 2).item() != pytest.approx(whole.item())  # per-shard means weight tokens unequally

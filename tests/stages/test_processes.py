@@ -44,3 +44,20 @@ def test_deadline_kills_the_group_and_the_sessions_it_started(tmp_path):
     time.sleep(0.5)
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip()
     assert state == "" or state.startswith("Z"), f"child {child} still running ({state})"  # gone or a zombie
+
+
+def test_shutdown_distributed_leaves_the_process_group_and_joins_threads(tmp_path):
+    """A real gloo group (1 process, a file store): afterwards no group and no non-daemon thread is left."""
+    import threading
+
+    import torch.distributed as dist
+
+    from stages.processes import shutdown_distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (time.sleep(0.2), done.set()))
+    worker.start()
+    shutdown_distributed()
+    assert not dist.is_initialized() and done.is_set() and not worker.is_alive()
+    shutdown_distributed(barrier=False)  # twice, and outside any group: a no-op

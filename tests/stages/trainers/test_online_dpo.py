@@ -17,7 +17,8 @@ def test_rank_pairs_and_features():
     assert rank_pairs([1.0, 0.0, None, 2.0, 3.0, 3.0, 2.0, 5.0]) == ([(0, 1), (7, 6)], 2)
     f = pair_features([5, 6, 7], [8, 9], [10], max_length=4)
     assert f == {"chosen_input_ids": [5, 6, 7, 8], "chosen_completion_mask": [0, 0, 0, 1],
-                 "rejected_input_ids": [5, 6, 7, 10], "rejected_completion_mask": [0, 0, 0, 1]}
+                 "rejected_input_ids": [5, 6, 7, 10], "rejected_completion_mask": [0, 0, 0, 1], "weight": 1.0}
+    assert pair_features([5, 6, 7], [8, 9], [8, 9], max_length=4, weight=0.0)["weight"] == 0.0  # a dropped tie
     with pytest.raises(ValueError, match="a prompt of 3 tokens fills max_length = 3"):
         pair_features([5, 6, 7], [8], [9], max_length=3)
 
