@@ -325,18 +325,19 @@ def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_reward
 
 
 GRPO_AGGREGATIONS = {
-    # (per_token (B, T), mask (B, T), num_items_in_batch) -> scalar
-    "grpo": lambda x, m, n: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
-    "bnpo": lambda x, m, n: (x * m).sum() / m.sum().clamp(min=1),
-    "dr_grpo": lambda x, m, n: (x * m).sum() / x.numel(),
-    "dapo": lambda x, m, n: (x * m).sum() / (n if n is not None else m.sum().clamp(min=1)),
+    # (per_token (B, T), mask (B, T), num_items_in_batch, max_completion_length) -> scalar
+    "grpo": lambda x, m, n, L: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
+    "bnpo": lambda x, m, n, L: (x * m).sum() / m.sum().clamp(min=1),
+    # Dr. GRPO: a constant denominator, so neither a completion's length nor the batch's padding weights a token.
+    "dr_grpo": lambda x, m, n, L: (x * m).sum() / (x.shape[0] * L),
+    "dapo": lambda x, m, n, L: (x * m).sum() / (n if n is not None else m.sum().clamp(min=1)),
 }
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float = 0.2,
               epsilon_high: float | None = None, loss_type: str = "grpo",
-              num_items_in_batch: int | torch.Tensor | None = None,
+              num_items_in_batch: int | torch.Tensor | None = None, max_completion_length: int | None = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate GRPO loss with an optional k3 KL penalty, aggregated by `loss_type`.
 
@@ -351,8 +352,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
 
       grpo     mean over each sequence's tokens, then over the B sequences
       bnpo     sum over all tokens / number of tokens
-      dr_grpo  sum / (B·T), T the tensor width (max completion length)
-      dapo     sum / num_items_in_batch (tokens in the whole global batch; default: local count)
+      dr_grpo  sum / (B·L), L = max_completion_length, the generation budget (required): a
+               constant, so padding columns or the batch's longest completion change nothing
+      dapo     sum / num_items_in_batch: the loss tokens of the whole generation batch (every
+               micro-batch of the optimizer step, every process); summing the micro-batches'
+               losses gives the token mean over that batch (default: this call's own count)
 
     Returns (loss, metrics), metrics detached, means over the masked tokens:
     "clip_ratio/low_mean" (ρ < 1 - ε_low and A < 0), "clip_ratio/high_mean" (ρ > 1 + ε_h and
@@ -370,6 +374,14 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     if epsilon_low < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon_low = {epsilon_low}, epsilon_high = {epsilon_high}: must be >= 0")
     aggregate = _pick(GRPO_AGGREGATIONS, loss_type, "loss_type")
+    if loss_type == "dr_grpo":
+        if max_completion_length is None or max_completion_length < 1:
+            raise ValueError(f"max_completion_length = {max_completion_length}: loss_type 'dr_grpo' divides by the "
+                             "constant B·max_completion_length; pass the generation budget (max_new_tokens)")
+        longest = int(mask.sum(dim=1).max()) if mask.numel() else 0
+        if longest > max_completion_length:
+            raise ValueError(f"a completion has {longest} loss tokens > max_completion_length = "
+                             f"{max_completion_length}: pass the budget the completions were generated with")
 
     logps = _upcast(logps)
     old_logps = logps.detach() if old_logps is None else _upcast(old_logps)
@@ -383,7 +395,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         kl = kl_k3(logps, _upcast(ref_logps))
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl, mask).detach()
-    loss = aggregate(per_token, mask, num_items_in_batch)
+    loss = aggregate(per_token, mask, num_items_in_batch, max_completion_length)
 
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)

@@ -319,3 +319,46 @@ def test_resume_between_iterations_reuses_the_buffered_rollouts_and_the_pair_rng
         assert torch.allclose(p, q, atol=1e-6), name
     for k, v in clean.reward_head.state_dict().items():
         assert torch.allclose(v, resumed.reward_head.state_dict()[k], atol=1e-6), k
+
+
+def _first_step(path, tok, prompts, tmp_path, *, loss_type, accumulation):
+    """One optimizer step on two prompts (G completions each), as 2 micro-batches of 1 prompt or 1 of 2:
+    (the gradient before the optimizer step, each micro-batch's loss-token count)."""
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def some_unscored(prompts, completions, completion_ids, **_):
+        """Unscored when the first token id is a multiple of 4: a property of the completion alone, the same in
+        both layouts; it leaves the micro-batches with unequal loss-token counts."""
+        return [None if ids[0] % 4 == 0 else sum(t < 192 for t in ids) / len(ids) for ids in completion_ids]
+
+    grab = Grab()
+    args = _args(tmp_path / f"{loss_type}{accumulation}", max_steps=1, loss_type=loss_type,
+                 per_device_train_batch_size=2 * G // accumulation, gradient_accumulation_steps=accumulation)
+    trainer = GRPOTrainer(_model(path), some_unscored, processing_class=tok, train_dataset=prompts[:2],
+                          callbacks=[grab], args=args)
+    trainer.train()
+    return grab.grads, [trainer._buffer[s]["loss_mask"].sum().item() for s in sorted(trainer._buffer)]
+
+
+def test_dapo_divides_by_the_whole_generation_batch(setup, tmp_path):
+    """dapo: Σ token losses / loss tokens of the whole step. Two accumulated micro-batches of unequal token counts
+    give the gradient of the one-batch step (= bnpo on one batch); bnpo accumulated (a mean per micro-batch,
+    then over micro-batches) does not. Before, the trainer never passed the step's count, so dapo was bnpo."""
+    path, tok, prompts, _ = setup
+    dapo2, tokens = _first_step(path, tok, prompts, tmp_path, loss_type="dapo", accumulation=2)
+    dapo1, _ = _first_step(path, tok, prompts, tmp_path, loss_type="dapo", accumulation=1)
+    bnpo2, _ = _first_step(path, tok, prompts, tmp_path, loss_type="bnpo", accumulation=2)
+    bnpo1, _ = _first_step(path, tok, prompts, tmp_path, loss_type="bnpo", accumulation=1)
+    assert len(tokens) == 2 and tokens[0] != tokens[1], tokens  # the case that tells them apart
+
+    def close(a, b):
+        scale = max(g.abs().max().item() for g in b.values())
+        assert scale > 0
+        return all(torch.allclose(a[n], g, atol=1e-5 * scale, rtol=1e-4) for n, g in b.items())
+
+    assert close(dapo2, dapo1) and close(bnpo1, dapo1)
+    assert not close(bnpo2, dapo2)
