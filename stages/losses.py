@@ -115,10 +115,11 @@ def _dpo_kto_pair(rc, rr, beta, eps, bco_delta):
 
 def _dpo_bco_pair(rc, rr, beta, eps, bco_delta):
     # BCO: binary classification of β·r_c as "good" and β·r_r as "bad" around a reward shift δ:
-    # -log σ(β r_c - δ) - log σ(-(β r_r - δ)). δ is the trainer's running mean of the rewards, or,
-    # when not given, the detached mean of this batch's 2B rewards.
+    # -log σ(β r_c - δ) - log σ(-(β r_r - δ)). δ is a moving average of the rewards over training
+    # (stages.trainers.reward_mean), state this pure function cannot keep: the caller passes it.
     if bco_delta is None:
-        bco_delta = torch.cat((beta * rc, beta * rr)).mean().detach()
+        raise ValueError("loss_type 'bco_pair' needs bco_delta, the running mean of the implicit rewards over "
+                         "training (stages.trainers.reward_mean.RewardMean); for one batch alone pass its mean")
     return -F.logsigmoid(beta * rc - bco_delta) - F.logsigmoid(-(beta * rr - bco_delta))
 
 
@@ -174,8 +175,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
       robust     [-(1-ε)·log σ(βΔ) + ε·log σ(-βΔ)] / (1 - 2ε)    robust DPO
       kto_pair   ½·[(1 - σ(β(r_c - KL_r))) + (1 - σ(β(KL_c - r_r)))],
                  KL_c = max(0, mean(r_c)), KL_r = max(0, mean(r_r)), both detached
-      bco_pair   -log σ(β r_c - δ) - log σ(-(β r_r - δ)), δ = bco_delta, or when None the
-                 detached mean of the batch rewards β·r_c and β·r_r together
+      bco_pair   -log σ(β r_c - δ) - log σ(-(β r_r - δ)), δ = bco_delta (required): the running
+                 mean of the implicit rewards over training, kept by the trainer
       sppo_hard  (r_c - 1/(2β))² + (r_r + 1/(2β))²
       nca_pair   -log σ(β r_c) - ½·[log σ(-β r_c) + log σ(-β r_r)]
       apo_zero   (1 - σ(β r_c)) + σ(β r_r)
