@@ -5,10 +5,13 @@ worker.py) on the built-in tiny model from the same start, with the same global 
 8 rows (GRPO: 8 prompts x 4 fixed completions):
 
 - 2 processes (`accelerate launch` with configs/accelerate/ddp.yaml, gloo on CPU) x 4 rows
-  give the update of 1 process x 8 rows, for SFT, DPO and the GRPO loss;
+  give the update of 1 process x 8 rows, for SFT, DPO and the GRPO loss (loss_type dapo:
+  divided by the loss tokens of the whole step summed over processes; the fixed completions
+  have 2..9 tokens, so each rank's own count would give another update);
 - 1 row x 8 accumulation steps gives the update of 8 rows x 1 for SFT (whose loss is
   normalised over the tokens of the whole accumulated batch, not per micro-batch: the rows
-  alternate long and short completions so a per-micro-batch mean would differ) and DPO.
+  alternate long and short completions so a per-micro-batch mean would differ), DPO and
+  GRPO's dapo.
 """
 import sys
 
@@ -57,7 +60,7 @@ def test_two_processes_give_the_single_process_update(model, one_process, tmp_pa
         assert_same_update(torch.load(tmp_path / f"{method}.pt"), one_process[method], label=f"{method} 2x4 vs 1x8")
 
 
-@pytest.mark.parametrize("method", ["sft", "dpo"])
+@pytest.mark.parametrize("method", ["sft", "dpo", "grpo"])
 def test_accumulating_8_micro_batches_of_1_equals_one_batch_of_8(method, model, one_process, tmp_path):
     accumulated = worker.train(method, model, tmp_path, batch=1, accum=8, steps=STEPS)
     assert_same_update(accumulated, one_process[method], label=f"{method} batch 1 x accumulation 8 vs 8 x 1")

@@ -116,7 +116,7 @@ def train(method: str, model_path: str, out: Path, *, batch: int, accum: int = 1
 
         args["per_device_train_batch_size"] = batch * GENERATIONS  # counts completions
         trainer = fixed_grpo_trainer()(model, ["exact_match"], processing_class=tok, train_dataset=grpo_rows(tok),
-                                       args=GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo"))
+                                       args=GRPOConfig(**args, num_generations=GENERATIONS, loss_type="dapo"))
     trainer.train()
     if not trainer.is_world_process_zero():
         return None
