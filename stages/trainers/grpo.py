@@ -205,7 +205,7 @@ class GRPOTrainer(Trainer):
     def loss_is_scaled_for_ga(self) -> bool:
         # dapo divides by the whole optimizer step's token count, so its micro-batch losses already sum to the
         # step's loss; the others are means over a micro-batch, which Trainer divides by the accumulation steps.
-        return self.args.loss_type == "dapo"
+        return self.args.loss_type == "dapo" and getattr(self, "_loss_tokens", None) is not None
 
     def __init__(self, model, reward_functions=None, *, args: GRPOConfig, processing_class, train_dataset,
                  ref_model=None, preference_dataset=None, reward_head: RewardHead | None = None, **kwargs):
@@ -392,12 +392,15 @@ class GRPOTrainer(Trainer):
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                                   loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
                                   max_completion_length=a.generation.max_new_tokens)
-        if a.loss_type == "dapo":  # DDP averages the ranks' gradients; the global denominator wants their sum
-            loss = loss * self.accelerator.num_processes
+        if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
+            loss = loss * self.accelerator.num_processes  # where that denominator wants their sum
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         if self.reward_head is not None:
             bt, bt_metrics = self.reward_head_loss(model)
-            loss = loss + a.reward_head_coef * bt
+            head = a.reward_head_coef * bt
+            if self.loss_is_scaled_for_ga:  # the step sums its micro-batch losses: the head's mean takes its share
+                head = head / self.current_gradient_accumulation_steps
+            loss = loss + head
             metrics["reward_head/loss"] = bt
             metrics.update({f"reward_head/{k}": v for k, v in bt_metrics.items()})
         for key, value in metrics.items():
