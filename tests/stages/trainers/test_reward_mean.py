@@ -64,3 +64,29 @@ def test_delta_is_the_running_mean_and_survives_a_resume(setup, tmp_path):
     _, resumed = _train(setup, tmp_path / "resumed", resume=str(tmp_path / "clean" / "checkpoint-2"))
     assert sorted(resumed) == [3, 4]
     assert all(resumed[k] == pytest.approx(deltas[k], rel=1e-5, abs=1e-7) for k in (3, 4)), (deltas, resumed)
+
+
+def test_online_dpo_keeps_the_same_running_mean(setup, tmp_path):
+    """Online DPO: δ after 3 steps = the mean of every kept pair's two rewards over the 3 steps, i.e. the step
+    means of rewards/chosen and rewards/rejected weighted by each step's kept pairs (8 prompts - dropped ties)."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    from stages.trainers.online_sampling import GenerationParams
+
+    path, tok, _ = setup
+    args = OnlineDPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=5e-2,
+                           loss_type="bco_pair", generation=GenerationParams(max_new_tokens=6), logging_steps=1,
+                           report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    def lengths(prompts, completions, completion_ids, **_):  # varied scores, few ties
+        return [float(len(ids)) + ids[0] % 7 for ids in completion_ids]
+
+    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), lengths, args=args, processing_class=tok,
+                               train_dataset=builtin_rows("prompts", "prompt_only"))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]
+    kept = [8 - h["pairs/dropped"] for h in logs]
+    assert len(logs) == 3 and trainer.reward_mean.count == 2 * sum(kept)
+    want = sum(n * (h["rewards/chosen"] + h["rewards/rejected"]) for n, h in zip(kept, logs)) / (2 * sum(kept))
+    assert trainer.reward_mean.value == pytest.approx(want, abs=1e-6)
+    assert abs(trainer.reward_mean.value - (logs[-1]["rewards/chosen"] + logs[-1]["rewards/rejected"]) / 2) > 1e-4
