@@ -26,7 +26,8 @@ ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ti
 to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
 The first micro-batch of each optimizer step generates the rollouts of all of its micro-batches, so
 `loss_type="dapo"` divides by the loss tokens of that whole generation batch (all micro-batches,
-summed over processes), and `dr_grpo` by per-micro-batch completions × `generation.max_new_tokens`. Sampling (`generation`, a
+summed over processes); `dr_grpo` divides by the micro-batch's completions × the constant
+`generation.max_new_tokens`. Sampling (`generation`, a
 `stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
 "vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
 trainer, so it suits only the first steps or a frozen-sampler ablation. `GRPOConfig` is
@@ -291,7 +292,7 @@ class GRPOTrainer(Trainer):
                 self._buffer[slot] = self.make_batch(rows)
         batches = [self._buffer[slot] for slot in range(len(window))]
         local = sum((b["loss_mask"].sum() for b in batches), torch.zeros((), device=self.args.device)).float()
-        self._loss_tokens = self.accelerator.reduce(local, reduction="sum")
+        self._loss_tokens = self.accelerator.reduce(local, reduction="sum").clamp(min=1)  # all unscored: loss 0
 
     def _tick(self, key: str, value: float) -> None:
         self.timing[key] += value
