@@ -117,10 +117,11 @@ def _dpo_kto_pair(rc, rr, beta, eps, bco_delta):
 
 def _dpo_bco_pair(rc, rr, beta, eps, bco_delta):
     # BCO: binary classification of β·r_c as "good" and β·r_r as "bad" around a reward shift δ:
-    # -log σ(β r_c - δ) - log σ(-(β r_r - δ)). δ is the trainer's running mean of the rewards, or,
-    # when not given, the detached mean of this batch's 2B rewards.
+    # -log σ(β r_c - δ) - log σ(-(β r_r - δ)). δ is a moving average of the rewards over training
+    # (stages.trainers.reward_mean), state this pure function cannot keep: the caller passes it.
     if bco_delta is None:
-        bco_delta = torch.cat((beta * rc, beta * rr)).mean().detach()
+        raise ValueError("loss_type 'bco_pair' needs bco_delta, the running mean of the implicit rewards over "
+                         "training (stages.trainers.reward_mean.RewardMean); for one batch alone pass its mean")
     return -F.logsigmoid(beta * rc - bco_delta) - F.logsigmoid(-(beta * rr - bco_delta))
 
 
@@ -176,8 +177,8 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
       robust     [-(1-ε)·log σ(βΔ) + ε·log σ(-βΔ)] / (1 - 2ε)    robust DPO
       kto_pair   ½·[(1 - σ(β(r_c - KL_r))) + (1 - σ(β(KL_c - r_r)))],
                  KL_c = max(0, mean(r_c)), KL_r = max(0, mean(r_r)), both detached
-      bco_pair   -log σ(β r_c - δ) - log σ(-(β r_r - δ)), δ = bco_delta, or when None the
-                 detached mean of the batch rewards β·r_c and β·r_r together
+      bco_pair   -log σ(β r_c - δ) - log σ(-(β r_r - δ)), δ = bco_delta (required): the running
+                 mean of the implicit rewards over training, kept by the trainer
       sppo_hard  (r_c - 1/(2β))² + (r_r + 1/(2β))²
       nca_pair   -log σ(β r_c) - ½·[log σ(-β r_c) + log σ(-β r_r)]
       apo_zero   (1 - σ(β r_c)) + σ(β r_r)
@@ -327,18 +328,19 @@ def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_reward
 
 
 GRPO_AGGREGATIONS = {
-    # (per_token (B, T), mask (B, T), num_items_in_batch) -> scalar
-    "grpo": lambda x, m, n: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
-    "bnpo": lambda x, m, n: (x * m).sum() / m.sum().clamp(min=1),
-    "dr_grpo": lambda x, m, n: (x * m).sum() / x.numel(),
-    "dapo": lambda x, m, n: (x * m).sum() / (n if n is not None else m.sum().clamp(min=1)),
+    # (per_token (B, T), mask (B, T), num_items_in_batch, max_completion_length) -> scalar
+    "grpo": lambda x, m, n, L: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
+    "bnpo": lambda x, m, n, L: (x * m).sum() / m.sum().clamp(min=1),
+    # Dr. GRPO: a constant denominator, so neither a completion's length nor the batch's padding weights a token.
+    "dr_grpo": lambda x, m, n, L: (x * m).sum() / (x.shape[0] * L),
+    "dapo": lambda x, m, n, L: (x * m).sum() / (n if n is not None else m.sum().clamp(min=1)),
 }
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float = 0.2,
               epsilon_high: float | None = None, loss_type: str = "grpo",
-              num_items_in_batch: int | torch.Tensor | None = None,
+              num_items_in_batch: int | torch.Tensor | None = None, max_completion_length: int | None = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate GRPO loss with an optional k3 KL penalty, aggregated by `loss_type`.
 
@@ -353,8 +355,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
 
       grpo     mean over each sequence's tokens, then over the B sequences
       bnpo     sum over all tokens / number of tokens
-      dr_grpo  sum / (B·T), T the tensor width (max completion length)
-      dapo     sum / num_items_in_batch (tokens in the whole global batch; default: local count)
+      dr_grpo  sum / (B·L), L = max_completion_length, the generation budget (required): a
+               constant, so padding columns or the batch's longest completion change nothing
+      dapo     sum / num_items_in_batch: the loss tokens of the whole generation batch (every
+               micro-batch of the optimizer step, every process); summing the micro-batches'
+               losses gives the token mean over that batch (default: this call's own count)
 
     Returns (loss, metrics), metrics detached, means over the masked tokens:
     "clip_ratio/low_mean" (ρ < 1 - ε_low and A < 0), "clip_ratio/high_mean" (ρ > 1 + ε_h and
@@ -372,6 +377,14 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     if epsilon_low < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon_low = {epsilon_low}, epsilon_high = {epsilon_high}: must be >= 0")
     aggregate = _pick(GRPO_AGGREGATIONS, loss_type, "loss_type")
+    if loss_type == "dr_grpo":
+        if max_completion_length is None or max_completion_length < 1:
+            raise ValueError(f"max_completion_length = {max_completion_length}: loss_type 'dr_grpo' divides by the "
+                             "constant B·max_completion_length; pass the generation budget (max_new_tokens)")
+        longest = int(mask.sum(dim=1).max()) if mask.numel() else 0
+        if longest > max_completion_length:
+            raise ValueError(f"a completion has {longest} loss tokens > max_completion_length = "
+                             f"{max_completion_length}: pass the budget the completions were generated with")
 
     logps = _upcast(logps)
     old_logps = logps.detach() if old_logps is None else _upcast(old_logps)
@@ -385,7 +398,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         kl = kl_k3(logps, _upcast(ref_logps))
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl, mask).detach()
-    loss = aggregate(per_token, mask, num_items_in_batch)
+    loss = aggregate(per_token, mask, num_items_in_batch, max_completion_length)
 
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)

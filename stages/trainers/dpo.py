@@ -24,6 +24,9 @@ chat template, max_length) as training.
 Weighting: `loss_type` may list several objectives with `loss_weights`; an optional `weight`
 column scales each pair's loss, an optional `task` column with `task_weights` scales whole
 tasks; `balance_column` draws batches balanced over a column (`stages.trainers.sampling`).
+
+`bco_pair`'s reward shift δ is the running mean of all implicit rewards seen in training
+(`stages.trainers.reward_mean`), saved in each checkpoint as `bco_delta.json`.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
                                        reference_model, reference_sequence_logps)
 from stages.trainers.logprobs import unwrap
+from stages.trainers.reward_mean import implicit_rewards, reward_mean_for
 from stages.trainers.sampling import BalancedBatchSampler, FlatSampler
 
 BALANCE_KEY = "balance_key"  # the balance column's value per row, as a JSON string
@@ -117,6 +121,7 @@ class DPOTrainer(Trainer):
         self.ref_model = frozen_reference(self.model, ref_model,
                                           needed=not args.reference_free and not self._has_ref_columns())
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
 
     def _has_ref_columns(self) -> bool:
         return all(d is None or set(REF_COLUMNS) <= set(d.column_names) for d in (self.train_dataset,
@@ -158,10 +163,16 @@ class DPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps = sequence_logps(model, inputs, chunked=self.args.use_chunked_logprobs)
         ref_chosen, ref_rejected = self.reference_logps(model, inputs)
+        bco_delta = None
+        if self.reward_mean is not None:
+            if model.training:
+                self.reward_mean.update(implicit_rewards(logps, ref_chosen, ref_rejected, self.args.beta),
+                                        self.accelerator.gather)
+            bco_delta = self.reward_mean.value
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
                                       ref_chosen, ref_rejected, weight=inputs.get("weight"), beta=self.args.beta,
                                       label_smoothing=self.args.label_smoothing,
-                                      reference_free=self.args.reference_free)
+                                      reference_free=self.args.reference_free, bco_delta=bco_delta)
         mode = "train" if model.training else "eval"
         for key, value in stats.items():
             self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())
@@ -169,6 +180,17 @@ class DPOTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         return loss_only_prediction_step(self, model, inputs)
+
+    # ---- checkpoints carry bco_pair's running reward mean, so a resume goes on with the same δ ----
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self.reward_mean is not None and self.args.should_save:
+            self.reward_mean.save(output_dir)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None and self.reward_mean is not None:
+            self.reward_mean.load(checkpoint)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -24,8 +24,10 @@ With `num_iterations` > 1 one generation serves that many optimizer steps (the d
 repeats each accumulation window's prompts), the later ones weighted by the importance
 ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ties the policy
 to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
-Generation runs per micro-batch, so `loss_type="dapo"` normalises by the micro-batch's token
-count (not the whole accumulation window's). Sampling (`generation`, a
+The first micro-batch of each optimizer step generates the rollouts of all of its micro-batches, so
+`loss_type="dapo"` divides by the loss tokens of that whole generation batch (all micro-batches,
+summed over processes); `dr_grpo` divides by the micro-batch's completions × the constant
+`generation.max_new_tokens`. Sampling (`generation`, a
 `stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
 "vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
 trainer, so it suits only the first steps or a frozen-sampler ablation. `GRPOConfig` is
@@ -53,6 +55,7 @@ resumed run samples and trains exactly as an uninterrupted one.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -199,7 +202,11 @@ def last_token_hidden(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 class GRPOTrainer(Trainer):
-    loss_is_scaled_for_ga = False  # a mean over completions: Trainer divides by accumulation steps
+    @property
+    def loss_is_scaled_for_ga(self) -> bool:
+        # dapo divides by the whole optimizer step's token count, so its micro-batch losses already sum to the
+        # step's loss; the others are means over a micro-batch, which Trainer divides by the accumulation steps.
+        return self.args.loss_type == "dapo" and getattr(self, "_loss_tokens", None) is not None
 
     def __init__(self, model, reward_functions=None, *, args: GRPOConfig, processing_class, train_dataset,
                  ref_model=None, preference_dataset=None, reward_head: RewardHead | None = None, **kwargs):
@@ -231,6 +238,8 @@ class GRPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._buffer: dict[int, dict[str, torch.Tensor]] = {}
         self._slot, self._slot_step = 0, None
+        self._window_rows: list[list[dict]] = []  # the prompts of every micro-batch of this optimizer step
+        self._loss_tokens: torch.Tensor | None = None  # their loss tokens over all processes (dapo's denominator)
         self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
         self._window: dict[str, float] = defaultdict(float)  # the same since the last log
         self._window_start_step = 0
@@ -245,19 +254,45 @@ class GRPOTrainer(Trainer):
                                                    collate_fn=self.data_collator))
 
     # ---- one step: generation and scoring, then the update ----
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The prompts of this optimizer step's micro-batches, kept so its first `training_step` generates them all."""
+        self._window_rows = list(itertools.islice(epoch_iterator, num_batches))
+        return self._window_rows, None
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._slot_step != self.state.global_step:  # a new optimizer step
             self._slot_step, self._slot = self.state.global_step, 0
             if self.reward_head is not None:  # Trainer zeroes the model's gradients only, not the head's
                 self.reward_head.zero_grad(set_to_none=True)
+            self._generate_window()
         slot, self._slot = self._slot, self._slot + 1
-        if self.state.global_step % self.args.num_iterations == 0 or slot not in self._buffer:
+        if slot not in self._buffer:  # called outside the Trainer loop, without get_batch_samples
             self._buffer[slot] = self.make_batch(inputs)
         batch, start = self._buffer[slot], time.perf_counter()
-        loss = super().training_step(model, batch)
+        loss = super().training_step(model, batch, self._loss_tokens)
         self._tick("training_s", time.perf_counter() - start)
         self._tick("tokens", batch["attention_mask"].sum().item())
         return loss
+
+    def _generate_window(self) -> None:
+        """Rollouts for every micro-batch of the step (reused from the buffer on the later iterations of a
+        generation), then their loss tokens summed over micro-batches and processes: dapo's denominator.
+
+        Generation runs here, in the step's first `training_step` rather than in `get_batch_samples`, because
+        on a resume the Trainer restores the checkpoint's buffered rollouts between the two.
+        """
+        window, self._window_rows = self._window_rows, []
+        if self.state.global_step % self.args.num_iterations == 0:
+            self._buffer = {}
+        if not window:  # training_step called by hand: each micro-batch alone (dapo: its own token count)
+            self._loss_tokens = None
+            return
+        for slot, rows in enumerate(window):
+            if slot not in self._buffer:
+                self._buffer[slot] = self.make_batch(rows)
+        batches = [self._buffer[slot] for slot in range(len(window))]
+        local = sum((b["loss_mask"].sum() for b in batches), torch.zeros((), device=self.args.device)).float()
+        self._loss_tokens = self.accelerator.reduce(local, reduction="sum").clamp(min=1)  # all unscored: loss 0
 
     def _tick(self, key: str, value: float) -> None:
         self.timing[key] += value
@@ -356,11 +391,17 @@ class GRPOTrainer(Trainer):
         mask = inputs["loss_mask"]
         loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
-                                  loss_type=a.loss_type)
+                                  loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
+                                  max_completion_length=a.generation.max_new_tokens)
+        if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
+            loss = loss * self.accelerator.num_processes  # where that denominator wants their sum
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         if self.reward_head is not None:
             bt, bt_metrics = self.reward_head_loss(model)
-            loss = loss + a.reward_head_coef * bt
+            head = a.reward_head_coef * bt
+            if self.loss_is_scaled_for_ga:  # the step sums its micro-batch losses: the head's mean takes its share
+                head = head / self.current_gradient_accumulation_steps
+            loss = loss + head
             metrics["reward_head/loss"] = bt
             metrics.update({f"reward_head/{k}": v for k, v in bt_metrics.items()})
         for key, value in metrics.items():

@@ -9,8 +9,8 @@ An objective is a pure function with one signature:
     ref_chosen_logps, ref_rejected_logps:  (B,) the same under the reference; None with reference_free
     chosen_num_tokens, rejected_num_tokens: (B,) completion token counts (divide by them for
                                            length-normalised objectives such as IPO or SimPO)
-    extras:                                label_smoothing, reference_free (accept **extras and
-                                           ignore what you do not use)
+    extras:                                label_smoothing, reference_free, bco_delta (accept **extras
+                                           and ignore what you do not use)
     returns losses (B,) with gradient, and the implicit rewards (B,) detached, or None when the
     objective has none (they feed the rewards/* metrics only).
 
@@ -38,14 +38,15 @@ Objective = Callable[..., tuple]
 
 
 def _dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta, loss_type,
-         chosen_num_tokens, rejected_num_tokens, label_smoothing=0.0, reference_free=False, **_):
+         chosen_num_tokens, rejected_num_tokens, label_smoothing=0.0, reference_free=False, bco_delta=None, **_):
     if loss_type == "ipo":  # IPO works on length-averaged log-probs (the IPO paper), for both models
         n_c, n_r = chosen_num_tokens.clamp(min=1), rejected_num_tokens.clamp(min=1)
         chosen_logps, rejected_logps = chosen_logps / n_c, rejected_logps / n_r
         if not reference_free:
             ref_chosen_logps, ref_rejected_logps = ref_chosen_logps / n_c, ref_rejected_logps / n_r
     return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
-                    loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free)
+                    loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free,
+                    bco_delta=bco_delta)
 
 
 def sft_objective(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, chosen_num_tokens, **_):

@@ -43,6 +43,7 @@ from stages.trainers.preference import (PairCollator, completion_token_counts, f
                                         sequence_logps)
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
+from stages.trainers.reward_mean import implicit_rewards, reward_mean_for
 
 
 @dataclass
@@ -106,6 +107,7 @@ class OnlineDPOTrainer(Trainer):
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         self.ref_model = frozen_reference(self.model, ref_model)
         self.pair_collator = PairCollator(processing_class.pad_token_id)
+        self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ (stages.trainers.reward_mean)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -151,9 +153,15 @@ class OnlineDPOTrainer(Trainer):
         logps = sequence_logps(model, inputs, chunked=chunked)
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
-        weight = inputs["weight"]
+        weight = inputs["weight"]  # (B,): 0 for a tied or unscored pair (kept so every rank runs backward)
+        bco_delta = None
+        if self.reward_mean is not None:  # bco_pair's running δ over the kept pairs' implicit rewards
+            rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.args.beta)
+            self.reward_mean.update(rewards[weight.repeat(2) > 0], self.accelerator.gather)
+            bco_delta = self.reward_mean.value
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
-                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta)
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta,
+                                      bco_delta=bco_delta)
         # mean x pairs = the sum over this micro-batch's kept pairs; x processes: DDP averages the gradients
         loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:
@@ -163,6 +171,16 @@ class OnlineDPOTrainer(Trainer):
             if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
                 self._metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self.reward_mean is not None and self.args.should_save:
+            self.reward_mean.save(output_dir)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None and self.reward_mean is not None:
+            self.reward_mean.load(checkpoint)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         dropped = self._metrics.pop("pairs/dropped", [])

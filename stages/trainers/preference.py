@@ -96,12 +96,14 @@ def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[float], logps: torch.Tensor,
                     num_tokens: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None, *,
                     weight: torch.Tensor | None = None, beta: float, label_smoothing: float = 0.0,
-                    reference_free: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    reference_free: bool = False, bco_delta: float | None = None,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum of the objectives per pair, times the pair weights, averaged over pairs.
 
     logps, num_tokens: (2B,) summed completion log-probs and token counts, chosen rows first;
     ref_chosen, ref_rejected: (B,) summed reference log-probs (None with reference_free);
-    weight: (B,) per-pair loss scale or None. Returns (loss, per-pair metrics (B,), detached):
+    weight: (B,) per-pair loss scale or None; bco_delta: bco_pair's running reward mean
+    (`stages.trainers.reward_mean`). Returns (loss, per-pair metrics (B,), detached):
     the implicit rewards of the first objective that has them, logps, and "loss/<name>" per
     objective when there are several.
     """
@@ -110,7 +112,8 @@ def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[f
     total, rewards, stats = 0.0, None, {}
     for (name, fn), w in zip(objectives, loss_weights):
         out = fn(chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_num_tokens=n_chosen,
-                 rejected_num_tokens=n_rejected, label_smoothing=label_smoothing, reference_free=reference_free)
+                 rejected_num_tokens=n_rejected, label_smoothing=label_smoothing, reference_free=reference_free,
+                 bco_delta=bco_delta)
         losses, chosen_rewards, rejected_rewards = check_objective_output(name, out, chosen.shape[0])
         total = total + w * losses
         if len(objectives) > 1:

@@ -117,15 +117,21 @@ def test_kto_pair_uses_the_other_halfs_kl():
     _check(losses, [0.25, 0.5 * (0.25 + 1 / (1 + 3 * math.exp(2)))])
 
 
-def test_bco_pair_with_batch_mean_delta():
-    """δ = mean(β r_c, β r_r) = mean(log 3, 0, 0, log 3) = log3/2.
+def test_bco_pair_with_the_batch_mean_as_delta():
+    """δ = mean(β r_c, β r_r) = mean(log 3, 0, 0, log 3) = log3/2 (the running mean after this one batch).
 
     pair 0: -log σ(log 3 - log3/2) - log σ(-(0 - log3/2)) = -2·log σ(½ log 3) = 2·log((1+√3)/√3)
     pair 1: -log σ(0 - log3/2) - log σ(-(log 3 - log3/2)) = -2·log σ(-½ log 3) = 2·log(1+√3)
     """
-    losses, _, _ = dpo_loss(*_batch(), beta=1.0, loss_type="bco_pair")
+    losses, _, _ = dpo_loss(*_batch(), beta=1.0, loss_type="bco_pair", bco_delta=LOG3 / 2)
     s3 = math.sqrt(3)
     _check(losses, [2 * math.log((1 + s3) / s3), 2 * math.log(1 + s3)])
+
+
+def test_bco_pair_needs_delta():
+    """δ is state over training (the trainer's running mean); the pure loss never falls back to the batch mean."""
+    with pytest.raises(ValueError, match="'bco_pair' needs bco_delta, the running mean"):
+        dpo_loss(*_batch(), beta=1.0, loss_type="bco_pair")
 
 
 def test_bco_pair_with_given_delta():

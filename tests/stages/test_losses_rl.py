@@ -121,16 +121,39 @@ def _grpo_inputs():
 @pytest.mark.parametrize("loss_type, num_items, expected", [
     ("grpo", None, (-2.7 / 3 + 3.6 / 2) / 2),   # per-sequence means -0.9 and 1.8, averaged: 0.45
     ("bnpo", None, (-2.7 + 3.6) / 5),            # 0.9 over 5 tokens: 0.18
-    ("dr_grpo", None, (-2.7 + 3.6) / (2 * 3)),   # over B·T = 6: 0.15
+    ("dr_grpo", None, (-2.7 + 3.6) / (2 * 8)),   # over B·max_completion_length = 2·8 (not B·T = 6): 0.05625
     ("dapo", 9, (-2.7 + 3.6) / 9),               # over the global token count 9: 0.1
     ("dapo", None, (-2.7 + 3.6) / 5),            # falls back to the local count 5
 ])
 def test_grpo_loss_aggregations(loss_type, num_items, expected):
     logps, old, advantages, mask = _grpo_inputs()
     loss, metrics = grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type=loss_type,
-                              num_items_in_batch=num_items)
+                              num_items_in_batch=num_items, max_completion_length=8)
     _close(loss.item(), expected)
     assert "kl" not in metrics
+
+
+def _pad_columns(t, n, value):
+    return torch.cat([t, torch.full((t.shape[0], n), value, dtype=t.dtype)], dim=1)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo", "bnpo", "grpo"])
+def test_grpo_loss_ignores_padding_columns(loss_type):
+    """Two padding columns (mask 0, arbitrary log-probs) change neither loss nor gradient.
+
+    Dr. GRPO divides by the constant B·max_completion_length = 2·8: (-2.7 + 3.6)/16 with or without
+    padding. Dividing by the tensor's B·T instead (the earlier version) gave 0.9/6 = 0.15 and 0.9/10 = 0.09.
+    """
+    logps, old, advantages, mask = _grpo_inputs()
+    padded = _pad_columns(logps.detach(), 2, -3.0).requires_grad_(True)
+    kw = dict(beta=0.0, loss_type=loss_type, max_completion_length=8)
+    loss, _ = grpo_loss(logps, old, None, advantages, mask, **kw)
+    loss_padded, _ = grpo_loss(padded, _pad_columns(old, 2, 0.0), None, advantages, _pad_columns(mask, 2, 0), **kw)
+    (loss + loss_padded).backward()
+    _close(loss_padded.item(), loss.item(), tol=1e-12)
+    assert torch.equal(padded.grad[:, :3], logps.grad) and padded.grad[:, 3:].abs().max() == 0
+    if loss_type == "dr_grpo":
+        _close(loss.item(), 0.9 / 16)
 
 
 def test_grpo_aggregations_all_tested():
@@ -212,6 +235,10 @@ def test_grpo_loss_bad_inputs():
         grpo_loss(logps, old, None, torch.zeros(3), mask, beta=0.0)
     with pytest.raises(ValueError, match=r"mask has shape \(2, 2\): expected \(2, 3\)"):
         grpo_loss(logps, old, None, advantages, mask[:, :2], beta=0.0)
+    with pytest.raises(ValueError, match="max_completion_length = None: loss_type 'dr_grpo' divides"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="a completion has 3 loss tokens > max_completion_length = 2"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="dr_grpo", max_completion_length=2)
 
 
 # ---------------------------------------------------------------------------------------------
