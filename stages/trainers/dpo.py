@@ -48,7 +48,7 @@ from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
                                        reference_model, reference_sequence_logps)
 from stages.trainers.logprobs import unwrap
-from stages.trainers.reward_mean import implicit_rewards, reward_mean_for
+from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 from stages.trainers.sampling import BalancedBatchSampler, FlatSampler
 
 BALANCE_KEY = "balance_key"  # the balance column's value per row, as a JSON string
@@ -97,7 +97,7 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(CheckpointsRewardMean, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, *, args: DPOConfig, processing_class, train_dataset,
@@ -180,17 +180,6 @@ class DPOTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         return loss_only_prediction_step(self, model, inputs)
-
-    # ---- checkpoints carry bco_pair's running reward mean, so a resume goes on with the same δ ----
-    def _save_rng_state(self, output_dir: str) -> None:
-        super()._save_rng_state(output_dir)
-        if self.reward_mean is not None and self.args.should_save:
-            self.reward_mean.save(output_dir)
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        super()._load_rng_state(checkpoint)
-        if checkpoint is not None and self.reward_mean is not None:
-            self.reward_mean.load(checkpoint)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -43,7 +43,7 @@ from stages.trainers.preference import (PairCollator, completion_token_counts, f
                                         sequence_logps)
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
-from stages.trainers.reward_mean import implicit_rewards, reward_mean_for
+from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 
 
 @dataclass
@@ -86,7 +86,7 @@ def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: li
     return out
 
 
-class OnlineDPOTrainer(Trainer):
+class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
     loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
 
     def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
@@ -171,16 +171,6 @@ class OnlineDPOTrainer(Trainer):
             if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
                 self._metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        super()._save_rng_state(output_dir)
-        if self.reward_mean is not None and self.args.should_save:
-            self.reward_mean.save(output_dir)
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        super()._load_rng_state(checkpoint)
-        if checkpoint is not None and self.reward_mean is not None:
-            self.reward_mean.load(checkpoint)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         dropped = self._metrics.pop("pairs/dropped", [])

@@ -78,3 +78,19 @@ class RewardMean:
 def reward_mean_for(objective_names: list[str]) -> RewardMean | None:
     """A RewardMean when an objective needs it (bco_pair), else None."""
     return RewardMean() if "bco_pair" in objective_names else None
+
+
+class CheckpointsRewardMean:
+    """Trainer mixin (before `Trainer` in the bases): checkpoints carry `self.reward_mean`, bco_pair's
+    running reward mean, so a resume goes on with the same δ. Written beside the RNG state, which
+    transformers saves before `trainer_state.json` marks the checkpoint complete."""
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self.reward_mean is not None and self.args.should_save:
+            self.reward_mean.save(output_dir)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None and self.reward_mean is not None:
+            self.reward_mean.load(checkpoint)
