@@ -57,7 +57,7 @@ def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000,
     ``--api-key``/``VLLM_API_KEY`` is set). ``shlex.join(serve_command(...))`` gives the shell form.
     """
     cmd = ["vllm", "serve", str(model_path), "--host", host, "--port", str(int(port)),
-           "--logprobs-mode", "processed_logprobs"]  # log-probs of the distribution it samples (off-policy correction)
+           "--logprobs-mode", "processed_logprobs"]  # log-probs of the distribution it samples from
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if dtype:
@@ -118,8 +118,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     if bar is not None:
         bar.finish()
     sampled = sampling.do_sample and sampling.num_beams == 1
+    logprobs = [lp for _, lp in answers] if sampled else None
     return build_generations(tokenizer, prompts, rendered, prompt_ids, [ids for ids, _ in answers], eos,
-                             seed=sampling.seed, backend="vllm", logprobs=[lp for _, lp in answers] if sampled else None)
+                             seed=sampling.seed, backend="vllm", logprobs=logprobs)
 
 
 class _LocalModel:

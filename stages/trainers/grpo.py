@@ -499,21 +499,22 @@ class GRPOTrainer(Trainer):
             self._window_start_step = self.state.global_step
         super().log(logs, start_time)
 
-
     def _warn_off_policy(self, logs: dict[str, float]) -> None:
-        """Once per run: the sampler departs from the policy by more than `tis_warn` (see GRPOParams.tis_warn)."""
+        """Once per run: the sampler's distribution departs from the policy's by more than `tis_warn`
+        (GRPOParams.tis_warn says why that threshold)."""
         ratio, a = logs.get("tis/mean_ratio"), self.args
         if self._tis_warned or ratio is None or not abs(ratio - 1) > a.tis_warn:
             return
         self._tis_warned = True
+        server = ", whose weights are not synced from the trainer" if a.generation.backend == "vllm" else ""
         fix = (f"the tis_cap = {a.tis_cap} correction is applied" if a.tis_cap is not None else
                "tis_cap is null, so the gradient is NOT corrected: set tis_cap (2.0)")
         logger.warning("GRPO off-policy: tis/mean_ratio = %.3f at step %d departs from 1 by more than tis_warn = %s "
-                       "(tis/frac_capped = %.3f): the samples come from weights other than the policy's (backend %s%s); "
-                       "%s; sync the sampler's weights, or check its log-probs match its sampling (vLLM: "
-                       "--logprobs-mode processed_logprobs; top_p/top_k truncate)", ratio, self.state.global_step,
-                       a.tis_warn, logs.get("tis/frac_capped", 0.0), a.generation.backend,
-                       ": the server's weights are not synced" if a.generation.backend == "vllm" else "", fix)
+                       "(tis/frac_capped = %.3f): the sampler (backend %s%s) does not sample the policy's "
+                       "distribution; %s. Sync the sampler's weights, and check that its log-probs are those it "
+                       "samples from (vLLM: --logprobs-mode processed_logprobs; top_p / top_k truncate)",
+                       ratio, self.state.global_step, a.tis_warn, logs.get("tis/frac_capped", 0.0),
+                       a.generation.backend, server, fix)
 
 
 def sampler_logps(logprobs: list[list[float]], width: int) -> torch.Tensor:

@@ -504,7 +504,8 @@ def test_truncated_importance_weights():
 def test_grpo_loss_importance_weights_scale_the_policy_gradient_term_only():
     """With old_logps None (ratio 1) the per-token loss is -w·A + β·KL; bnpo averages the 3 tokens.
     logps = ref_logps - ln 2: KL = e^{ln 2} - ln 2 - 1 = 1 - ln 2 per token. A = 2, w = [1, .5, 2]:
-    loss = -(2·1 + 2·.5 + 2·2)/3 + 0.1·(1 - ln 2) = -7/3 + 0.1·(1 - ln 2); d loss/d logps = -w·A/3 - 0.1·(e^{ln 2} - 1)/3."""
+    loss = -(2·1 + 2·.5 + 2·2)/3 + 0.1·(1 - ln 2) = -7/3 + 0.1·(1 - ln 2);
+    d loss/d logps = -w·A/3 + 0.1·(1 - e^{ln 2})/3."""
     ref = torch.tensor([[-1.0, -2.0, -3.0]], dtype=F64)
     logps = (ref - math.log(2)).requires_grad_()
     w = torch.tensor([[1.0, 0.5, 2.0]], dtype=F64)
