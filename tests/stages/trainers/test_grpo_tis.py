@@ -173,3 +173,66 @@ if __name__ == "__main__":  # the figures of the module docstring: python -m tes
         p, r, c = zip(*runs)
         print(f"{name:12s} projection on the exact gradient {statistics.mean(p):.3f} ± {statistics.stdev(p):.3f}  "
               f"tis/mean_ratio {statistics.mean(r):.3f}  tis/frac_capped {statistics.mean(c):.3f}")
+
+
+def stale_server_responder(model, *, raw: bool):
+    """A vLLM-like answer sampled from `model` (the stale copy the server holds) with the body's temperature,
+    each token's log-prob reported under that temperature, or under none when `raw` (vLLM's default
+    `--logprobs-mode raw_logprobs`)."""
+    import threading
+
+    lock = threading.Lock()
+
+    def respond(body):
+        generator = torch.Generator().manual_seed(body["seed"])
+        choices = []
+        for k in range(body["n"]):
+            ids, logps = list(body["prompt"]), []
+            with lock, torch.no_grad():
+                for _ in range(body["max_tokens"]):
+                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+                    token = torch.multinomial((logits / body["temperature"]).softmax(-1), 1, generator=generator).item()
+                    logps.append((logits if raw else logits / body["temperature"]).log_softmax(-1)[token].item())
+                    ids.append(token)
+                    if token in body["stop_token_ids"]:
+                        break
+            new = ids[len(body["prompt"]):]
+            choices.append({"index": k, "text": "", "token_ids": new, "stop_reason": None,
+                            "finish_reason": "stop" if new[-1] in body["stop_token_ids"] else "length",
+                            "logprobs": {"tokens": [""] * len(new), "token_logprobs": logps}})
+        return choices
+
+    return respond
+
+
+@pytest.mark.parametrize("tis_cap", [2.0, None])
+def test_vllm_samples_with_raw_logprobs_warn_and_are_weighted(setup, tmp_path, caplog, tis_cap):
+    """The trainer on backend vllm against a real HTTP server sampling a stale copy at temperature 0.5 but
+    reporting raw (temperature 1) log-probs: every ratio is off, the mean ratio departs from 1, the run warns
+    once and says whether the gradient is corrected."""
+    from tests.stages.generation.test_vllm import FakeVLLM
+
+    model, tok, prompts = setup
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # peaked logits (a fresh init is near-uniform, where temperature hardly matters)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(5.0)
+    with FakeVLLM("stale", stale_server_responder(copy.deepcopy(model), raw=True)) as server:
+        args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                          generation=GenerationParams(backend="vllm", vllm_url=server.url, vllm_model="stale",
+                                                      max_new_tokens=4, temperature=0.5),
+                          learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                          disable_tqdm=True, seed=0, tis_cap=tis_cap)
+        trainer = GRPOTrainer(copy.deepcopy(model), [("low", lambda prompts, completions, completion_ids, **_:
+                                                      [float(c[0] < LOW) for c in completion_ids])],
+                              processing_class=tok, train_dataset=[{"prompt": p} for p in prompts[:2]], args=args)
+        with caplog.at_level(logging.WARNING, logger="stages.trainers.grpo"):
+            trainer.train()
+    logs = [h for h in trainer.state.log_history if "tis/mean_ratio" in h]
+    # measured: mean ratio 1.36 and 1.26 (2.0: 22% and 16% of the tokens capped; null: measured uncapped, 0%)
+    assert len(logs) == 2 and all(abs(h["tis/mean_ratio"] - 1) > 0.1 for h in logs), logs
+    assert all((h["tis/frac_capped"] > 0.05) == (tis_cap is not None) for h in logs), logs
+    warnings = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
+    assert len(warnings) == 1 and "backend vllm, whose weights are not synced" in warnings[0]
+    assert ("correction is applied" if tis_cap else "NOT corrected") in warnings[0]
