@@ -84,7 +84,7 @@ from stages.trainers.preference import PairCollator, tokenize_pairs
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
-from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
+from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -517,13 +517,5 @@ class GRPOTrainer(Trainer):
                        a.generation.backend, server, fix)
 
 
-def sampler_logps(logprobs: list[list[float]], width: int) -> torch.Tensor:
-    """`Generations.logprobs` as a (B, width) float32 tensor aligned with a completion_tensors batch; 0 on padding."""
-    out = torch.zeros(len(logprobs), width, dtype=torch.float32)
-    for i, row in enumerate(logprobs):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
-
-
 __all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",
-           "per_token_logps", "rows_collator", "sampler_logps", "REWARD_HEAD_FILE"]
+           "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]
