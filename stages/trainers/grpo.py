@@ -48,9 +48,8 @@ model as `reward_head.safetensors`.
 
 Logged (means over the logging window): reward, reward_std, rewards/<function>/mean|std,
 frac_reward_zero_std, frac_reward_none, completions/mean|min|max_length,
-completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, tis/mean_ratio, tis/frac_capped, and per
-optimizer step
-timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
+completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, tis/mean_ratio, tis/frac_capped,
+and per optimizer step timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
 completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
 Cumulative seconds and token counts are kept in `trainer.timing`.
 
