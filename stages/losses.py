@@ -337,11 +337,47 @@ GRPO_AGGREGATIONS = {
 }
 
 
+@torch.no_grad()
+def truncated_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, *,
+                                 cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token truncated importance sampling (TIS) weights for samples drawn by another sampler.
+
+    logps: (B, T) the policy's log-probs of the sampled tokens at sampling time (detached: the weights
+    carry no gradient); sampler_logps: (B, T) the log-probs the sampler drew them with (a vLLM server,
+    a stale copy); mask: (B, T), 1 on the tokens that count. Per token
+
+      w = min(exp(logps - sampler_logps), cap)
+
+    so E_sampler[w · f] = E_policy[f] for each token while no ratio exceeds `cap`; the cap trades
+    that bias for bounded variance. Masked tokens get w = 1. cap must be >= 1 (a cap below 1 would
+    down-weight on-policy tokens, whose ratio is 1).
+
+    Returns (weights (B, T), metrics): "tis/mean_ratio", the mean uncapped ratio over the masked
+    tokens, and "tis/frac_capped", the share of them whose ratio exceeded the cap.
+    """
+    _check_shapes(logps.shape, "logps", sampler_logps=sampler_logps, mask=mask)
+    if not cap >= 1:
+        raise ValueError(f"cap = {cap}: must be >= 1 (the largest importance weight; 2.0 is typical)")
+    on = mask.bool()
+    bad = (~torch.isfinite(sampler_logps) & on).nonzero()
+    if len(bad):
+        row, col = bad[0].tolist()
+        raise ValueError(f"sampler_logps[{row}, {col}] = {sampler_logps[row, col].item()}: the sampler gave no "
+                         f"finite log-prob for this token ({len(bad)} such tokens); the off-policy correction "
+                         "needs one per sampled token (a vLLM server must answer `logprobs`)")
+    ratio = torch.exp(_upcast(logps) - _upcast(sampler_logps))
+    weights = torch.where(on, ratio.clamp(max=cap), 1.0)
+    m = on.to(ratio.dtype)
+    metrics = {"tis/mean_ratio": _masked_mean(torch.where(on, ratio, 0.0), m),
+               "tis/frac_capped": _masked_mean((ratio > cap).to(m.dtype), m)}
+    return weights, metrics
+
+
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float = 0.2,
               epsilon_high: float | None = None, loss_type: str = "grpo",
               num_items_in_batch: int | torch.Tensor | None = None, max_completion_length: int | None = None,
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              importance_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate GRPO loss with an optional k3 KL penalty, aggregated by `loss_type`.
 
     logps, old_logps, ref_logps: (B, T) per-token completion log-probs under the policy, the
@@ -351,7 +387,9 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
 
       ℓ = -min(ρ·A, clip(ρ, 1 - ε_low, 1 + ε_h)·A) + β·KL,  KL = exp(d) - d - 1,  d = ref_logps - logps
 
-    (the k3 estimator `kl_k3`, always >= 0; skipped when β = 0, where ref_logps may be None). Then
+    (the k3 estimator `kl_k3`, always >= 0; skipped when β = 0, where ref_logps may be None).
+    importance_weights: (B, T) or None, detached: multiply the policy-gradient term (not the KL) of
+    each token, for samples another sampler drew (`truncated_importance_weights`). Then
 
       grpo     mean over each sequence's tokens, then over the B sequences
       bnpo     sum over all tokens / number of tokens
@@ -393,6 +431,9 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if importance_weights is not None:
+        _check_shapes(logps.shape, "logps", importance_weights=importance_weights)
+        per_token = per_token * _upcast(importance_weights).detach()
     metrics = {}
     if beta > 0:
         kl = kl_k3(logps, _upcast(ref_logps))

@@ -55,7 +55,8 @@ def sample_policy(policy, tokenizer, prompts: list, sampling: SamplingParams, *,
                   options: dict | None = None) -> Generations:
     """What online trainers sample from: the policy in this process ("hf"), or a vLLM server serving
     `options["model"]`. The server keeps its own copy of the weights, not synced from the trainer, so its
-    samples go off-policy once training moves the policy."""
+    samples go off-policy once training moves the policy; `Generations.logprobs` (the server's log-probs of
+    what it sampled) is what the trainers' truncated importance sampling corrects with."""
     options = dict(options or {})
     source = options.pop("model") if backend == "vllm" else policy
     return generate(source, tokenizer, prompts, sampling, backend=backend, batch_size=batch_size, **options)

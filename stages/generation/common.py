@@ -93,6 +93,10 @@ class Generations:
         finished: len P*n: ended with EOS and no open reasoning block (False: cut at max_new_tokens).
         seed: the sampling seed.
         backend: the backend that produced them.
+        logprobs: len P*n, each as long as its completion_ids: log-probability of each sampled token
+            under the distribution the sampler drew it from (temperature, top-k, top-p applied; NaN where
+            the server gave none); None when the decoding was not sampling (greedy, beams). Off-policy
+            corrections divide by these (`stages.losses.truncated_importance_weights`).
     """
 
     prompts: list
@@ -104,6 +108,7 @@ class Generations:
     finished: list[bool]
     seed: int
     backend: str
+    logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -149,15 +154,22 @@ def trim_at_eos(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
 
 
 def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids: list[list[int]],
-                      completion_ids: list[list[list[int]]], eos: list[int], *, seed: int, backend: str
-                      ) -> Generations:
-    """Assemble Generations from per-prompt lists of completions (``completion_ids[p][k]``, already EOS-trimmed).
+                      completion_ids: list[list[list[int]]], eos: list[int], *, seed: int, backend: str,
+                      logprobs: list[list[list[float]]] | None = None) -> Generations:
+    """Assemble Generations from per-prompt lists of completions (``completion_ids[p][k]``, already EOS-trimmed)
+    and, when sampled, their tokens' log-probs (``logprobs[p][k]``, as long as ``completion_ids[p][k]``).
 
     Prompts whose rendered text ends with ``<think>`` (templates that open the reasoning
     block themselves) are parsed with ``thinking_in_prompt=True``.
     """
     index = [p for p, comps in enumerate(completion_ids) for _ in comps]
     flat = [c for comps in completion_ids for c in comps]
+    flat_logps = None if logprobs is None else [list(map(float, lp)) for rows in logprobs for lp in rows]
+    if flat_logps is not None:
+        bad = [i for i, (c, lp) in enumerate(zip(flat, flat_logps)) if len(c) != len(lp)]
+        if bad or len(flat_logps) != len(flat):
+            raise ValueError(f"{backend}: sampled log-probs do not line up with the completion tokens (first: "
+                             f"completion {bad[0] if bad else len(flat_logps)}); this is a backend bug")
     opens = [rendered[p].rstrip().endswith(THINK_TAGS[0]) for p in index]
     parsed: list = [None] * len(flat)
     for flag in (False, True):
@@ -168,7 +180,7 @@ def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids:
     return Generations(
         prompts=list(prompts), prompt_index=index, prompt_ids=[list(p) for p in prompt_ids], completion_ids=flat,
         completions=[c.answer for c in parsed], reasoning=[c.reasoning for c in parsed],
-        finished=[c.finished for c in parsed], seed=seed, backend=backend,
+        finished=[c.finished for c in parsed], seed=seed, backend=backend, logprobs=flat_logps,
     )
 
 

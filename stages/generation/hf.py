@@ -14,7 +14,9 @@ gets the same completions whatever its batch, its position in it, the batch size
 the shard (up to float differences in its logits under other padding, which move a sample only
 when a uniform falls within rounding of a CDF boundary). Beam search (and beam sampling) stays
 HF's own, seeded inside ``torch.random.fork_rng``; the caller's RNG state (a trainer's dropout,
-shuffling) is left exactly as it was in every mode.
+shuffling) is left exactly as it was in every mode. Sampled completions come back with
+``Generations.logprobs``, each token's log-probability under the filtered distribution it was
+drawn from (greedy and beam search: None).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     n = sampling.n
     order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
     per_prompt: list[list[list[int]]] = [[] for _ in prompts]
+    per_prompt_logps: list[list[list[float]]] | None = [[] for _ in prompts] if per_row else None
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -80,6 +83,11 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                 # n consecutive rows per prompt (HF's num_return_sequences: best beam first)
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
+                if per_row:  # the sampled tokens' log-probs, cut to each completion's length
+                    steps = extra["logits_processor"][0].logps
+                    logps = torch.stack(steps, 1).tolist() if steps else [[] for _ in new]
+                    for j, i in enumerate(batch):
+                        per_prompt_logps[i] = [logps[j * n + k][:len(c)] for k, c in enumerate(per_prompt[i])]
                 if bar is not None:
                     bar.advance(len(batch))
             if bar is not None:
@@ -87,7 +95,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     finally:
         model.train(was_training)
     return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
-                             backend="hf")
+                             backend="hf", logprobs=per_prompt_logps)
 
 
 def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int, per_row: bool) -> dict:

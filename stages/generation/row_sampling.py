@@ -5,6 +5,9 @@ on what else is in its batch. Here HF decodes greedily and `PerRowSampler`, its 
 processor, does the sampling: row r's token t is the inverse-CDF sample of the filtered
 distribution at uniform u[r, t], and only that token is left for the argmax. The uniforms of a
 prompt's n rows come from a generator seeded with `prompt_seed(seed, prompt ids)`.
+
+`PerRowSampler.logps` keeps the log-probability of every sampled token under the distribution it was
+drawn from (after temperature, top-k and top-p): what an off-policy correction divides by.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from stages.generation.common import SamplingParams, prompt_seed
 
 
 def per_row_sampler(prompt_ids: list[list[int]], s: SamplingParams, start: int, device) -> LogitsProcessorList:
-    """The `logits_processor` of one batch of prompts whose rows are expanded n times (prompt-major)."""
+    """The `logits_processor` of one batch of prompts whose rows are expanded n times (prompt-major);
+    its only element is the `PerRowSampler` (read its `logps` after `generate`)."""
     return LogitsProcessorList([PerRowSampler(row_uniforms(prompt_ids, s).to(device), start, s)])
 
 
@@ -38,11 +42,13 @@ class PerRowSampler(LogitsProcessor):
     uniforms: (B, max_new_tokens) from `row_uniforms`; start: the input width, so the token being
     generated is number input_ids.shape[1] - start. Temperature, top-k and top-p are HF's own
     warpers, applied in HF's order; the sample is the first token whose cumulative probability
-    (float64) exceeds u · total.
+    (float64) exceeds u · total. After the call, `logps` holds one (B,) float64 tensor per generated
+    token: log-probability of the sampled token under the filtered distribution.
     """
 
     def __init__(self, uniforms: torch.Tensor, start: int, s: SamplingParams):
         self.uniforms, self.start = uniforms, start
+        self.logps: list[torch.Tensor] = []
         self.warpers = LogitsProcessorList()
         if s.temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(float(s.temperature)))
@@ -58,4 +64,5 @@ class PerRowSampler(LogitsProcessor):
         u = self.uniforms[:, input_ids.shape[1] - self.start, None] * total
         last = (cdf < total).sum(-1, keepdim=True)  # the last token of non-zero probability (u·total rounding to it)
         token = torch.minimum(torch.searchsorted(cdf, u, right=True), last)
+        self.logps.append(logits.double().log_softmax(-1).gather(1, token).squeeze(1))
         return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)

@@ -16,7 +16,10 @@ Prompts are rendered with *our* tokenizer's chat template and sent as token ids
 the "hf" backend would feed the model (no second BOS, no template drift between the two
 environments). Completion token ids come back with ``return_token_ids`` (vLLM >= 0.10.2);
 older servers' answers fall back to ``logprobs`` tokens written as ``token_id:N``, else
-the text is re-tokenised with our tokenizer.
+the text is re-tokenised with our tokenizer. Sampling requests ask for ``logprobs: 0`` (the sampled
+token's log-prob only) and return them as ``Generations.logprobs``; they are the distribution the
+server sampled from only under ``--logprobs-mode processed_logprobs`` (vLLM's default,
+``raw_logprobs``, is before temperature / top-k / top-p), which ``serve_command`` passes.
 
 One request per prompt, ``batch_size`` in flight at once (the server batches them
 continuously); each request carries its prompt's own seed (vLLM's per-request ``seed``),
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 import json
+import math
 import os
 from pathlib import Path
 import shlex
@@ -52,7 +56,8 @@ def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000,
     Binds to ``host`` (loopback by default: the server has no authentication unless
     ``--api-key``/``VLLM_API_KEY`` is set). ``shlex.join(serve_command(...))`` gives the shell form.
     """
-    cmd = ["vllm", "serve", str(model_path), "--host", host, "--port", str(int(port))]
+    cmd = ["vllm", "serve", str(model_path), "--host", host, "--port", str(int(port)),
+           "--logprobs-mode", "processed_logprobs"]  # log-probs of the distribution it samples from
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if dtype:
@@ -102,18 +107,20 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         bar = Progress(logging.getLogger("stages.generation"), total=len(bodies), unit="prompts",
                        what="generate (vllm)")
 
-    def one(body: dict) -> list[list[int]]:
+    def one(body: dict) -> tuple[list[list[int]], list[list[float]]]:
         out = parse_response(client.post("/completions", body), tokenizer, eos, sampling.n)
         if bar is not None:
             bar.advance(1)
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, min(batch_size, len(bodies)))) as pool:
-        per_prompt = list(pool.map(one, bodies))
+        answers = list(pool.map(one, bodies))
     if bar is not None:
         bar.finish()
-    return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
-                             backend="vllm")
+    sampled = sampling.do_sample and sampling.num_beams == 1
+    logprobs = [lp for _, lp in answers] if sampled else None
+    return build_generations(tokenizer, prompts, rendered, prompt_ids, [ids for ids, _ in answers], eos,
+                             seed=sampling.seed, backend="vllm", logprobs=logprobs)
 
 
 class _LocalModel:
@@ -145,22 +152,31 @@ def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos:
     }
     if s.num_beams > 1:
         body["use_beam_search"] = True
+    elif s.do_sample:
+        body["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
     return body
 
 
-def parse_response(response: dict, tokenizer, eos: list[int], n: int) -> list[list[int]]:
-    """The ``n`` completions' token ids (EOS-trimmed, EOS appended when the server stopped on one) in choice order."""
+def parse_response(response: dict, tokenizer, eos: list[int], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``n`` completions' token ids (EOS-trimmed, EOS appended when the server stopped on one) in choice order,
+    and each token's log-prob from ``logprobs.token_logprobs`` (NaN where the server gave none, e.g. an
+    appended EOS, or ids re-tokenised from text)."""
     choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
     if len(choices) < n:
         raise VLLMServerError(f"the vLLM server returned {len(choices)} choices for a request with n = {n}")
-    out = []
+    out, logps = [], []
     for c in choices[:n]:
         ids = _choice_token_ids(c, tokenizer)
+        given = [math.nan if v is None else float(v) for v in (c.get("logprobs") or {}).get("token_logprobs") or []]
+        lp = (given + [math.nan] * len(ids))[:len(ids)]
         reason, stop = c.get("finish_reason"), c.get("stop_reason")
         if reason == "stop" and not (ids and ids[-1] in eos) and (stop is None or stop in eos):
             ids.append(stop if stop is not None else eos[0])  # the server dropped the EOS it stopped on
-        out.append(trim_at_eos(ids, eos))
-    return out
+            lp.append(math.nan)
+        ids = trim_at_eos(ids, eos)
+        out.append(ids)
+        logps.append(lp[:len(ids)])
+    return out, logps
 
 
 def _choice_token_ids(choice: dict, tokenizer) -> list[int]:

@@ -213,7 +213,8 @@ def slice_generations(gens: Generations, start: int, stop: int) -> Generations:
     return Generations(prompts=gens.prompts[start:stop], prompt_index=[gens.prompt_index[k] - start for k in keep],
                        prompt_ids=gens.prompt_ids[start:stop], completion_ids=[gens.completion_ids[k] for k in keep],
                        completions=[gens.completions[k] for k in keep], reasoning=[gens.reasoning[k] for k in keep],
-                       finished=[gens.finished[k] for k in keep], seed=gens.seed, backend=gens.backend)
+                       finished=[gens.finished[k] for k in keep], seed=gens.seed, backend=gens.backend,
+                       logprobs=None if gens.logprobs is None else [gens.logprobs[k] for k in keep])
 
 
 def completion_texts(tokenizer, completion_ids: list[list[int]]) -> list[str]:

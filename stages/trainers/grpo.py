@@ -30,7 +30,12 @@ summed over processes); `dr_grpo` divides by the micro-batch's completions × th
 `generation.max_new_tokens`. Sampling (`generation`, a
 `stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
 "vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
-trainer, so it suits only the first steps or a frozen-sampler ablation. `GRPOConfig` is
+trainer. Either way the sampler's log-prob of every sampled token comes back with it, and each
+token's policy-gradient term is weighted by the truncated importance ratio min(π/μ, `tis_cap`)
+of the policy at sampling time to the sampler (`stages.losses.truncated_importance_weights`):
+1 to float rounding on policy, the off-policy correction for a server or stale copy whose
+weights lag. `tis/mean_ratio` and `tis/frac_capped` are logged; a mean ratio departing from 1
+by more than `tis_warn` logs a warning. `GRPOConfig` is
 `GRPOParams` (stages.trainers.grpo_params, shared with params.yaml's `policy.grpo`) combined
 with `transformers.TrainingArguments`.
 
@@ -43,8 +48,8 @@ model as `reward_head.safetensors`.
 
 Logged (means over the logging window): reward, reward_std, rewards/<function>/mean|std,
 frac_reward_zero_std, frac_reward_none, completions/mean|min|max_length,
-completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, and per optimizer step
-timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
+completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, tis/mean_ratio, tis/frac_capped,
+and per optimizer step timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
 completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
 Cumulative seconds and token counts are kept in `trainer.timing`.
 
@@ -69,7 +74,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer, TrainingArguments
 
 from stages.fields import SectionsAsDicts, raise_problems
-from stages.losses import grpo_advantages, grpo_loss
+from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
 from stages.rewards import build_reward_functions
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.logprobs import unwrap
@@ -78,7 +83,7 @@ from stages.trainers.preference import PairCollator, tokenize_pairs
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
-from stages.trainers.rollout import completion_logps, pad_rollout, position_ids
+from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -243,6 +248,7 @@ class GRPOTrainer(Trainer):
         self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
         self._window: dict[str, float] = defaultdict(float)  # the same since the last log
         self._window_start_step = 0
+        self._tis_warned = False
 
     # ---- data ----
     def get_train_dataloader(self) -> DataLoader:
@@ -316,6 +322,8 @@ class GRPOTrainer(Trainer):
         eos = eos_token_ids(tok, policy)
         batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
                                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+        if gens.logprobs is not None:  # what the off-policy correction divides by
+            batch["sampler_logps"] = sampler_logps(gens.logprobs, batch["completion_mask"].shape[1])
         batch = {k: v.to(a.device) for k, v in batch.items()}
         columns = gens.reward_columns(rows)
         totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)
@@ -389,10 +397,17 @@ class GRPOTrainer(Trainer):
         logps, entropy = per_token_logps(model, inputs, temperature=a.generation.temperature,
                                          chunked=a.use_chunked_logprobs, entropy=True)
         mask = inputs["loss_mask"]
+        weights, tis = None, {}
+        if "sampler_logps" in inputs:  # the policy at sampling time (old_logps, else now) over the sampler
+            at_sampling = inputs["old_logps"] if inputs.get("old_logps") is not None else logps.detach()
+            cap = a.tis_cap if a.tis_cap is not None else math.inf
+            weights, tis = truncated_importance_weights(at_sampling, inputs["sampler_logps"], mask, cap=cap)
         loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                                   loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
-                                  max_completion_length=a.generation.max_new_tokens)
+                                  max_completion_length=a.generation.max_new_tokens,
+                                  importance_weights=weights if a.tis_cap is not None else None)
+        metrics.update(tis)
         if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
             loss = loss * self.accelerator.num_processes  # where that denominator wants their sum
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
@@ -470,6 +485,7 @@ class GRPOTrainer(Trainer):
         for key, values in self._metrics.items():
             logs[key] = sum(values) / len(values)
         self._metrics.clear()
+        self._warn_off_policy(logs)
         steps = self.state.global_step - self._window_start_step
         if steps > 0 and self._window:
             w = self._window
@@ -482,6 +498,22 @@ class GRPOTrainer(Trainer):
             self._window_start_step = self.state.global_step
         super().log(logs, start_time)
 
+    def _warn_off_policy(self, logs: dict[str, float]) -> None:
+        """Once per run: the sampler's distribution departs from the policy's by more than `tis_warn`
+        (GRPOParams.tis_warn says why that threshold)."""
+        ratio, a = logs.get("tis/mean_ratio"), self.args
+        if self._tis_warned or ratio is None or not abs(ratio - 1) > a.tis_warn:
+            return
+        self._tis_warned = True
+        server = ", whose weights are not synced from the trainer" if a.generation.backend == "vllm" else ""
+        fix = (f"the tis_cap = {a.tis_cap} correction is applied" if a.tis_cap is not None else
+               "tis_cap is null, so the gradient is NOT corrected: set tis_cap (2.0)")
+        logger.warning("GRPO off-policy: tis/mean_ratio = %.3f at step %d departs from 1 by more than tis_warn = %s "
+                       "(tis/frac_capped = %.3f): the sampler (backend %s%s) does not sample the policy's "
+                       "distribution; %s. Sync the sampler's weights, and check that its log-probs are those it "
+                       "samples from (vLLM: --logprobs-mode processed_logprobs; top_p / top_k truncate)",
+                       ratio, self.state.global_step, a.tis_warn, logs.get("tis/frac_capped", 0.0),
+                       a.generation.backend, server, fix)
 
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",

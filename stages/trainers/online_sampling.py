@@ -24,7 +24,7 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     """`n` sampled completions per prompt from `model` (unwrapped from DDP) with settings `g`: `Generations`.
 
     With backend vllm the server samples from its own weights, which training does not update:
-    the samples are off-policy once the policy has moved.
+    the samples are off-policy once the policy has moved; their `logprobs` let GRPO correct for it.
     """
     from stages.generation import SamplingParams, sample_policy
 

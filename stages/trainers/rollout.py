@@ -15,6 +15,8 @@ never from `ids != pad_token_id` (the pad id is often the EOS id).
 completion tokens (B, C), optionally their entropies and, for a model with a value head
 (`stages.trainers.value_head`), the values V(s_t) of the states before each completion token.
 Position t's log-prob and value both come from the hidden state at column P + t - 1.
+`sampler_logps` lays the sampler's own log-probs (`Generations.logprobs`) out the same way, for
+the off-policy correction.
 """
 from __future__ import annotations
 
@@ -55,6 +57,14 @@ def pad_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Se
         "attention_mask": torch.cat([prompt_mask, completion_mask], 1).to(device),
         "completion_mask": completion_mask.to(device),
     }
+
+
+def sampler_logps(logprobs: list[list[float]], width: int) -> torch.Tensor:
+    """`Generations.logprobs` as a (B, width) float32 tensor aligned with a completion_tensors batch; 0 on padding."""
+    out = torch.zeros(len(logprobs), width, dtype=torch.float32)
+    for i, row in enumerate(logprobs):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -473,3 +473,47 @@ def test_ppo_loss_num_tokens_gives_the_whole_batch_mean_when_averaged_over_shard
     assert ((shards[0] + shards[1]) / 2).item() == pytest.approx(whole.item())
     plain = [ppo_loss(*[a[i:i + 1] for a in args], mask[i:i + 1])[0] for i in range(2)]
     assert ((plain[0] + plain[1]) / 2).item() != pytest.approx(whole.item())  # per-shard means weight tokens unequally
+
+
+# ---------------------------------------------------------------------------------------------
+# truncated_importance_weights and grpo_loss's importance_weights
+# ---------------------------------------------------------------------------------------------
+# Policy log-probs [[ln .5, ln .2, ln .9], [ln .4, ln .1, x]], sampler [[ln .5, ln .4, ln .3], [ln .1, ln .1, y]],
+# the last token masked (x, y = 0, NaN: neither may leak). Ratios π/μ: [[1, .5, 3], [4, 1, -]];
+# cap 2: weights [[1, .5, 2], [2, 1, 1]]; mean ratio (1 + .5 + 3 + 4 + 1) / 5 = 1.9; capped: 3 and 4, 2 of 5.
+
+def test_truncated_importance_weights():
+    from stages.losses import truncated_importance_weights
+
+    logps = torch.tensor([[.5, .2, .9], [.4, .1, 1.0]], dtype=F64).log()
+    sampler = torch.tensor([[.5, .4, .3], [.1, .1, math.nan]], dtype=F64).log()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
+    weights, metrics = truncated_importance_weights(logps, sampler, mask, cap=2.0)
+    _close(weights, [[1, .5, 2], [2, 1, 1]])
+    _close(metrics["tis/mean_ratio"], 1.9)
+    _close(metrics["tis/frac_capped"], 0.4)
+    weights, metrics = truncated_importance_weights(logps, sampler, mask, cap=math.inf)  # measured, not capped
+    _close(weights, [[1, .5, 3], [4, 1, 1]])
+    _close(metrics["tis/frac_capped"], 0.0)
+    with pytest.raises(ValueError, match=r"cap = 0.5: must be >= 1"):
+        truncated_importance_weights(logps, sampler, mask, cap=0.5)
+    with pytest.raises(ValueError, match=r"sampler_logps\[1, 2\] = nan: the sampler gave no finite log-prob"):
+        truncated_importance_weights(logps, sampler, torch.ones_like(mask), cap=2.0)
+
+
+def test_grpo_loss_importance_weights_scale_the_policy_gradient_term_only():
+    """With old_logps None (ratio 1) the per-token loss is -w·A + β·KL; bnpo averages the 3 tokens.
+    logps = ref_logps - ln 2: KL = e^{ln 2} - ln 2 - 1 = 1 - ln 2 per token. A = 2, w = [1, .5, 2]:
+    loss = -(2·1 + 2·.5 + 2·2)/3 + 0.1·(1 - ln 2) = -7/3 + 0.1·(1 - ln 2);
+    d loss/d logps = -w·A/3 + 0.1·(1 - e^{ln 2})/3."""
+    ref = torch.tensor([[-1.0, -2.0, -3.0]], dtype=F64)
+    logps = (ref - math.log(2)).requires_grad_()
+    w = torch.tensor([[1.0, 0.5, 2.0]], dtype=F64)
+    loss, _ = grpo_loss(logps, None, ref, torch.tensor([2.0], dtype=F64), torch.ones_like(ref), beta=0.1,
+                        loss_type="bnpo", importance_weights=w)
+    _close(loss, -7 / 3 + 0.1 * (1 - math.log(2)))
+    loss.backward()
+    _close(logps.grad, (-w * 2 / 3 - 0.1 * (2 - 1) / 3).tolist())
+    with pytest.raises(ValueError, match=r"importance_weights has shape \(3,\)"):
+        grpo_loss(logps, None, ref, torch.tensor([2.0], dtype=F64), torch.ones_like(ref), beta=0.1,
+                  importance_weights=w[0])

@@ -169,8 +169,10 @@ def scripted(tok, seed: int = 0):
         s, out = body["seed"], []
         p = seeds.index(s)
         for k in range(body["n"]):
-            if k % 2 == 0:
+            if k % 2 == 0:  # with the sampled tokens' log-probs, as vLLM answers `logprobs: 0`
                 out.append(choice(tok, k, [110 + p, 20 + k, 20 + k, EOS], "stop"))
+                out[-1]["logprobs"] = {"tokens": ["a"] * 4, "token_logprobs": [-0.5, -0.25 * k, -1.0, -2.0],
+                                       "top_logprobs": None}
             else:
                 out.append(choice(tok, k, [110 + p] + [20 + k] * (body["max_tokens"] - 1), "length"))
         random.Random(s).shuffle(out)
@@ -185,13 +187,15 @@ def test_sampling_request_and_prompt_major_order(tok):
         gens = generate("m", tok, PROMPTS, sampling, backend="vllm", base_url=server.url, batch_size=3)
     body = server.requests[0][1]
     assert (body["n"], body["temperature"], body["top_p"], body["top_k"], body["max_tokens"]) == (3, 0.7, 0.9, 5, 5)
-    assert "use_beam_search" not in body
+    assert "use_beam_search" not in body and body["logprobs"] == 0
     assert gens.prompt_index == [p for p in range(len(PROMPTS)) for _ in range(3)]
     for j, (p, ids, done) in enumerate(zip(gens.prompt_index, gens.completion_ids, gens.finished)):
         k = j % 3
         assert ids[0] == 110 + p  # the prompt's own seed: belongs to prompt p
         assert ids == ([110 + p, 20 + k, 20 + k, EOS] if k % 2 == 0 else [110 + p] + [20 + k] * 4)
         assert done == (k % 2 == 0)
+        lp = gens.logprobs[j]  # the server's log-probs where it gave them, NaN where not
+        assert lp == [-0.5, -0.25 * k, -1.0, -2.0] if k % 2 == 0 else (len(lp) == 5 and all(v != v for v in lp))
 
 
 def test_beam_search_request_keeps_the_n_best(tok):
@@ -255,9 +259,11 @@ def test_unreachable_server_says_how_to_start_one(tok):
 
 
 def test_serve_command_and_bad_model_argument(model, tok):
-    assert serve_command("/m") == ["vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "8000"]
+    assert serve_command("/m") == ["vllm", "serve", "/m", "--host", "127.0.0.1", "--port", "8000",
+                                   "--logprobs-mode", "processed_logprobs"]
     cmd = serve_command("/m", port=9000, served_model_name="pol", dtype="bfloat16", extra_args=("--seed", "0"))
-    assert shlex.join(cmd) == "vllm serve /m --host 127.0.0.1 --port 9000 --served-model-name pol --dtype bfloat16 --seed 0"
+    assert shlex.join(cmd) == ("vllm serve /m --host 127.0.0.1 --port 9000 --logprobs-mode processed_logprobs "
+                               "--served-model-name pol --dtype bfloat16 --seed 0")
     with pytest.raises(ValueError, match="model path"):
         generate(model, tok, PROMPTS[:1], SamplingParams(), backend="vllm")
 
