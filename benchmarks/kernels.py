@@ -217,13 +217,17 @@ def _targets(by: dict) -> list[str]:
 
     out = []
     ours, naive = by["sls-fp32-ours"], by["sls-fp32-naive"]
-    out.append(check("selective_log_softmax fp32 forward peak extra memory vs naive",
-                     ratio(ours["fwd_peak_mib"], naive["fwd_peak_mib"]), 0.25))
-    out.append(check("selective_log_softmax fp32 forward time vs naive", ratio(ours["fwd_s"], naive["fwd_s"]), 1.2))
-    out.append(check("selective_log_softmax fp32 fwd+bwd peak extra memory vs naive (info)",
-                     ratio(ours["total_peak_mib"], naive["total_peak_mib"]), 1.0))
-    out.append(check("selective_log_softmax fp32 fwd+bwd time vs naive (info)",
+    # Headline: forward + backward, what a training step pays. The gradient of the logits is
+    # itself one logits-sized tensor, so fwd+bwd memory cannot go under 1/3 of the naive path's
+    # 3 (logits, log-softmax, its gradient); the forward-only figures follow as information.
+    out.append(check("selective_log_softmax fp32 fwd+bwd peak extra memory vs naive",
+                     ratio(ours["total_peak_mib"], naive["total_peak_mib"]), 0.25))
+    out.append(check("selective_log_softmax fp32 fwd+bwd time vs naive",
                      ratio(ours["total_s"], naive["total_s"]), 1.2))
+    out.append(check("selective_log_softmax fp32 forward-only peak extra memory vs naive (info)",
+                     ratio(ours["fwd_peak_mib"], naive["fwd_peak_mib"]), 0.25))
+    out.append(check("selective_log_softmax fp32 forward-only time vs naive (info)",
+                     ratio(ours["fwd_s"], naive["fwd_s"]), 1.2))
     for key, label in (("clp-fp32-logits", "logits path, naive log_softmax"),
                        ("clp-fp32-logits-sls", "logits path + selective_log_softmax")):
         ref = by[key]
