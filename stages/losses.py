@@ -489,7 +489,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
 def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
              old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2,
              cliprange_value: float = 0.2, vf_coef: float = 0.1, num_tokens: torch.Tensor | float | None = None,
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             importance_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped policy loss plus its clipped value loss, masked means over the tokens.
 
     All arguments (B, T): per-token log-probs now and at sampling, advantages, value-head
@@ -502,6 +502,9 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
 
     num_tokens: the mean's denominator (default: mask.sum()); under data parallelism, the
     tokens of the whole batch / processes, so the averaged gradients are the whole batch's mean.
+    importance_weights: (B, T) or None, detached: multiply each token's policy term (not the
+    value term), for samples another sampler drew (`truncated_importance_weights`): the policy
+    term's gradient is then an estimate under the policy at sampling time, not the sampler.
     Returns (loss, metrics) with "policy_loss", "value_loss", "clipfrac" (share of tokens where
     the clipped policy term is the larger), "value_clipfrac", "approx_kl" (mean ½(logps -
     old_logps)²), all detached.
@@ -517,7 +520,11 @@ def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Ten
     pg_plain = -advantages * ratio
     pg_clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
     denominator = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    policy = (torch.maximum(pg_plain, pg_clipped) * mask).sum() / denominator
+    policy_per_token = torch.maximum(pg_plain, pg_clipped)
+    if importance_weights is not None:
+        _check_shapes(logps.shape, "logps", importance_weights=importance_weights)
+        policy_per_token = policy_per_token * _upcast(importance_weights).detach()
+    policy = (policy_per_token * mask).sum() / denominator
 
     v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     vf_plain = (values - returns) ** 2

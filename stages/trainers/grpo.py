@@ -78,6 +78,7 @@ from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weigh
 from stages.rewards import build_reward_functions
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.logprobs import unwrap
+from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import PairCollator, tokenize_pairs
 from stages.trainers.precision import trainer_precision
@@ -206,7 +207,7 @@ def last_token_hidden(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(OffPolicyWarning, Trainer):
     @property
     def loss_is_scaled_for_ga(self) -> bool:
         # dapo divides by the whole optimizer step's token count, so its micro-batch losses already sum to the
@@ -248,7 +249,6 @@ class GRPOTrainer(Trainer):
         self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
         self._window: dict[str, float] = defaultdict(float)  # the same since the last log
         self._window_start_step = 0
-        self._tis_warned = False
 
     # ---- data ----
     def get_train_dataloader(self) -> DataLoader:
@@ -485,7 +485,7 @@ class GRPOTrainer(Trainer):
         for key, values in self._metrics.items():
             logs[key] = sum(values) / len(values)
         self._metrics.clear()
-        self._warn_off_policy(logs)
+        self.warn_off_policy(logs)
         steps = self.state.global_step - self._window_start_step
         if steps > 0 and self._window:
             w = self._window
@@ -497,23 +497,6 @@ class GRPOTrainer(Trainer):
             self._window.clear()
             self._window_start_step = self.state.global_step
         super().log(logs, start_time)
-
-    def _warn_off_policy(self, logs: dict[str, float]) -> None:
-        """Once per run: the sampler's distribution departs from the policy's by more than `tis_warn`
-        (GRPOParams.tis_warn says why that threshold)."""
-        ratio, a = logs.get("tis/mean_ratio"), self.args
-        if self._tis_warned or ratio is None or not abs(ratio - 1) > a.tis_warn:
-            return
-        self._tis_warned = True
-        server = ", whose weights are not synced from the trainer" if a.generation.backend == "vllm" else ""
-        fix = (f"the tis_cap = {a.tis_cap} correction is applied" if a.tis_cap is not None else
-               "tis_cap is null, so the gradient is NOT corrected: set tis_cap (2.0)")
-        logger.warning("GRPO off-policy: tis/mean_ratio = %.3f at step %d departs from 1 by more than tis_warn = %s "
-                       "(tis/frac_capped = %.3f): the sampler (backend %s%s) does not sample the policy's "
-                       "distribution; %s. Sync the sampler's weights, and check that its log-probs are those it "
-                       "samples from (vLLM: --logprobs-mode processed_logprobs; top_p / top_k truncate)",
-                       ratio, self.state.global_step, a.tis_warn, logs.get("tis/frac_capped", 0.0),
-                       a.generation.backend, server, fix)
 
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",

@@ -11,6 +11,7 @@ from typing import Literal
 
 from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.generation_params import GenerationParams
+from stages.trainers.off_policy import tis_cap_field, tis_warn_field
 
 
 @dataclass
@@ -33,17 +34,8 @@ class GRPOParams:
     reward_head_weight: float = param(1.0, help="reward_head shared: weight of the head's score in the reward")
     reward_head_batch_size: int = positive(8, "reward_head shared: preference pairs per step for the head")
     max_length: int = positive(512, "reward_head shared: truncate preference prompt + completion (tokens)")
-    tis_cap: float | None = param(2.0, help="off-policy correction: each token's policy-gradient term is weighted "
-                                  "min(pi/mu, tis_cap), pi the policy at sampling time, mu the sampler's own "
-                                  "log-prob (truncated importance sampling; 2.0 as in the literature); null: no "
-                                  "correction", check=lambda v: v >= 1,
-                                  rule="must be >= 1 (a cap below 1 would down-weight on-policy tokens, whose ratio "
-                                  "is 1), or null to turn the correction off")
-    tis_warn: float = positive(0.1, "warn when the logged tis/mean_ratio departs from 1 by more than this: on "
-                               "policy it is 1 to float rounding, and E_mu[pi/mu] = 1 for any sampler covering the "
-                               "policy's support, so a larger departure means the sampler truncates the "
-                               "distribution (top-p/top-k, raw instead of processed log-probs) or the ratios are so "
-                               "heavy-tailed that the capped gradient is biased")
+    tis_cap: float | None = tis_cap_field()
+    tis_warn: float = tis_warn_field()
     use_chunked_logprobs: bool = param(True, help="log-probs from the final hidden states in chunks, without the "
                                        "full logits, where the model allows")
 

@@ -4,7 +4,8 @@ One Trainer step = one rollout batch + its PPO epochs:
 
 1. rollout (no gradients): for `per_device_train_batch_size` prompts, sample one completion
    each from the current policy (`stages.generation`, backend "hf"; a "vllm" server holds
-   its own weights, not synced from here, so its samples are off-policy as in offline mode)
+   its own weights, not synced from here: its per-token log-probs come back with the samples
+   and each token's policy term is weighted min(π/μ, `tis_cap`), `stages.trainers.off_policy`)
    and score it with the reward functions (`stages.rewards.RewardFunctions`: rules, a reward
    model, your own) - or, offline, take rows that already hold prompt, completion and score;
 2. per-token log-probs under the policy (old) and the frozen reference, values V(s_t);
@@ -53,14 +54,16 @@ from transformers import Trainer, TrainingArguments
 
 from stages.data.tokenize import tokenize_sft
 from stages.fields import SectionsAsDicts, raise_problems
-from stages.losses import explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss
+from stages.losses import (explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss,
+                           truncated_importance_weights)
 from stages.rewards import build_reward_functions
 from stages.trainers.logprobs import unwrap
+from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.ppo_params import PPOParams
 from stages.trainers.precision import trainer_precision
 from stages.trainers.reference import frozen_reference, reference_model
-from stages.trainers.rollout import completion_logps, pad_rollout
+from stages.trainers.rollout import completion_logps, pad_rollout, sampler_logps
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
 
 
@@ -114,7 +117,7 @@ def offline_samples(tokenizer, rows: list[dict], max_new_tokens: int) -> tuple[l
 # ------------------------------------------------------------------------------------ trainer
 
 
-class PPOTrainer(Trainer):
+class PPOTrainer(OffPolicyWarning, Trainer):
     """PPO on prompts (online, with reward_funcs) or on prompt/completion/score rows (offline).
 
     model: an `AutoModelForCausalLMWithValueHead`, or a causal LM / PEFT model, which gets a
@@ -190,7 +193,8 @@ class PPOTrainer(Trainer):
             loss, metrics = ppo_loss(out["logps"], mb["old_logps"], mb["advantages"], out["values"],
                                      mb["old_values"], mb["returns"], mb["completion_mask"],
                                      cliprange=self.args.cliprange, cliprange_value=self.args.cliprange_value,
-                                     vf_coef=self.args.vf_coef, num_tokens=num_tokens)
+                                     vf_coef=self.args.vf_coef, num_tokens=num_tokens,
+                                     importance_weights=mb.get("tis_weights"))
         for key, value in metrics.items():
             self._record(key, value)
         return loss
@@ -200,8 +204,8 @@ class PPOTrainer(Trainer):
     @torch.no_grad()
     def rollout(self, model, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Samples, scores, old log-probs/values, reference log-probs, rewards, advantages and returns: (B, C)."""
-        prompt_ids, completion_ids, scores = self.sample(model, rows) if self.online else offline_samples(
-            self.processing_class, rows, self.args.generation.max_new_tokens)
+        prompt_ids, completion_ids, scores, logprobs = self.sample(model, rows) if self.online else (
+            *offline_samples(self.processing_class, rows, self.args.generation.max_new_tokens), None)
         batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                             device=self.args.device)
         mask = batch["completion_mask"]
@@ -224,14 +228,32 @@ class PPOTrainer(Trainer):
         advantages, returns = gae(rewards, old["values"], mask, gamma=self.args.gamma, lam=self.args.lam)
         advantages = masked_whiten(advantages, mask, reduce=self.sum_over_processes)
         self._log_rollout(raw, scored, eos, kl, old, returns, mask)
-        return {**batch, "old_logps": old["logps"], "old_values": old["values"], "advantages": advantages,
-                "returns": returns}
+        out = {**batch, "old_logps": old["logps"], "old_values": old["values"], "advantages": advantages,
+               "returns": returns}
+        if logprobs is not None:  # the sampler's own log-probs: correct for samples the policy did not draw
+            weights = self.importance_weights(old["logps"], logprobs, mask)
+            if weights is not None:
+                out["tis_weights"] = weights
+        return out
+
+    def importance_weights(self, old_logps: torch.Tensor, logprobs: list[list[float]],
+                           mask: torch.Tensor) -> torch.Tensor | None:
+        """min(π/μ, tis_cap) per token, π the policy at sampling time (old_logps), μ the sampler; the mean
+        ratio and capped share are logged over every rank's tokens (`tis/*`); None with tis_cap null."""
+        a = self.args
+        mu = sampler_logps(logprobs, mask.shape[1]).to(old_logps.device)
+        cap = a.tis_cap if a.tis_cap is not None else math.inf
+        weights, metrics = truncated_importance_weights(old_logps, mu, mask, cap=cap)
+        tokens = mask.sum().item()
+        for key, value in metrics.items():
+            self._record_mean(key, value.item() * tokens, tokens)
+        return weights if a.tis_cap is not None else None
 
     def sample(self, model, rows: list[dict]) -> tuple[list, list, list[float | None]]:
         """One completion per prompt from the current policy, scored by the reward functions."""
         prompts = [r["prompt"] for r in rows]
         a = self.args
-        # vllm: off-policy once training moves the policy (old log-probs are still the current policy's)
+        # vllm: off-policy once training moves the policy; gens.logprobs (the sampler's) let the rollout correct it
         gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.generation, n=1,
                              seed=sampling_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
@@ -243,7 +265,7 @@ class PPOTrainer(Trainer):
         if scored == 0:  # on every rank at once; one rank's unscored batch trains with an empty mask instead
             raise ValueError("every completion of this batch was left unscored (the reward functions returned None "
                              "for all of them); check that the rows carry the columns the functions need")
-        return [gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids, totals
+        return [gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids, totals, gens.logprobs
 
     def reference_logps(self, model, batch) -> torch.Tensor:
         """Per-token log-probs of the reference LM (no value head): (B, C)."""
@@ -280,6 +302,7 @@ class PPOTrainer(Trainer):
         for key, values in self._metrics.items():
             logs[key] = sum(values) / len(values)
         self._metrics.clear()
+        self.warn_off_policy(logs)
         super().log(logs, start_time)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

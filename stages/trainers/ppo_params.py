@@ -11,6 +11,7 @@ from typing import Literal
 
 from stages.fields import check_fields, fraction, non_negative, param, positive
 from stages.trainers.generation_params import GenerationParams
+from stages.trainers.off_policy import tis_cap_field, tis_warn_field
 
 
 @dataclass
@@ -32,6 +33,8 @@ class PPOParams:
     generation: GenerationParams = param(default_factory=GenerationParams, help="rollout sampling (offline: "
                                          "max_new_tokens cuts the given completions)")
     reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    tis_cap: float | None = tis_cap_field()
+    tis_warn: float = tis_warn_field()
     disable_dropout: bool = param(True, help="dropout off, so rollout and update log-probs agree")
     use_chunked_logprobs: bool = param(True, help="log-probs from the final hidden states in chunks, without the "
                                        "full logits, where the model allows")

@@ -517,3 +517,19 @@ def test_grpo_loss_importance_weights_scale_the_policy_gradient_term_only():
     with pytest.raises(ValueError, match=r"importance_weights has shape \(3,\)"):
         grpo_loss(logps, None, ref, torch.tensor([2.0], dtype=F64), torch.ones_like(ref), beta=0.1,
                   importance_weights=w[0])
+
+
+def test_ppo_loss_importance_weights_scale_the_policy_term_only():
+    """w = [2, .5, 1] on the hand-computed case: policy (-1·2 - 1.2·.5 + 0.8·1)/3 = -1.8/3, value unchanged
+    (2.12/3); d policy/d logps: token 0 is unclipped, -A·ρ·w/3 = -2/3; tokens 1 and 2 are clipped, 0."""
+    logps, old, adv, values, old_values, returns = _ppo_inputs()
+    logps.requires_grad_()
+    w = torch.tensor([[2.0, 0.5, 1.0]], dtype=F64)
+    loss, m = ppo_loss(logps, old, adv, values, old_values, returns, torch.ones(1, 3), importance_weights=w)
+    _close(m["policy_loss"].item(), -1.8 / 3)
+    _close(m["value_loss"].item(), 2.12 / 3)
+    loss.backward()
+    _close(logps.grad, [[-2 / 3, 0.0, 0.0]])
+    _close(values.grad, [[0.0, 0.0, -0.1 / 3]])  # the value term carries no weight
+    with pytest.raises(ValueError, match=r"importance_weights has shape \(3,\)"):
+        ppo_loss(logps, old, adv, values, old_values, returns, torch.ones(1, 3), importance_weights=w[0])

@@ -137,13 +137,13 @@ def test_trainer_logs_the_ratio_and_warns_by_name_when_it_departs(setup, tmp_pat
     trainer = GRPOTrainer(copy.deepcopy(model), [("low", lambda prompts, completions, completion_ids, **_:
                                                   [float(c[0] < LOW) for c in completion_ids])],
                           processing_class=tok, train_dataset=[{"prompt": p} for p in prompts[:2]], args=args)
-    with caplog.at_level(logging.WARNING, logger="stages.trainers.grpo"):
+    with caplog.at_level(logging.WARNING, logger="stages.trainers.off_policy"):
         trainer.train()
     log = next(h for h in trainer.state.log_history if "tis/mean_ratio" in h)
     assert abs(log["tis/mean_ratio"] - 1) < 1e-4 and log["tis/frac_capped"] == 0  # hf samples the policy itself
     assert "off-policy" not in caplog.text
-    trainer._warn_off_policy({"tis/mean_ratio": 0.8, "tis/frac_capped": 0.05})
-    trainer._warn_off_policy({"tis/mean_ratio": 0.7, "tis/frac_capped": 0.05})  # once per run
+    trainer.warn_off_policy({"tis/mean_ratio": 0.8, "tis/frac_capped": 0.05})
+    trainer.warn_off_policy({"tis/mean_ratio": 0.7, "tis/frac_capped": 0.05})  # once per run
     warnings = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
     assert len(warnings) == 1 and "tis/mean_ratio = 0.800" in warnings[0] and "tis_warn = 0.1" in warnings[0]
     assert "tis_cap = 2.0 correction is applied" in warnings[0]
@@ -228,7 +228,7 @@ def test_vllm_samples_with_raw_logprobs_warn_and_are_weighted(setup, tmp_path, c
         trainer = GRPOTrainer(copy.deepcopy(model), [("low", lambda prompts, completions, completion_ids, **_:
                                                       [float(c[0] < LOW) for c in completion_ids])],
                               processing_class=tok, train_dataset=[{"prompt": p} for p in prompts[:2]], args=args)
-        with caplog.at_level(logging.WARNING, logger="stages.trainers.grpo"):
+        with caplog.at_level(logging.WARNING, logger="stages.trainers.off_policy"):
             trainer.train()
     logs = [h for h in trainer.state.log_history if "tis/mean_ratio" in h]
     # measured: mean ratio 1.36 and 1.26 (2.0: 22% and 16% of the tokens capped; null: measured uncapped, 0%)

@@ -81,6 +81,7 @@ def test_online_ppo_scores_samples_and_moves_every_parameter(setup, tmp_path):
     assert len(logs) == 2 and logs[0]["rewards/exact_match"] == 0.0  # the random model never answers right
     assert logs[0]["score"] == pytest.approx(logs[0]["rewards/digits"] + 0.5 * logs[0]["rewards/exact_match"])
     assert _changed(wrapped, before) == {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert all(abs(h["tis/mean_ratio"] - 1) < 1e-4 and h["tis/frac_capped"] == 0 for h in logs)  # hf: on policy
 
 
 def test_online_ppo_raises_the_reward(setup, tmp_path):
@@ -199,3 +200,35 @@ def test_errors_before_the_first_step(setup, tmp_path):
     bad[3]["score"] = float("nan")
     with pytest.raises(ValueError, match="row 3: score = nan; must be a finite number"):
         PPOTrainer(_lm(path), args=_args(tmp_path), processing_class=tok, train_dataset=bad)
+
+
+@pytest.mark.parametrize("tis_cap", [2.0, None])
+def test_vllm_stale_sampler_is_corrected_and_warns_by_name(setup, tmp_path, caplog, tis_cap):
+    """Backend vllm against a real HTTP server that samples a stale copy at temperature 0.5 and reports raw
+    (temperature 1) log-probs: the rollout's ratios π/μ depart from 1, the run warns once by name, and with
+    tis_cap the policy term is weighted (capped tokens logged); with null it is measured, not corrected."""
+    import copy
+    import logging
+
+    from tests.stages.generation.test_vllm import FakeVLLM
+    from tests.stages.trainers.test_grpo_tis import stale_server_responder
+
+    path, tok, prompts, _ = setup
+    model = _lm(path)
+    with torch.no_grad():  # peaked logits (a fresh init is near-uniform, where temperature hardly matters)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(5.0)
+    with FakeVLLM("stale", stale_server_responder(copy.deepcopy(model), raw=True)) as server:
+        args = _args(tmp_path, max_steps=2, tis_cap=tis_cap,
+                     generation=GenerationParams(backend="vllm", vllm_url=server.url, vllm_model="stale",
+                                                 max_new_tokens=4, temperature=0.5))
+        trainer = PPOTrainer(model, args=args, processing_class=tok, train_dataset=prompts, reward_funcs=_digits)
+        with caplog.at_level(logging.WARNING, logger="stages.trainers.off_policy"):
+            trainer.train()
+    logs = [h for h in trainer.state.log_history if "tis/mean_ratio" in h]
+    assert len(logs) == 2 and all(abs(h["tis/mean_ratio"] - 1) > 0.1 for h in logs), logs
+    assert all((h["tis/frac_capped"] > 0.05) == (tis_cap is not None) for h in logs), logs
+    warnings = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("PPO off-policy") and "backend vllm" in warnings[0]
+    assert ("correction is applied" if tis_cap else "NOT corrected") in warnings[0]
