@@ -521,6 +521,12 @@ class RunConfig:
     seed: int = param(0, help="global seed for training and sampling")
     output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
+    threads: int | Literal["auto"] = param(1, help="torch's intra-op CPU threads in every stage, shard and launched "
+                                         "rank (stages.seeding.set_threads). 1: byte-identical outputs on any "
+                                         "core count, and a stage keeps its speed beside other CPU-bound jobs; "
+                                         "auto: every core this process may use (CPU affinity, cgroup quota), "
+                                         "for large models on an idle machine",
+                                         check=lambda v: v == "auto" or v >= 1, rule="must be >= 1, or auto")
     schedule: ScheduleConfig = param(default_factory=ScheduleConfig, help="nightly deployment schedule")
     launch: LaunchConfig = param(default_factory=LaunchConfig, help="processes and machines of training stages")
     parallel_shards: int = positive(1, "the flow computes score's prompt shards and evaluate's models in this many "

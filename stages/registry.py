@@ -58,7 +58,7 @@ DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "dat
 MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
 # Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
 # outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).
-RUNTIME_KEYS = ("run.output_dir", "run.device")
+RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads")
 
 STAGES: dict[str, StageSpec] = {
     s.name: s

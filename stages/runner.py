@@ -184,6 +184,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.set_threads(params.run.threads)
         seeding.seed_everything(params.run.seed)  # before the stage draws anything (a fresh head, LoRA, dropout)
         metrics = fn(ctx) or {}
         manifest = artifacts.write_manifest(tmp, {
@@ -232,6 +233,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
+        seeding.set_threads(params.run.threads, sharing=num_shards)
         seeding.seed_everything(params.run.seed)
         summary = fn(ctx, shard, num_shards) or {}
     return {**row, "executed": True, **summary}
@@ -242,7 +244,8 @@ def run_shard_process(name: str, params: Params, shard: int, num_shards: int, *,
     """`run_shard` in a fresh `python -m stages <name> --shard K --num-shards N` process (its own RNG and
     threads: what concurrent shards of one machine need); raises `stages.processes.LaunchFailed` if it fails."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_shards)))  # no oversubscription
+    # no oversubscription while torch starts (the stage then sets run.threads, "auto" split between the shards)
+    env.setdefault("OMP_NUM_THREADS", str(seeding.resolve_threads(params.run.threads, sharing=num_shards)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(artifacts.CODE_ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:
         params_file = Path(tmp) / "params.yaml"  # the resolved params, overrides included
@@ -272,6 +275,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work)
+        seeding.set_threads(params.run.threads)
         seeding.seed_everything(params.run.seed)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}

@@ -46,6 +46,53 @@ def seed_everything(seed: int) -> None:
     torch.backends.cudnn.deterministic = True
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
+    limited to 2 CPUs on a 64-core host has 2, where os.cpu_count() says 64)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, int(quota))) if quota else max(1, cores)
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs allowed by the cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), or None when unlimited."""
+    try:
+        quota, period = open(f"{root}/cpu.max").read().split()  # cgroup v2: "200000 100000" or "max 100000"
+    except (OSError, ValueError):
+        try:
+            quota = open(f"{root}/cpu/cpu.cfs_quota_us").read().strip()  # cgroup v1: -1 when unlimited
+            period = open(f"{root}/cpu/cpu.cfs_period_us").read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
+def resolve_threads(threads: int | str, sharing: int = 1) -> int:
+    """`run.threads` as a number: an int as given; "auto": the available cores, split between the
+    `sharing` processes that run at once on this machine (shards, launched ranks)."""
+    if threads == "auto":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of a launch on this machine
+        return max(1, available_cores() // max(1, sharing, local))
+    return int(threads)
+
+
+def set_threads(threads: int | str, sharing: int = 1) -> int:
+    """Set torch's intra-op threads from `run.threads` (see `resolve_threads`); returns the count.
+
+    One thread is the default because the measured alternative is worse on a shared machine: with
+    one thread per core, a second CPU-bound process makes OpenMP threads wait on a busy core and
+    steps 10-60x slower, where one thread keeps its core's speed; and outputs then do not depend
+    on the machine's core count (float sums are split across threads)."""
+    import torch
+
+    n = resolve_threads(threads, sharing)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 def stable_seed(*parts: int | Iterable[int]) -> int:
     """A seed in [0, 2**63) from ints and sequences of ints, the same in every process, run and machine.
 

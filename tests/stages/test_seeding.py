@@ -75,3 +75,54 @@ def test_manifest_records_what_outputs_depend_on(upstream):
     assert m["determinism"]["deterministic_algorithms"] is True
     assert {"machine", "cpu"} <= set(m["determinism"])
     assert set(m["logs"]["files"]) >= {"log_history.json"} and not set(m["logs"]["files"]) & set(m["outputs"]["files"])
+
+
+def test_run_threads_sets_torchs_threads_for_the_stage(upstream):
+    """run.threads reaches torch before the stage runs, is recorded in the manifest, and is not in the
+    fingerprint (the same outputs computed with another thread count stay current)."""
+    import dataclasses
+
+    before = torch.get_num_threads()
+    try:
+        params = dataclasses.replace(upstream, run=dataclasses.replace(upstream.run, threads=2))
+        assert runner.inspect("reward", params).current
+        m = runner.run_stage("merge", params, force=True)
+        assert m["determinism"]["torch_num_threads"] == 2 == torch.get_num_threads()
+        seeding.set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_threads_are_the_available_cores_split_between_processes(monkeypatch):
+    monkeypatch.setattr(seeding, "available_cores", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert seeding.resolve_threads("auto") == 8
+    assert seeding.resolve_threads("auto", sharing=3) == 2  # 3 shards at once: 2 threads each, no oversubscription
+    assert seeding.resolve_threads(3, sharing=4) == 3  # a number is taken as given
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 launched ranks on this machine
+    assert seeding.resolve_threads("auto") == 2
+    monkeypatch.setattr(seeding, "available_cores", lambda: 1)
+    assert seeding.resolve_threads("auto", sharing=4) == 1
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),  # cgroup v2, a container limited to 2 CPUs
+    ({"cpu.max": "max 100000\n"}, None),  # v2, unlimited
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),  # no cgroup files (macOS, a bare host)
+])
+def test_cgroup_quota_caps_the_available_cores(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert seeding._cgroup_cpu_quota(str(tmp_path)) == expected
+
+
+def test_params_refuse_zero_threads():
+    from stages.config import ParamsError, load_params
+
+    with pytest.raises(ParamsError, match=r"run.threads = 0: must be >= 1, or auto"):
+        load_params("params.yaml", ["run.threads=0"])
+    assert load_params("params.yaml", ["run.threads=auto"]).run.threads == "auto"
