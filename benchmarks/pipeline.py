@@ -2,6 +2,8 @@
 
     python benchmarks/pipeline.py            # default params.yaml (the quickstart), ~2 minutes
     python benchmarks/pipeline.py --skip-dvc
+    python benchmarks/pipeline.py --busy 1   # the same beside one CPU-bound process (a shared machine)
+    python benchmarks/pipeline.py --set run.threads=auto   # any param override (the DVC rows are then skipped)
 
 Runs in a temporary copy of the project (git + DVC initialised, its own PREFECT_HOME) so it
 never touches your artifacts/ or Prefect database, and prints one table. Like `make run`, it
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,10 +37,35 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     return elapsed, res.stdout
 
 
+# A CPU-bound neighbour: another training job's matmuls, on as many torch threads as given
+BUSY = "import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(512, 512)\nwhile True: a = (a @ a).tanh()"
+
+
+@contextmanager
+def neighbours(count: int, threads: int):
+    """`count` CPU-bound processes running beside the benchmark until it ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY, str(threads)]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-dvc", action="store_true")
+    ap.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N CPU-bound processes")
+    ap.add_argument("--busy-threads", type=int, default=1, help="torch threads of each busy process")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a param override for every align run (repeatable)")
     args = ap.parse_args()
+    with neighbours(args.busy, args.busy_threads):
+        run(args)
+
+
+def run(args) -> None:
     work = Path(tempfile.mkdtemp(prefix="align-bench-"))
     repo = work / "repo"
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "artifacts", ".git", "__pycache__", ".dvc"))
@@ -50,7 +78,9 @@ def main() -> None:
 
     rows = []
     server, _ = timed([str(BIN / "align"), "server", "start"], repo, env)  # what `make run` does first
-    first, out = timed([str(BIN / "align"), "run"], repo, env)
+    sets = [f"--set={o}" for o in args.overrides]
+    load = os.getloadavg()[0]
+    first, out = timed([str(BIN / "align"), "run", *sets], repo, env)
     rows.append(("background Prefect server start (align server start)", f"{server:.1f} s"))
     rows.append(("main job, from scratch (align run)", f"{first:.1f} s"))
     evaluation = json.loads((repo / "artifacts" / "evaluate" / "metrics.json").read_text())
@@ -59,14 +89,15 @@ def main() -> None:
     stages = {m: json.loads((repo / "artifacts" / m / "manifest.json").read_text())["wall_time_s"]
               for m in STAGES}
     rows += [(f"  stage {m}", f"{s:.1f} s") for m, s in stages.items()]
-    second, out2 = timed([str(BIN / "align"), "run"], repo, env)
+    rows.append(("  load average (1 min) before / after the cold run", f"{load:.2f} / {os.getloadavg()[0]:.2f}"))
+    second, out2 = timed([str(BIN / "align"), "run", *sets], repo, env)
     cached = sum(" cached " in line for line in out2.splitlines())
     rows.append((f"second run, nothing changed ({cached}/{len(STAGES)} cached)", f"{second:.1f} s"))
     subprocess.run([str(BIN / "align"), "server", "stop"], cwd=repo, env=env, capture_output=True)
-    ephemeral, out2 = timed([str(BIN / "align"), "run"], repo, env)
+    ephemeral, out2 = timed([str(BIN / "align"), "run", *sets], repo, env)
     cached = sum(" cached " in line for line in out2.splitlines())
     rows.append((f"same, Prefect ephemeral mode, no server ({cached}/{len(STAGES)} cached)", f"{ephemeral:.1f} s"))
-    if not args.skip_dvc:
+    if not (args.skip_dvc or args.overrides):  # with overrides, the flow rightly leaves dvc.lock alone
         dvc_first, _ = timed(["dvc", "repro"], repo, env)  # after the flow's dvc commit: nothing to run
         dvc_noop, out3 = timed(["dvc", "repro"], repo, env)
         rows.append(("dvc repro after the flow (nothing runs)", f"{dvc_first:.2f} s"))
