@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a params override for every run (e.g. sft.max_steps=50)")
     ap.add_argument("--output-dir", default=None, help="keep the artifacts here; a rerun reuses every current stage")
-    ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-alignment.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")).resolve()
