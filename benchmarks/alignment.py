@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,11 @@ class Bench:
         return load_params(ROOT / "params.yaml", {**parsed, "run.output_dir": str(folder), "run.seed": seed,
                                                   **(extra or {})})
 
+    def run_params(self, folder: Path, seed: int, method: str, config: dict[str, Any], split: str):
+        """The params of one configuration of `method` (SWEEP's keys under policy.<method>.), scored on `split`."""
+        return self.params(folder, seed, {"policy.method": method, "evaluate.split": split,
+                                          **{f"policy.{method}.{k}": v for k, v in config.items()}})
+
     def shared(self, seed: int) -> dict[str, Any]:
         """preprocess, sft, reward and score of `seed`: {stage: manifest}."""
         folder = self.out / f"seed-{seed}" / "shared"
@@ -118,12 +124,16 @@ class Bench:
         _link(folder / "builtin", self.out / "builtin")
         for stage in SHARED:
             _link(folder / stage, self.out / f"seed-{seed}" / "shared" / stage)
-        extra = {"policy.method": method, "evaluate.split": split,
-                 **{f"policy.{method}.{k}": v for k, v in config.items()}}
-        params = self.params(folder, seed, extra)
+        params = self.run_params(folder, seed, method, config, split)
         manifests = {stage: runner.run_stage(stage, params) for stage in STAGES}
         assert not any(manifests[s]["executed"] for s in SHARED), f"{folder}: a shared stage ran again"
         return manifests
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _link(link: Path, target: Path) -> None:
@@ -143,11 +153,12 @@ def method_record(manifests: dict[str, Any]) -> dict[str, Any]:
             "train_s": manifests["reference"]["wall_time_s"] + policy["wall_time_s"]}
 
 
-def fmt(values: list[float], *, percent: bool = True) -> str:
+def fmt(values: list[float], *, percent: bool = True, digits: int = 1) -> str:
+    """'mean ± sd' of one value per seed ('' when a seed has none)."""
     if not values or any(v is None for v in values):
         return ""
     m, sd = mean_sd(values)
-    return f"{m:.1%} ± {sd:.1%}" if percent else f"{m:.1f} ± {sd:.1f}"
+    return f"{m:.1%} ± {sd:.1%}" if percent else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,8 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")).resolve()
-    bench, load_before = Bench(out, args.overrides), os.getloadavg()[0]
+    bench, load_before, started = Bench(out, args.overrides), os.getloadavg()[0], time.perf_counter()
 
+    for method in args.methods:  # every configuration's params are valid before anything trains
+        for config in configurations(method) if args.sweep else [{}]:
+            bench.run_params(out / "check", args.seeds[0], method, config, "eval")
     shared = {seed: bench.shared(seed) for seed in args.seeds}
     sweep: dict[str, dict[str, list[float]]] = {}  # method -> config name -> dev accuracy per seed
     chosen: dict[str, dict[str, Any]] = {}
@@ -178,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen[method] = next(c for c in grid if config_name(c) == best)
         print(f"{method}: dev accuracy per configuration {json.dumps(sweep[method])}; chosen {best}", flush=True)
 
-    results: dict[str, dict[str, list]] = {}  # label -> measure -> one value per seed
+    results: dict[str, dict[str, list]] = {"base": {}, "sft": {}}  # label -> measure -> one value per seed
     for method, config in chosen.items():
         for seed in args.seeds:
             dev = bench.run(seed, method, config, "dev")  # after --sweep: current, nothing runs
@@ -186,20 +200,23 @@ def main(argv: list[str] | None = None) -> None:
             for key, value in {**method_record(evaluation), "dev": method_record(dev)["accuracy"]}.items():
                 results.setdefault(method, {}).setdefault(key, []).append(value)
             for label in ("base", "sft"):  # the same for every method of a seed: taken from the first
-                if label in rows_of(evaluation) and len(results.get(label, {}).get("accuracy", [])) < len(args.seeds):
-                    r = results.setdefault(label, {})
+                if label in rows_of(evaluation) and len(results[label].get("accuracy", [])) < len(args.seeds):
+                    r = results[label]
                     r.setdefault("accuracy", []).append(rows_of(evaluation)[label]["accuracy"])
                     r.setdefault("reward", []).append(rows_of(evaluation)[label].get("reward"))
                     r.setdefault("dev", []).append(rows_of(dev)[label]["accuracy"])
 
-    report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out)
+    results = {label: r for label, r in results.items() if r}  # base: absent with evaluate.baseline false
+    report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out,
+                    wall_s=time.perf_counter() - started)
     print("\n" + report)
     if args.write:
         RESULTS.write_text(report)
         print(f"wrote {RESULTS}")
 
 
-def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path) -> str:
+def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
+           wall_s: float) -> str:
     seeds = " ".join(map(str, args.seeds))
     command = " ".join(["python benchmarks/alignment.py", *(["--sweep"] if args.sweep else []), "--seeds", seeds,
                         *(["--methods", *args.methods] if list(args.methods) != list(METHODS) else []),
@@ -208,7 +225,8 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     lines = ["# Alignment benchmark: every method, mean ± sd over seeds", "",
              f"Command: `{command}`. Seeds (`run.seed`): {seeds}. Held-out accuracy: greedy decoding, exact match, "
              f"{n} eval prompts; dev: the disjoint dev split (`evaluate.split: dev`). Load average {load[0]:.1f} "
-             f"before, {load[1]:.1f} after, {os.cpu_count()} CPUs. Artifacts: {out}.", ""]
+             f"before, {load[1]:.1f} after, {os.cpu_count()} CPUs, torch threads {torch_threads()}. Wall time of this "
+             f"run {wall_s:.0f} s (stages found current cost nothing). Artifacts: {out}.", ""]
     reward = [m["reward"]["metrics"] for m in shared.values()]
     score = [m["score"]["metrics"] for m in shared.values()]
     lines += ["| shared stage (per seed) | value |", "|---|---|"]
@@ -228,8 +246,8 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
         config = "" if label in ("base", "sft") else config_name(chosen[label]) if args.sweep else "params.yaml"
         steps = "" if "steps" not in r else "/".join(sorted({str(s) for s in r["steps"]}))
         lines.append(f"| {label} | {config} | {fmt(r['accuracy'])} | {gain} | {fmt(r.get('dev', []))} | "
-                     f"{fmt(r.get('reward', []), percent=False)} | {fmt(r.get('train_s', []), percent=False)} "
-                     f"| {steps} |")
+                     f"{fmt(r.get('reward', []), percent=False, digits=2)} | "
+                     f"{fmt(r.get('train_s', []), percent=False)} | {steps} |")
     if sweep:
         lines += ["", "## Sweep (dev only)", "",
                   "Each method's configurations (SWEEP in benchmarks/alignment.py: keys under `policy.<method>.`), "
