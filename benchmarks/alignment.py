@@ -1,86 +1,265 @@
-"""Does alignment work? Every policy method on the built-in task, side by side.
+"""Does alignment work? Every policy method on the built-in task, mean ± sd over seeds, selected on dev.
 
-    python benchmarks/alignment.py                       # all methods, default params.yaml
-    python benchmarks/alignment.py --methods dpo grpo    # a subset
-    python benchmarks/alignment.py --set policy.max_steps=50
+    python benchmarks/alignment.py                          # every method, seeds 1 2 3, default params.yaml
+    python benchmarks/alignment.py --seeds 1 --methods dpo grpo
+    python benchmarks/alignment.py --sweep --write          # tune each method on dev, report the choice on eval
+    python benchmarks/alignment.py --set policy.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
-Runs the stages directly (`stages.runner.run_stage`, what every entry point calls) in a
-temporary output folder: preprocess, sft, reward and score once, then `reference`,
-`policy`, `merge` and `evaluate` for each method. Stages shared by the methods are cache hits after
-the first. Prints the reward model's held-out accuracy, the score stage's pair quality
-(share of pairs whose chosen answer is actually right), and one evaluation table: base,
-SFT, then each method's policy: accuracy, mean reward-model score on the held-out prompts,
-and the time of its `reference` + `policy` stages.
+Every stage is the real one (`stages.runner.run_stage`, what every entry point calls), run in
+`--output-dir` (default: a temporary folder). `run.seed` is the seed: it governs preprocess's
+validation split, SFT's data order, the reward model's head and data order, score's samples,
+the policy's initialisation, data order and samples, and evaluate's sampling (none with greedy
+decoding). It changes neither the base model (`model.builtin.seed`) nor the task
+(`data.builtin.seed`): the eval and dev prompts are the same for every seed. So:
+
+    <output-dir>/builtin/                     the base model, built once for all seeds
+    <output-dir>/seed-<s>/shared/             preprocess, sft, reward, score: once per seed
+    <output-dir>/seed-<s>/<method>-<config>/  reference, policy, merge, evaluate of one configuration;
+                                              the shared stages are links to shared/, and the runner finds
+                                              them current (the stage contract), so they never rerun
+
+Default mode: each method with params.yaml's settings, evaluated on the held-out `eval` split
+(the reported table) and on `dev` (printed beside it). `--sweep`: each method gets the same
+tuning budget, the configurations of SWEEP below (learning rate × one knob of the method, 4
+each, params.yaml's setting among them), every one trained on every seed and scored on `dev`
+only; the configuration with the best mean dev accuracy (the first in SWEEP's order on a tie)
+is then scored on `eval`, the only time eval is looked at. `--write` writes the tables
+(and in sweep mode every configuration's dev accuracy) to benchmarks/RESULTS-alignment.md.
+
+Times are each stage's build time from its manifest (a reused stage keeps the time it was
+built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 150 s of shared stages per
+seed and about 200 s for the five methods' reference + policy + merge + evaluate (GRPO 75 s,
+PPO 40 s, online DPO 30 s, DPO and KTO 10 s each), so about 18 min for the default 3 seeds;
+`--sweep` trains 4 configurations per method and seed (about 4 x 200 s per seed), about
+45-50 min for 3 seeds. Wall times on a shared machine are inflated: the load average is printed.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import logging
+import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
-from stages.config import POLICY_METHODS, load_params  # noqa: E402
+from stages.config import POLICY_METHODS, load_params, parse_overrides  # noqa: E402
+from stages.registry import STAGES  # noqa: E402
+
+METHODS = tuple(m for m in POLICY_METHODS if m != "none")
+SHARED = ("preprocess", "sft", "reward", "score")  # the stages no policy setting changes
+PER_METHOD = ("reference", "policy", "merge", "evaluate")
+DEFAULT_SEEDS = (1, 2, 3)
+RESULTS = ROOT / "benchmarks" / "RESULTS-alignment.md"
+
+# The tuning budget, the same for every method: 2 learning rates x 2 values of one knob of the method (keys under
+# policy.<method>.), params.yaml's setting among them. --sweep trains each on every seed and scores it on dev.
+SWEEP: dict[str, dict[str, list[Any]]] = {
+    "dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+    "kto": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+    "online_dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+    "grpo": {"learning_rate": [1e-4, 1.5e-4], "num_generations": [4, 8]},
+    "ppo": {"learning_rate": [1.5e-5, 3e-5], "kl_coef": [0.02, 0.05]},
+}
 
 
-def main() -> None:
+def configurations(method: str) -> list[dict[str, Any]]:
+    """SWEEP's grid of `method`: one {knob: value} per configuration, in a fixed order."""
+    grid = SWEEP[method]
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def config_name(config: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()) or "default"
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def pick(dev_means: dict[str, float]) -> str:
+    """The configuration with the best mean dev accuracy; the first in order on a tie."""
+    best = max(dev_means.values())
+    return next(name for name, acc in dev_means.items() if acc == best)
+
+
+class Bench:
+    """Runs stages for (seed, method, configuration, split) in their folders and keeps what they report."""
+
+    def __init__(self, out: Path, overrides: list[str]):
+        self.out, self.overrides = out, overrides
+        (out / "builtin").mkdir(parents=True, exist_ok=True)
+
+    def params(self, folder: Path, seed: int, extra: dict[str, Any] | None = None):
+        parsed, problems = parse_overrides(self.overrides)
+        if problems:
+            raise SystemExit("\n".join(problems))
+        return load_params(ROOT / "params.yaml", {**parsed, "run.output_dir": str(folder), "run.seed": seed,
+                                                  **(extra or {})})
+
+    def run_params(self, folder: Path, seed: int, method: str, config: dict[str, Any], split: str):
+        """The params of one configuration of `method` (SWEEP's keys under policy.<method>.), scored on `split`."""
+        return self.params(folder, seed, {"policy.method": method, "evaluate.split": split,
+                                          **{f"policy.{method}.{k}": v for k, v in config.items()}})
+
+    def shared(self, seed: int) -> dict[str, Any]:
+        """preprocess, sft, reward and score of `seed`: {stage: manifest}."""
+        folder = self.out / f"seed-{seed}" / "shared"
+        _link(folder / "builtin", self.out / "builtin")
+        params = self.params(folder, seed)
+        return {stage: runner.run_stage(stage, params) for stage in SHARED}
+
+    def run(self, seed: int, method: str, config: dict[str, Any], split: str) -> dict[str, Any]:
+        """Every stage of one configuration, scored on `split`; {stage: manifest}. Shared stages are links to the
+        seed's shared folder, found current by the runner."""
+        folder = self.out / f"seed-{seed}" / f"{method}-{config_name(config)}"
+        _link(folder / "builtin", self.out / "builtin")
+        for stage in SHARED:
+            _link(folder / stage, self.out / f"seed-{seed}" / "shared" / stage)
+        params = self.run_params(folder, seed, method, config, split)
+        manifests = {stage: runner.run_stage(stage, params) for stage in STAGES}
+        assert not any(manifests[s]["executed"] for s in SHARED), f"{folder}: a shared stage ran again"
+        return manifests
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(os.path.relpath(target, link.parent), target_is_directory=True)
+
+
+def rows_of(manifests: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["model"]: r for r in manifests["evaluate"]["metrics"]["table"]}
+
+
+def method_record(manifests: dict[str, Any]) -> dict[str, Any]:
+    policy = manifests["policy"]
+    return {"accuracy": rows_of(manifests)["policy"]["accuracy"], "reward": rows_of(manifests)["policy"].get("reward"),
+            "n": manifests["evaluate"]["metrics"]["n"], "steps": policy["metrics"].get("steps"),
+            "train_s": manifests["reference"]["wall_time_s"] + policy["wall_time_s"]}
+
+
+def fmt(values: list[float], *, percent: bool = True, digits: int = 1) -> str:
+    """'mean ± sd' of one value per seed ('' when a seed has none)."""
+    if not values or any(v is None for v in values):
+        return ""
+    m, sd = mean_sd(values)
+    return f"{m:.1%} ± {sd:.1%}" if percent else f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", nargs="+", default=[m for m in POLICY_METHODS if m != "none"],
-                    choices=[m for m in POLICY_METHODS if m != "none"])
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--output-dir", default=None, help="keep the artifacts here (default: a temporary folder)")
-    args = ap.parse_args()
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="values of run.seed")
+    ap.add_argument("--sweep", action="store_true", help="tune each method on dev over SWEEP; the choice on eval")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a params override for every run (e.g. sft.max_steps=50)")
+    ap.add_argument("--output-dir", default=None, help="keep the artifacts here; a rerun reuses every current stage")
+    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-alignment.md")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    out = args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")
-    base = [f"run.output_dir={out}", *args.overrides]
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")).resolve()
+    bench, load_before, started = Bench(out, args.overrides), os.getloadavg()[0], time.perf_counter()
 
-    rows, times = [], {}
-    params = load_params(ROOT / "params.yaml", base)
-    for stage in ("preprocess", "sft", "reward", "score"):
-        t0 = time.perf_counter()
-        m = runner.run_stage(stage, params)
-        times[stage] = time.perf_counter() - t0
-        if stage == "reward":
-            rows.append(("reward model: held-out pair accuracy", f"{m['metrics']['accuracy']:.1%} "
-                         f"({m['metrics']['held_out_pairs']} pairs, ECE {m['metrics']['ece']:.3f})"))
-        if stage == "score":
-            s = m["metrics"]
-            rows.append(("score: pairs (prompts)", f"{s['pairs']} ({s['prompts']})"))
-            if "chosen_correct" in s:
-                rows.append(("score: chosen answer correct / rejected correct",
-                             f"{s['chosen_correct']:.1%} / {s['rejected_correct']:.1%}"))
-    table = {}
+    for method in args.methods:  # every configuration's params are valid before anything trains
+        for config in configurations(method) if args.sweep else [{}]:
+            bench.run_params(out / "check", args.seeds[0], method, config, "eval")
+    shared = {seed: bench.shared(seed) for seed in args.seeds}
+    sweep: dict[str, dict[str, list[float]]] = {}  # method -> config name -> dev accuracy per seed
+    chosen: dict[str, dict[str, Any]] = {}
     for method in args.methods:
-        params = load_params(ROOT / "params.yaml", [*base, f"policy.method={method}"])
-        t0 = time.perf_counter()
-        runner.run_stage("reference", params)
-        policy = runner.run_stage("policy", params)
-        elapsed = time.perf_counter() - t0
-        runner.run_stage("merge", params)
-        evaluation = runner.run_stage("evaluate", params)["metrics"]["table"]
-        for r in evaluation:
-            if r["model"] == "merged":
-                continue  # equal to the policy row (the merge stage checks its logits)
-            label = method if r["model"] == "policy" else r["model"]
-            table[label] = (r["accuracy"], r["n"], elapsed if r["model"] == "policy" else None,
-                            policy["metrics"].get("steps") if r["model"] == "policy" else None, r.get("reward"))
-    for stage, t in times.items():
-        rows.append((f"stage {stage}", f"{t:.1f} s"))
-    width = max(len(r[0]) for r in rows)
-    print(f"\n{'measure':<{width}}  value")
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    print(f"\n{'model':<12} {'accuracy':>9} {'vs sft':>8} {'RM score':>9} {'train s':>8} {'steps':>6}")
-    sft = table["sft"][0]
-    for label, (acc, n, t, steps, reward) in table.items():
-        gain = "" if label in ("base", "sft") else f"{(acc - sft) * 100:+.1f}"
-        rm = "" if reward is None else f"{reward:.2f}"
-        print(f"{label:<12} {acc:>9.1%} {gain:>8} {rm:>9} {'' if t is None else f'{t:.1f}':>8} {steps or '':>6}")
-    print(f"\n(n = {next(iter(table.values()))[1]} held-out prompts, greedy decoding, exact match; output in {out})")
+        if not args.sweep:
+            chosen[method] = {}
+            continue
+        grid = configurations(method)
+        sweep[method] = {config_name(c): [method_record(bench.run(s, method, c, "dev"))["accuracy"]
+                                          for s in args.seeds] for c in grid}
+        best = pick({name: statistics.fmean(accs) for name, accs in sweep[method].items()})
+        chosen[method] = next(c for c in grid if config_name(c) == best)
+        print(f"{method}: dev accuracy per configuration {json.dumps(sweep[method])}; chosen {best}", flush=True)
+
+    results: dict[str, dict[str, list]] = {"base": {}, "sft": {}}  # label -> measure -> one value per seed
+    for method, config in chosen.items():
+        for seed in args.seeds:
+            dev = bench.run(seed, method, config, "dev")  # after --sweep: current, nothing runs
+            evaluation = bench.run(seed, method, config, "eval")  # policy current: only evaluate runs
+            for key, value in {**method_record(evaluation), "dev": method_record(dev)["accuracy"]}.items():
+                results.setdefault(method, {}).setdefault(key, []).append(value)
+            for label in ("base", "sft"):  # the same for every method of a seed: taken from the first
+                if label in rows_of(evaluation) and len(results[label].get("accuracy", [])) < len(args.seeds):
+                    r = results[label]
+                    r.setdefault("accuracy", []).append(rows_of(evaluation)[label]["accuracy"])
+                    r.setdefault("reward", []).append(rows_of(evaluation)[label].get("reward"))
+                    r.setdefault("dev", []).append(rows_of(dev)[label]["accuracy"])
+
+    results = {label: r for label, r in results.items() if r}  # base: absent with evaluate.baseline false
+    report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out,
+                    wall_s=time.perf_counter() - started)
+    print("\n" + report)
+    if args.write:
+        RESULTS.write_text(report)
+        print(f"wrote {RESULTS}")
+
+
+def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
+           wall_s: float) -> str:
+    seeds = " ".join(map(str, args.seeds))
+    command = " ".join(["python benchmarks/alignment.py", *(["--sweep"] if args.sweep else []), "--seeds", seeds,
+                        *(["--methods", *args.methods] if list(args.methods) != list(METHODS) else []),
+                        *(f"--set {o}" for o in args.overrides)])
+    n = next((r["n"][0] for r in results.values() if "n" in r), None)
+    lines = ["# Alignment benchmark: every method, mean ± sd over seeds", "",
+             f"Command: `{command}`. Seeds (`run.seed`): {seeds}. Held-out accuracy: greedy decoding, exact match, "
+             f"{n} eval prompts; dev: the disjoint dev split (`evaluate.split: dev`). Load average {load[0]:.1f} "
+             f"before, {load[1]:.1f} after, {os.cpu_count()} CPUs, torch threads {torch_threads()}. Wall time of this "
+             f"run {wall_s:.0f} s (stages found current cost nothing). Artifacts: {out}.", ""]
+    reward = [m["reward"]["metrics"] for m in shared.values()]
+    score = [m["score"]["metrics"] for m in shared.values()]
+    lines += ["| shared stage (per seed) | value |", "|---|---|"]
+    if all("accuracy" in r for r in reward):
+        lines.append(f"| reward model: held-out pair accuracy | {fmt([r['accuracy'] for r in reward])} |")
+    lines.append(f"| score: pairs | {fmt([s['pairs'] for s in score], percent=False)} |")
+    if all("chosen_correct" in s for s in score):
+        lines.append(f"| score: chosen answer correct | {fmt([s['chosen_correct'] for s in score])} |")
+    for stage in SHARED:
+        lines.append(f"| stage {stage} s | {fmt([m[stage]['wall_time_s'] for m in shared.values()], percent=False)} |")
+    lines += ["", "| model | configuration | eval accuracy | vs SFT (points) | dev accuracy | mean RM score "
+                  "| `reference` + `policy` s | steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    sft = results.get("sft", {}).get("accuracy")
+    for label, r in results.items():
+        gain = "" if label in ("base", "sft") or not sft else \
+            fmt([100 * (a - b) for a, b in zip(r["accuracy"], sft)], percent=False)
+        config = "" if label in ("base", "sft") else config_name(chosen[label]) if args.sweep else "params.yaml"
+        steps = "" if "steps" not in r else "/".join(sorted({str(s) for s in r["steps"]}))
+        lines.append(f"| {label} | {config} | {fmt(r['accuracy'])} | {gain} | {fmt(r.get('dev', []))} | "
+                     f"{fmt(r.get('reward', []), percent=False, digits=2)} | "
+                     f"{fmt(r.get('train_s', []), percent=False)} | {steps} |")
+    if sweep:
+        lines += ["", "## Sweep (dev only)", "",
+                  "Each method's configurations (SWEEP in benchmarks/alignment.py: keys under `policy.<method>.`), "
+                  "each trained on every seed and scored on the dev split only; the best mean dev accuracy is "
+                  "chosen (bold) and only it is scored on eval (the table above).", "",
+                  "| method | configuration | dev accuracy (mean ± sd) | per seed |", "|---|---|---:|---|"]
+        for method, configs in sweep.items():
+            for name, accs in configs.items():
+                mark = "**" if name == config_name(chosen[method]) else ""
+                lines.append(f"| {method} | {mark}{name}{mark} | {mark}{fmt(accs)}{mark} | "
+                             f"{', '.join(f'{a:.1%}' for a in accs)} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def task_prompts(n: int) -> list:
     from stages.builtin import arithmetic
     from stages.config import ArithmeticConfig
 
-    cfg = dataclasses.asdict(ArithmeticConfig(num_train=10, num_preference=n, num_eval=10))
+    cfg = dataclasses.asdict(ArithmeticConfig(num_train=10, num_preference=n, num_eval=10, num_dev=0))
     return [r["prompt"] for r in arithmetic.generate(**cfg)["prompts"]][:n]
 
 

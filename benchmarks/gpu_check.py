@@ -67,7 +67,8 @@ def task_rows(n: int) -> dict[str, list]:
     from stages.builtin import arithmetic
     from stages.config import ArithmeticConfig
 
-    return arithmetic.generate(**dataclasses.asdict(ArithmeticConfig(num_train=n, num_preference=n, num_eval=4)))
+    cfg = ArithmeticConfig(num_train=n, num_preference=n, num_eval=4, num_dev=0)
+    return arithmetic.generate(**dataclasses.asdict(cfg))
 
 
 def load(path: str, quantized: bool, device: str):

@@ -1,4 +1,4 @@
-"""GRPO on the built-in arithmetic task: held-out greedy accuracy before/after, and where a step's time goes.
+"""GRPO on the built-in arithmetic task: dev greedy accuracy before/after, and where a step's time goes.
 
 Usage (from the repository root)::
 
@@ -6,13 +6,17 @@ Usage (from the repository root)::
     python benchmarks/grpo.py --artifacts /tmp/x    # reuse <dir>/preprocess and <dir>/sft/model
     python benchmarks/grpo.py --artifacts /tmp/x --set learning_rate=1e-4 --set num_generations=4
     python benchmarks/grpo.py --artifacts /tmp/x --write    # also write benchmarks/RESULTS-grpo.md
+    python benchmarks/grpo.py --artifacts /tmp/x --split eval   # the chosen settings, once, on eval
 
 The policy is the pipeline's SFT model (default params.yaml: `builtin:tiny` hidden 128, 4
 layers; SFT on demonstrations that drop the carry in 70 % of the sums needing one). GRPO
 (`stages.trainers.grpo.GRPOTrainer`) trains it on the `prompts.jsonl` rows (prompt + answer)
 with the `exact_match` reward only. Accuracy is the `evaluate` stage's metric (greedy
 decoding, the answer after the reasoning block compared with the reference) on the held-out
-`eval.jsonl` prompts, before and after.
+prompts of `--split`, before and after: `dev` (default; preprocess's dev.jsonl, disjoint from
+eval and from training) is what settings are compared and chosen on; `eval` is the split the
+alignment table reports, to be scored only for the settings chosen on dev (scoring every
+candidate on eval and keeping the best would make eval a tuning set and its figure optimistic).
 
 Printed: accuracy before/after, GRPO wall time, the per-step split into generation / scoring
 / training seconds (`trainer.timing`, cumulative) and tokens/s (prompt + completion tokens
@@ -82,7 +86,9 @@ def main() -> None:
     ap.add_argument("--artifacts", type=Path, help="folder with preprocess/ and sft/model (built when absent)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a GRPOConfig field")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-n", type=int, default=300)
+    ap.add_argument("--split", choices=("dev", "eval"), default="dev",
+                    help="held-out prompts to score: dev (compare and choose settings) or eval (the chosen ones)")
+    ap.add_argument("--eval-n", type=int, default=300, help="score at most this many prompts of the split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-grpo.md")
     args = ap.parse_args()
@@ -104,13 +110,17 @@ def main() -> None:
         print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
     model_path = str(artifacts / "sft" / "model")
     prompts = read_jsonl(artifacts / "preprocess" / "prompts.jsonl")
-    evals = read_jsonl(artifacts / "preprocess" / "eval.jsonl")[: args.eval_n]
+    held_out = artifacts / "preprocess" / f"{args.split}.jsonl"
+    if not held_out.is_file():
+        raise SystemExit(f"{held_out} does not exist: these artifacts predate the dev split; rebuild them "
+                         "(python -m stages preprocess, then sft) or pass another --artifacts folder")
+    evals = read_jsonl(held_out)[: args.eval_n]
     tokenizer = load_tokenizer(model_path)
     model = load_causal_lm(model_path)
 
     acc_before, len_before = accuracy(model, tokenizer, evals)
-    print(f"before: accuracy {acc_before:.3f} on {len(evals)} held-out prompts, {len_before:.1f} completion tokens",
-          flush=True)
+    print(f"before: accuracy {acc_before:.3f} on {len(evals)} {args.split} prompts, {len_before:.1f} completion "
+          "tokens", flush=True)
 
     settings = {**DEFAULTS, **{k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}}
     sampling = GenerationParams(**{k.partition(".")[2]: v for k, v in settings.items() if k.startswith("generation.")})
@@ -128,7 +138,8 @@ def main() -> None:
     step_s = t["generation_s"] + t["scoring_s"] + t["training_s"]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     result = {
-        "settings": settings, "threads": args.threads, "steps": steps, "grpo_wall_s": round(wall, 1),
+        "settings": settings, "split": args.split, "eval_n": len(evals), "threads": args.threads, "steps": steps,
+        "grpo_wall_s": round(wall, 1),
         "accuracy_before": acc_before, "accuracy_after": acc_after,
         "completion_tokens_before": round(len_before, 1), "completion_tokens_after": round(len_after, 1),
         "per_step_s": {k: round(t[k] / steps, 3) for k in ("generation_s", "scoring_s", "training_s")},
@@ -152,13 +163,15 @@ def write_results(r: dict) -> None:
     sweep = old[old.index(SWEEP_MARKER):] if SWEEP_MARKER in old else ""
     lines = [
         "# GRPO benchmark: exact-match reward on the built-in arithmetic task", "",
-        "Command: `python benchmarks/grpo.py --write` (builds preprocess + SFT with the default params.yaml first; "
-        "`--artifacts DIR` reuses them).", "",
+        f"Command: `python benchmarks/grpo.py --split {r['split']} --write` (builds preprocess + SFT with the default "
+        "params.yaml first; `--artifacts DIR` reuses them). Settings are compared on the dev split (`--split dev`, "
+        "disjoint from eval and from training); eval is scored only for the settings chosen there.", "",
         f"Settings: `{json.dumps(s)}`.", "",
         f"Machine: {r['cpus']} CPUs shared with other agents' jobs, torch threads {r['threads']}, load average "
         f"{r['load_average'][0]} before and {r['load_average'][1]} after the run: wall times are inflated by the "
         "contention and vary by +-40 % between runs.", "",
-        "| held-out greedy accuracy (300 prompts) | before (SFT) | after GRPO | gain | GRPO steps | GRPO wall s |",
+        f"| {r['split']} greedy accuracy ({r['eval_n']} prompts) | before (SFT) | after GRPO | gain | GRPO steps "
+        "| GRPO wall s |",
         "|---|---:|---:|---:|---:|---:|",
         f"| exact match | {r['accuracy_before']:.3f} | {r['accuracy_after']:.3f} | "
         f"{100 * (r['accuracy_after'] - r['accuracy_before']):+.1f} points | {r['steps']} | {r['grpo_wall_s']} |",
@@ -167,7 +180,7 @@ def write_results(r: dict) -> None:
         "|---:|---:|---:|---:|---:|",
         f"| {p['generation_s']} ({share['generation_s']:.0%}) | {p['scoring_s']} ({share['scoring_s']:.0%}) | "
         f"{p['training_s']} ({share['training_s']:.0%}) | {r['tokens_per_s']} | {r['generated_tokens_per_s']} |",
-        "", f"Sampled reward (mean exact match at temperature {s['temperature']}) every 10 steps: "
+        "", f"Sampled reward (mean exact match at temperature {s.get('generation.temperature')}) every 10 steps: "
         f"{', '.join(str(x) for x in r['reward_per_log'])}.", "", "",
     ]
     path.write_text("\n".join(lines) + sweep)

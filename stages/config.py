@@ -91,6 +91,8 @@ class ArithmeticConfig:
     num_train: int = positive(6000, "SFT demonstrations")
     num_preference: int = positive(3000, "preference pairs (correct chosen, wrong rejected)")
     num_eval: int = positive(300, "held-out evaluation prompts, never seen in training")
+    num_dev: int = non_negative(300, "held-out dev prompts for model selection (evaluate.split: dev), never seen in "
+                                "training and disjoint from the eval prompts")
     digits: int = param(2, help="digits per operand", check=lambda v: 1 <= v <= 9, rule="must be in [1, 9]")
     error_rate: float = fraction(0.7, "fraction of carry-needing sums whose demonstration drops the carry",
                                  open_right=False)
@@ -110,6 +112,9 @@ class DataConfig:
     prompts: str | None = param(None, help="prompt-only rows for score and the online methods: a local file")
     eval_source: str | None = param(None, help="held-out eval prompts with references; default: carved from the "
                                     "SFT rows (or the preference rows' chosen side)")
+    dev_source: str | None = param(None, help="held-out dev prompts with references for model selection "
+                                   "(evaluate.split: dev); default: carved like the eval split; rows whose prompt is "
+                                   "an eval prompt are dropped, training rows with a dev prompt too")
     on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
                                                   "skip: drop bad rows and count them in the manifest")
     builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
@@ -134,8 +139,17 @@ class PreprocessConfig:
     dedup: bool = param(True, help="drop exact duplicate rows")
     validation_fraction: float = fraction(0.05, "share of SFT rows held out for validation loss")
     eval_fraction: float = fraction(0.1, "share of rows held out for evaluation when data.eval_source is unset")
+    dev_fraction: float = fraction(0.1, "share of rows held out as the dev split (model selection) when "
+                                   "data.dev_source is unset; builtin:arithmetic: data.builtin.num_dev")
     streaming: bool = param(False, help="one pass in constant memory for corpora larger than RAM (.jsonl best): "
                             "rows are split by a hash of their content instead of a shuffle")
+
+    def validate(self) -> list[tuple[str, str]]:
+        held_out = self.eval_fraction + self.dev_fraction + self.validation_fraction
+        if held_out >= 1:
+            return [("dev_fraction", f"= {self.dev_fraction}: eval_fraction + dev_fraction + validation_fraction = "
+                                     f"{held_out:g} leaves no rows to train on; lower them to a sum below 1")]
+        return []
 
 
 @dataclass
@@ -397,6 +411,8 @@ class EvaluateParams:
     metrics: list[str] = param(default_factory=lambda: list(EVAL_METRICS), help="columns of the table: "
                                + ", ".join(EVAL_METRICS) + " (accuracy, bleu and rouge need reference completions)")
     plots: bool = param(True, help="write PNG plots and DVC plot data under plots/")
+    split: Literal["eval", "dev"] = param("eval", help="the held-out split to score: eval (the reported table, "
+                                          "the promotion gate) or dev (model selection, tuning)")
 
     def validate(self) -> list[tuple[str, str]]:
         import re

@@ -183,6 +183,10 @@ def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     if not ok:
         raise PromotionError(f"promotion needs stage evaluate's output at {evaluate_dir} ({why}); run the pipeline")
     manifest = artifacts.read_manifest(evaluate_dir)
+    split = manifest["params"].get("evaluate", {}).get("split", "eval")
+    if split != "eval":  # dev figures are what tuning selected on: only the unseen eval split may promote
+        raise PromotionError(f"evaluate.split = {split}: stage evaluate scored the {split} split, which is for model "
+                             "selection; the promotion gate compares on eval: rerun with --set evaluate.split=eval")
     table = {r["model"]: r for r in json.loads((evaluate_dir / "metrics.json").read_text())}
     if pr.candidate not in table:
         raise PromotionError(f"promote.candidate = {pr.candidate!r}: not a row of the evaluate table "

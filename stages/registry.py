@@ -54,7 +54,7 @@ class StageSpec:
 # What stages.runner runs every stage with that shapes its outputs (the seeds drawn before it starts); the
 # rest of the harness (runner, launch, registry) decides when a stage runs, not what it computes.
 RUN_WITH = ("stages.seeding",)
-DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "data.eval_source")
+DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "data.eval_source", "data.dev_source")
 MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
 # Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
 # outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).

@@ -31,7 +31,7 @@ STAGE_ORDER = tuple(STAGES)
 # Small enough that the whole pipeline runs in seconds on 2 cores; the same code paths.
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
-    "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20}},
+    "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20, "num_dev": 20}},
     "sft": {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1},
     "reward": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "min_accuracy": 0.0},
     "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6},  # the small model is never right:

@@ -54,13 +54,17 @@ def test_preference_only_trains_sft_on_the_chosen_side_and_reaches_evaluate(tmp_
     manifests = run_pipeline(params)
     pre = manifests["preprocess"]["metrics"]
     assert pre["sft_from"] == "the chosen side of the preference rows"
-    assert set(pre["dropped"]["preference"]) == {"duplicate", "eval_prompt"} and pre["dropped"]["preference"][
-        "eval_prompt"] > 0  # the carved eval prompts left the preference data
+    assert set(pre["dropped"]["preference"]) == {"duplicate", "eval_prompt", "dev_prompt"} and pre["dropped"][
+        "preference"]["eval_prompt"] > 0 and pre["dropped"]["preference"]["dev_prompt"] > 0  # carved prompts left
     out = Path(params.run.output_dir) / "preprocess"
     eval_prompts = {json.dumps(r["prompt"]) for r in read_jsonl(out / "eval.jsonl")}
     # held-out prompts are trained on neither through SFT nor through the preference pairs
     assert not eval_prompts & {json.dumps(r["prompt"]) for r in read_jsonl(out / "preference.jsonl")}
     assert not eval_prompts & {json.dumps(r["prompt"]) for r in read_jsonl(out / "sft_train.jsonl")}
+    dev_prompts = {json.dumps(r["prompt"]) for r in read_jsonl(out / "dev.jsonl")}
+    assert dev_prompts and not dev_prompts & eval_prompts  # nor the dev prompts, which are not eval prompts
+    for name in ("preference.jsonl", "sft_train.jsonl"):
+        assert not dev_prompts & {json.dumps(r["prompt"]) for r in read_jsonl(out / name)}
     assert manifests["reward"]["metrics"]["trained"] is True
     assert [r["model"] for r in evaluate_table(params)] == ["base", "sft", "policy", "merged"]
 

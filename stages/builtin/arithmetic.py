@@ -13,6 +13,7 @@ Everything is generated deterministically from `seed`. Splits, all conversationa
   unpaired   {"prompt": [user], "completion": [assistant], "label": bool}
   prompts    {"prompt": [user], "answer": str}                 prompt-only (for RL / scoring)
   eval       {"prompt": [user], "completion": [assistant]}     held out, correct references
+  dev        same as eval, other prompts                       held out for model selection (tuning)
 With `reasoning`, assistant answers carry a `<think>` block with the column sums.
 """
 from __future__ import annotations
@@ -81,14 +82,19 @@ def _wrong(rng: random.Random, a: int, b: int) -> tuple[int, str]:
 
 
 def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int, error_rate: float,
-             reasoning: bool, seed: int) -> dict[str, list[dict[str, Any]]]:
-    """All splits of the task. Eval prompts never appear in any training split."""
+             reasoning: bool, seed: int, num_dev: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """All splits of the task. Eval and dev prompts never appear in any training split, nor in each other.
+
+    The eval prompts are the first `num_eval` of the shuffled sums whatever `num_dev` is (the dev
+    prompts come next), so adding a dev split leaves the eval split as it was.
+    """
     rng = random.Random(seed)
     pairs = _pairs(rng, digits)
-    if len(pairs) <= num_eval:
-        raise ValueError(f"data.builtin.num_eval = {num_eval}: only {len(pairs)} distinct {digits}-digit sums exist; "
-                         "lower num_eval or raise digits")
-    eval_pairs, train_pairs = pairs[:num_eval], pairs[num_eval:]
+    if len(pairs) <= num_eval + num_dev:
+        raise ValueError(f"data.builtin.num_eval + num_dev = {num_eval} + {num_dev}: only {len(pairs)} distinct "
+                         f"{digits}-digit sums exist; lower num_eval or num_dev, or raise digits")
+    eval_pairs, dev_pairs = pairs[:num_eval], pairs[num_eval:num_eval + num_dev]
+    train_pairs = pairs[num_eval + num_dev:]
 
     def text(value: int, steps: str) -> str:
         return answer_text(value, steps if reasoning else None)
@@ -111,8 +117,11 @@ def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int,
                          "label": i % 2 == 0})
         prompts.append({"prompt": _user(a, b), "answer": str(a + b)})
 
-    evals = [{"prompt": _user(a, b), "completion": _assistant(text(*add(a, b)))} for a, b in eval_pairs]
-    return {"sft": sft, "preference": preference, "unpaired": unpaired, "prompts": prompts, "eval": evals}
+    def held_out(pairs_: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        return [{"prompt": _user(a, b), "completion": _assistant(text(*add(a, b)))} for a, b in pairs_]
+
+    return {"sft": sft, "preference": preference, "unpaired": unpaired, "prompts": prompts,
+            "eval": held_out(eval_pairs), "dev": held_out(dev_pairs)}
 
 
 def corpus(n: int = 3000, seed: int = 1234) -> Iterator[str]:

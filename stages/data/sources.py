@@ -26,6 +26,7 @@ from typing import Any
 from stages.data.formats import FORMATS, detect_format, is_conversational
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
+HELD_OUT_KEYS = ("data.eval_source", "data.dev_source")  # held-out rows with references, never trained on
 # destinations (FORMATS[fmt][2]) a key takes; None: any (a mixed file)
 ACCEPTS: dict[str, frozenset | None] = {
     "source": None,
@@ -33,7 +34,7 @@ ACCEPTS: dict[str, frozenset | None] = {
     "preference": frozenset({"preference", "unpaired"}),
     "prompts": frozenset({"prompts"}),
 }
-BUILTIN_SHAPE = frozenset({"sft", "preference", "unpaired", "prompts", "eval"})
+BUILTIN_SHAPE = frozenset({"sft", "preference", "unpaired", "prompts", "eval", "dev"})
 PEEK_BYTES = 16 * 2**20  # files up to this size are peeked whole: absence of a kind of row is then certain
 PEEK_ROWS = 2000
 REWARD_MODEL = "reward_model"
@@ -68,11 +69,13 @@ class DataShape:
 
 
 def data_files(data) -> list[tuple[str, Path]]:
-    """(dotted key, path) of every data file the `data` section names (built-ins excluded), eval_source last."""
+    """(dotted key, path) of every data file the `data` section names (built-ins excluded), the held-out
+    files (HELD_OUT_KEYS: eval_source, dev_source) last."""
     out = [(f"data.{k}", Path(getattr(data, k)).expanduser()) for k in FILE_KEYS
            if getattr(data, k) and not str(getattr(data, k)).startswith("builtin:")]
-    if data.eval_source:
-        out.append(("data.eval_source", Path(data.eval_source).expanduser()))
+    for key in HELD_OUT_KEYS:
+        if getattr(data, key.removeprefix("data.")):
+            out.append((key, Path(getattr(data, key.removeprefix("data."))).expanduser()))
     return out
 
 
@@ -91,8 +94,8 @@ def peek(data) -> DataShape:
         shape.destinations |= BUILTIN_SHAPE
         shape.conversational = shape.prompts_derivable = True
     for key, path in data_files(data):
-        if key == "data.eval_source":
-            shape.destinations.add("eval")
+        if key in HELD_OUT_KEYS:
+            shape.destinations.add(key.removeprefix("data.").removesuffix("_source"))
             continue
         stat = path.stat() if path.is_file() else None
         part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
@@ -201,7 +204,7 @@ def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
 
 
 def _listing(shape: DataShape) -> str:
-    kinds = sorted(shape.destinations - {"eval"})
+    kinds = sorted(shape.destinations - {"eval", "dev"})
     return f"{', '.join(kinds)} rows only" if kinds else "no rows"
 
 

@@ -1,5 +1,10 @@
 """Stage `evaluate`: every model of the pipeline on the held-out prompts, one comparison table.
 
+`evaluate.split` picks the held-out rows: `eval` (preprocess's eval.jsonl: the reported table,
+what the promotion gate compares) or `dev` (dev.jsonl, disjoint from eval and from training:
+what tuning selects on, so that eval stays unseen until the choice is made). The split is in
+the table rows, the stage's metrics and the report.
+
 Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: none) and
 merged (stage `merge`'s model, the one that is served and promoted; it should equal the
 policy row within noise). Completions come from `stages.generation` with greedy, beam or
@@ -66,7 +71,7 @@ def run(ctx) -> dict[str, Any]:
     pattern = re.compile(e.answer_regex) if e.answer_regex else None
     for label, out in outputs.items():
         row, preds = row_metrics(rows, out, e.metrics, pattern, rewards.get(label), rewards.get("sft"))
-        table.append({"model": label, **row})
+        table.append({"model": label, **row, "split": e.split})
         predictions += [{"model": label, **pr} for pr in preds]
         ctx.log.info("evaluate: %s %s", label, ", ".join(f"{k}={v}" for k, v in row.items() if v is not None))
 
@@ -89,7 +94,7 @@ def run(ctx) -> dict[str, Any]:
     final = by_model.get("merged", by_model.get("policy", by_model["sft"]))
     return {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
             "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
-            "n": len(rows), "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table},
+            "n": len(rows), "split": e.split, "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table},
             "table": table}
 
 
@@ -113,12 +118,17 @@ def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
 
 
 def eval_rows(ctx) -> list[dict]:
-    """The held-out rows (at most `evaluate.max_samples`), checked before any model is loaded."""
+    """The rows of the held-out split `evaluate.split` (at most `evaluate.max_samples`), checked before any
+    model is loaded."""
     e = ctx.params.evaluate
-    rows = read_jsonl(ctx.inputs["preprocess"] / "eval.jsonl")
+    path = ctx.inputs["preprocess"] / f"{e.split}.jsonl"
+    rows = read_jsonl(path) if path.is_file() else []
+    if not rows and e.split == "dev":
+        raise DataError(f"evaluate.split = dev, but {path} holds no dev rows: set data.builtin.num_dev (built-in "
+                        "task) or preprocess.dev_fraction > 0, or give data.dev_source")
     if e.max_samples > 0:
         rows = rows[: e.max_samples]
-    check_references(rows, e.metrics, ctx.inputs["preprocess"] / "eval.jsonl")
+    check_references(rows, e.metrics, path)
     return rows
 
 
@@ -304,7 +314,8 @@ def extract(text: str | None, pattern: re.Pattern | None) -> str | None:
 
 
 def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs]) -> list[str]:
-    notes = [f"{len(next(iter(outputs.values())).completions)} held-out prompts, decoding {e.decoding}"
+    split = "eval" if e.split == "eval" else "dev (for model selection; the promotion gate compares on eval)"
+    notes = [f"{len(next(iter(outputs.values())).completions)} held-out prompts of split {split}, decoding {e.decoding}"
              + (f" ({e.num_beams} beams)" if e.decoding == "beam" else "") + f", max {e.max_new_tokens} new tokens"]
     if {"reward", "win_rate"} & set(e.metrics) and reward_path is None:
         notes.append("reward and win_rate skipped: stage reward trained no reward model (no preference data)")

@@ -57,7 +57,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def pair_batch(tok, rank: int):
     from stages.trainers.preference import PairCollator, tokenize_pairs
 
-    cfg = ArithmeticConfig(num_train=8, num_preference=16, num_eval=4)
+    cfg = ArithmeticConfig(num_train=8, num_preference=16, num_eval=4, num_dev=0)
     rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
     return PairCollator(tok.pad_token_id)(tokenize_pairs(tok, rows[2 * rank: 2 * rank + 2], 256))
 
@@ -107,7 +107,7 @@ def measure(how: str, model_path: str, rank: int) -> dict:
 
     # generation: rank 0 stops after 2 tokens, rank 1 runs on to max_new_tokens
     prompts = [r["prompt"] for r in arithmetic.generate(**dataclasses.asdict(
-        ArithmeticConfig(num_train=8, num_preference=8, num_eval=4)))["prompts"][2 * rank: 2 * rank + 2]]
+        ArithmeticConfig(num_train=8, num_preference=8, num_eval=4, num_dev=0)))["prompts"][2 * rank: 2 * rank + 2]]
     sampling = SamplingParams(max_new_tokens=12)
     first = generate(plain, tok, prompts[:1], sampling).completion_ids[0]
     if rank == 0:  # an extra stop token: the second token of prompt 0's greedy completion

@@ -62,7 +62,7 @@ def common_args(out: Path, name: str, adapter: str, batch: int, accum: int, step
 
 
 def _data(**kw) -> dict:
-    cfg = ArithmeticConfig(**{"num_train": 8, "num_preference": 16, "num_eval": 4, **kw})
+    cfg = ArithmeticConfig(**{"num_train": 8, "num_preference": 16, "num_eval": 4, "num_dev": 0, **kw})
     return arithmetic.generate(**dataclasses.asdict(cfg))
 
 

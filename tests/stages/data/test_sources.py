@@ -32,7 +32,7 @@ def params(**data) -> Params:
 
 def test_builtin_holds_every_kind():
     shape = peek(Params().data)
-    assert shape.destinations == {"sft", "preference", "unpaired", "prompts", "eval"} and shape.complete
+    assert shape.destinations == {"sft", "preference", "unpaired", "prompts", "eval", "dev"} and shape.complete
     assert needs(Params(), shape) == []
 
 

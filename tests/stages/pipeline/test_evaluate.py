@@ -91,3 +91,28 @@ def test_a_crashed_evaluate_reuses_the_outputs_it_finished(tmp_path, built_pipel
     monkeypatch.setattr(evaluate, "generate_outputs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     table = runner.run_stage("evaluate", p)["metrics"]["table"]
     assert len(table) == 4 and len(calls) == 2  # base and sft were reused; policy and merged generated now
+
+
+def test_dev_split_scores_the_dev_prompts_and_the_gate_refuses_it(built_pipeline, tmp_path):
+    """evaluate.split: dev scores dev.jsonl (what tuning selects on) and says so; promotion compares on eval only."""
+    import dataclasses
+    import shutil
+
+    from stages import promotion
+
+    params, manifests = built_pipeline
+    out = tmp_path / "artifacts"
+    shutil.copytree(params.run.output_dir, out, symlinks=True)  # the session's pipeline stays as it is
+    p = dataclasses.replace(params, run=dataclasses.replace(params.run, output_dir=str(out)),
+                            evaluate=dataclasses.replace(params.evaluate, split="dev"),
+                            promote=dataclasses.replace(params.promote, models_dir=str(tmp_path / "models")))
+    m = runner.run_stage("evaluate", p)
+    assert m["executed"] and m["metrics"]["split"] == "dev" and manifests["evaluate"]["metrics"]["split"] == "eval"
+    dev = read_jsonl(out / "preprocess" / "dev.jsonl")
+    preds = read_jsonl(out / "evaluate" / "predictions.jsonl")
+    assert [r["prompt"] for r in preds if r["model"] == "sft"] == [r["prompt"] for r in dev]
+    assert {r["split"] for r in json.loads((out / "evaluate" / "metrics.json").read_text())} == {"dev"}
+    assert "split dev" in (out / "evaluate" / "report.md").read_text()
+    with pytest.raises(promotion.PromotionError, match=r"evaluate\.split = dev: .* --set evaluate\.split=eval"):
+        promotion.run_gate(p)
+    assert not (tmp_path / "models").exists()

@@ -17,5 +17,5 @@ def build_tiny(folder, *, hidden_size: int = 32, num_layers: int = 1, num_heads:
 
 def builtin_rows(split: str, fmt: str, *, num_train: int = 10, num_preference: int = 64, num_eval: int = 10):
     """One split of `builtin:arithmetic`, normalised as format `fmt` (see stages.data.formats)."""
-    cfg = ArithmeticConfig(num_train=num_train, num_preference=num_preference, num_eval=num_eval)
+    cfg = ArithmeticConfig(num_train=num_train, num_preference=num_preference, num_eval=num_eval, num_dev=0)
     return [normalise(fmt, r) for r in arithmetic.generate(**dataclasses.asdict(cfg))[split]]

@@ -63,5 +63,5 @@ def test_trainers_sample_with_the_run_seed_and_the_optimizer_step(tmp_path):
         output_dir=str(tmp_path / "p"), per_device_train_batch_size=4, **common), processing_class=tok,
         train_dataset=rows, reward_funcs=["exact_match"])
     ppo.state.global_step = 5
-    _, completions, _ = ppo.sample(ppo.model, rows)
+    _, completions, _, _ = ppo.sample(ppo.model, rows)  # (prompts, completions, scores, sampler log-probs)
     assert completions[2:3] == alone(ppo.model.pretrained_model, 1)
