@@ -13,7 +13,8 @@ run builds a fresh model from the same saved folder and trains it on the same ro
 The setup (what the issue compares):
 - model: a Llama built locally like `builtin:tiny` (`stages.builtin.tiny`): hidden 256, 4 layers,
   4 heads, intermediate 768, byte-level BPE tokenizer with single-digit tokens trained on the
-  built-in task's corpus at vocab 1,024 (`--tiny`: hidden 64, 2 layers, vocab 384);
+  built-in task's corpus (325 tokens: BPE runs out of merges there), padded with never-used added tokens
+  to a vocabulary of 1,024 (`--tiny`: hidden 64, 2 layers, vocab 384);
 - rows: the built-in arithmetic task (`stages.builtin.arithmetic.generate`) in chat form:
   SFT prompt/completion (completion-only loss), DPO and reward prompt/chosen/rejected, KTO
   prompt/completion/label, GRPO and online DPO prompt + answer;
@@ -33,7 +34,8 @@ Measured: s/step is the median interval between consecutive `on_step_end` callba
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
 forwards run with gradients (the trained tokens: attention-mask sums, or all ids when padding-free)
 per second of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
-thread during `train()`, above the RSS just before the trainer was built (so the model copies,
+thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
+`malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
 optimizer state and activations count; the Python/torch allocator caches make it a rough figure).
 `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
 """
@@ -78,9 +80,17 @@ def answer_reward(prompts, completions, answer=None, **_):
 def build_model_dir(size: str) -> Path:
     from stages.builtin import tiny
 
-    s = SIZES[size]
+    s = dict(SIZES[size])
+    vocab = s.pop("vocab_size")
     path = Path(tempfile.mkdtemp(prefix="peers-model-"))
-    return tiny.build(path, seed=0, **s)
+    tokenizer = tiny.build_tokenizer(vocab)
+    # BPE on the built-in corpus stops merging at ~325 tokens; never-occurring added tokens fill the vocabulary
+    # up to `vocab` so the output layer (and every log-softmax) has the width the comparison asks for.
+    tokenizer.add_tokens([f"<|unused{i}|>" for i in range(vocab - len(tokenizer))])
+    model = tiny.build_model(tokenizer, seed=0, **s)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
 
 
 def build_rows(n: int) -> dict[str, list[dict]]:
@@ -373,10 +383,19 @@ def quiet(trainer) -> None:
     trainer.remove_callback(PrinterCallback)
 
 
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so each run's RSS baseline starts low."""
+    import ctypes
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int) -> dict:
     from stages.trainers.logprobs import unwrap
 
-    gc.collect()
+    release_memory()
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         timer = StepTimer()
