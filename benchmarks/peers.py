@@ -37,7 +37,10 @@ per second of the timed steps; peak memory is the process RSS sampled every 2 ms
 thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
 `malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
 optimizer state and activations count; the Python/torch allocator caches make it a rough figure).
-`ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
+Peak memory: the largest of the rounds. `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
+CPU s/step is the median of the training thread's CPU time per step (`time.thread_time`), each side's
+best over the rounds: on a machine shared with other CPU-bound jobs the wall-clock intervals include
+the time the thread waited for a core, its CPU time much less so.
 """
 from __future__ import annotations
 
@@ -113,10 +116,12 @@ class StepTimer:
         class _Callback(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 timer.ends.append(time.perf_counter())
+                timer.cpu_ends.append(time.thread_time())
                 timer.tokens_at.append(timer.tokens)
 
         self.callback = _Callback()
         self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # this thread's CPU time: what the step cost, whatever else runs
         self.tokens_at: list[int] = []
         self.tokens = 0
 
@@ -127,13 +132,14 @@ class StepTimer:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.tokens += int(mask.sum()) if mask is not None and mask.dim() == 2 else int(ids.numel())
 
-    def summary(self, warmup: int) -> tuple[float, float]:
-        """(median s/step, tokens/s) over the steps after `warmup`."""
+    def summary(self, warmup: int) -> tuple[float, float, float]:
+        """(median s/step, tokens/s, median CPU s/step) over the steps after `warmup`."""
         gaps = [b - a for a, b in zip(self.ends[warmup:], self.ends[warmup + 1:])]
+        cpu = [b - a for a, b in zip(self.cpu_ends[warmup:], self.cpu_ends[warmup + 1:])]
         if not gaps:
             raise RuntimeError(f"{len(self.ends)} steps timed: need more than warmup + 1 = {warmup + 1}")
         span = self.ends[-1] - self.ends[warmup]
-        return statistics.median(gaps), (self.tokens_at[-1] - self.tokens_at[warmup]) / span
+        return statistics.median(gaps), (self.tokens_at[-1] - self.tokens_at[warmup]) / span, statistics.median(cpu)
 
 
 def torch_grad_enabled() -> bool:
@@ -408,24 +414,28 @@ def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, preci
             trainer.train()
         hook.remove()
         del trainer
-    s_step, tok_s = timer.summary(warmup)
-    return {"s_step": s_step, "tok_s": tok_s, "peak_mb": memory.above_base / 2**20}
+    s_step, tok_s, cpu_step = timer.summary(warmup)
+    return {"s_step": s_step, "tok_s": tok_s, "cpu_step": cpu_step, "peak_mb": memory.above_base / 2**20}
 
 
 def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple[float, float]) -> str:
     lines = [f"\n### {precision} (load average {load[0]:.2f} before, {load[1]:.2f} after)\n",
              "| trainer | ours s/step | TRL s/step | ours/TRL speed | ours tokens/s | TRL tokens/s | "
-             "ours peak MB | TRL peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ours peak MB | TRL peak MB | ours CPU s/step | TRL CPU s/step | ours/TRL on CPU time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, sides in results.items():
         best = {s: min(runs, key=lambda r: r["s_step"]) for s, runs in sides.items() if runs}
+        cpu = {s: min(r["cpu_step"] for r in runs) for s, runs in sides.items() if runs}
+        peak = {s: max(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
         if "trl" not in best:
             o = best["ours"]
-            lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {o['peak_mb']:.0f} | n/a |")
+            lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {peak['ours']:.0f} | n/a "
+                         f"| {cpu['ours']:.4f} | n/a | n/a |")
             continue
         o, t = best["ours"], best["trl"]
         lines.append(f"| {name} | {o['s_step']:.4f} | {t['s_step']:.4f} | {t['s_step'] / o['s_step']:.2f}x | "
-                     f"{o['tok_s']:.0f} | {t['tok_s']:.0f} | {o['peak_mb']:.0f} | {t['peak_mb']:.0f} |")
+                     f"{o['tok_s']:.0f} | {t['tok_s']:.0f} | {peak['ours']:.0f} | {peak['trl']:.0f} | "
+                     f"{cpu['ours']:.4f} | {cpu['trl']:.4f} | {cpu['trl'] / cpu['ours']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -479,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
                     res = run_once(name, side, model_dir, tokenizer, rows, args.steps, precision, args.warmup)
                     results[name][side].append(res)
                     print(f"  {precision} {name:<10} round {r} {side:<4} {res['s_step']:.4f} s/step "
+                          f"(CPU {res['cpu_step']:.4f}) "
                           f"{res['tok_s']:8.0f} tok/s {res['peak_mb']:6.0f} MB  load {os.getloadavg()[0]:.2f}",
                           flush=True)
         print(table(precision, results, (load_before, os.getloadavg()[0])), flush=True)
