@@ -37,7 +37,8 @@ per second of the timed steps; peak memory is the process RSS sampled every 2 ms
 thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
 `malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
 optimizer state and activations count; the Python/torch allocator caches make it a rough figure).
-Peak memory: the largest of the rounds. `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
+Peak memory: the median over the rounds (the first run of
+a kind in the process pays one-off allocations, and the sides take turns at going first). `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
 CPU s/step is the median of the training thread's CPU time per step (`time.thread_time`), each side's
 best over the rounds: on a machine shared with other CPU-bound jobs the wall-clock intervals include
 the time the thread waited for a core, its CPU time much less so.
@@ -426,7 +427,7 @@ def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple
     for name, sides in results.items():
         best = {s: min(runs, key=lambda r: r["s_step"]) for s, runs in sides.items() if runs}
         cpu = {s: min(r["cpu_step"] for r in runs) for s, runs in sides.items() if runs}
-        peak = {s: max(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
+        peak = {s: statistics.median(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
         if "trl" not in best:
             o = best["ours"]
             lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {peak['ours']:.0f} | n/a "
