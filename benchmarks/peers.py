@@ -36,9 +36,9 @@ forwards run with gradients (the trained tokens: attention-mask sums, or all ids
 per second of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
 thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
 `malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
-optimizer state and activations count; the Python/torch allocator caches make it a rough figure).
-Peak memory: the median over the rounds (the first run of
-a kind in the process pays one-off allocations, and the sides take turns at going first). `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
+optimizer state and activations count; the Python/torch allocator caches make it a rough figure),
+the median over the rounds (the first run of a kind in the process pays one-off allocations, and the
+sides take turns at going first). `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
 CPU s/step is the median of the training thread's CPU time per step (`time.thread_time`), each side's
 best over the rounds: on a machine shared with other CPU-bound jobs the wall-clock intervals include
 the time the thread waited for a core, its CPU time much less so.
@@ -323,8 +323,8 @@ def phase_markers(trainer):
             with record_function(name):
                 return fn(*args, **kwargs)
 
+        restore.append((obj, attr, vars(obj).get(attr, None), attr in vars(obj)))
         setattr(obj, attr, wrapped)
-        restore.append((obj, attr))
 
     models = [model] + [m for m in (getattr(trainer, "ref_model", None),) if m is not None]
     for i, m in enumerate(models):
@@ -333,14 +333,15 @@ def phase_markers(trainer):
         wrap(m, "generate", f"## {tag}generate")
     if callable(getattr(trainer, "data_collator", None)):
         wrap(trainer, "data_collator", "## collate")
-    opt_step = trainer.create_optimizer
     try:
         yield
     finally:
-        for obj, attr in restore:
-            with contextlib.suppress(AttributeError):
-                delattr(obj, attr)
-        trainer.create_optimizer = opt_step
+        for obj, attr, original, own in reversed(restore):
+            if own:
+                setattr(obj, attr, original)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, attr)
 
 
 def profile(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int,
