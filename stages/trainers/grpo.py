@@ -314,7 +314,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
-                             seed=sampling_seed(a.seed, self.state.global_step))
+                             seed=sampling_seed(a.seed, self.state.global_step),
+                             precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()

@@ -54,8 +54,40 @@ def selected_hidden(model, inputs: dict, select: torch.Tensor):
 
     select: (B, T-1) bool, True where position t's prediction of token t+1 is needed.
     """
-    out = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1][:, :-1][select], out
+    hidden, out = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=1)
+    return hidden[:, :-1][select], out
+
+
+def final_norm(model) -> nn.Module | None:
+    """The module whose output is the model's last hidden state (`hidden_states[-1]`): the base model's final
+    norm (`norm`: Llama, Mistral, Qwen2, Gemma; `ln_f`: GPT-2), or None when there is no such module."""
+    base = getattr(unwrap(model), "base_model", None)
+    for name in ("norm", "ln_f"):
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def final_hidden(model, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+    """`model(**inputs, **kwargs)` and its final hidden states (B, T, H): (hidden, outputs).
+
+    The hidden states are taken from the final norm's output by a forward hook: output_hidden_states=True
+    would also keep every layer's output, (layers + 1) x (B, T, H), alive as long as the outputs (in no-grad
+    reference and rollout passes nothing else holds them). Models without a recognised final norm fall
+    back to output_hidden_states. The forward is still `model`'s own, so DDP / FSDP hooks fire as usual.
+    """
+    norm = final_norm(model)
+    if norm is None:
+        out = model(**inputs, output_hidden_states=True, **kwargs)
+        return out.hidden_states[-1], out
+    caught = []
+    handle = norm.register_forward_hook(lambda module, args, output: caught.append(output))
+    try:
+        out = model(**inputs, **kwargs)
+    finally:
+        handle.remove()
+    return caught[-1], out
 
 
 def head_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, **kw):

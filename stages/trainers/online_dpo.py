@@ -129,7 +129,8 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
-                             seed=sampling_seed(a.seed, self.state.global_step))
+                             seed=sampling_seed(a.seed, self.state.global_step),
+                             precision=trainer_precision(a))
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
         pairs, dropped = rank_pairs(scores)

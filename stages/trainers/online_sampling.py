@@ -20,16 +20,22 @@ from stages.trainers.generation_params import (GENERATION_BACKENDS, GenerationPa
                                                backend_options, sampling_seed)
 
 
-def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int):
+def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):
     """`n` sampled completions per prompt from `model` (unwrapped from DDP) with settings `g`: `Generations`.
+
+    precision: the autocast `model`'s forward already runs under (the trainer's, "no", "bf16", "fp16"):
+    the whole call becomes one autocast region, so the weights are cast once, not at every decode step
+    (`stages.trainers.precision.cached_casts`; the same casts, so the same samples).
 
     With backend vllm the server samples from its own weights, which training does not update:
     the samples are off-policy once the policy has moved; their `logprobs` let GRPO correct for it.
     """
     from stages.generation import SamplingParams, sample_policy
+    from stages.trainers.precision import cached_casts
 
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, seed=seed)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    return sample_policy(model, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size,
-                         options=backend_options(g, path))
+    with cached_casts(model, precision if g.backend == "hf" else "no"):
+        return sample_policy(model, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size,
+                             options=backend_options(g, path))

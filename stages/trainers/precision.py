@@ -72,3 +72,20 @@ def autocast_forward(model, precision: str) -> Iterator:
                 model.forward = previous
             else:
                 del model.forward
+
+
+@contextlib.contextmanager
+def cached_casts(model, precision: str) -> Iterator[None]:
+    """One autocast region around many forwards of unchanged weights (a generate call's decode steps).
+
+    Each forward that `wrap_forward` (or accelerate) wraps enters and leaves its own autocast, and
+    leaving the outermost one drops torch's cache of the weights' low-precision casts: every decode
+    step would cast every weight again. Inside this region the forwards' own autocasts are nested,
+    so each weight is cast once per region; the casts, and so the numbers, are the same. Only for
+    regions in which no weight is updated. "no": nothing."""
+    if precision == "no":
+        yield
+        return
+    with torch.autocast(device_type=next(model.parameters()).device.type, dtype=AUTOCAST_DTYPES[precision]):
+        yield
+

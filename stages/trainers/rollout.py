@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from stages.kernels import entropy_from_logits, selective_log_softmax
-from stages.trainers.logprobs import head_logprobs, lm_head_for_chunking, unwrap
+from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking, unwrap
 from stages.trainers.value_head import PreTrainedModelWrapper
 from stages.utils import completion_mask_from_eos, pad
 
@@ -96,8 +96,8 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
         logits, hidden, values = model(**inputs, return_logits=head is None)
     else:
         extra = {"logits_to_keep": 1} if head is not None else {}
-        out = model(**inputs, output_hidden_states=True, **extra)
-        logits, hidden, values = out.logits, out.hidden_states[-1], None
+        hidden, out = final_hidden(model, inputs, **extra)
+        logits, values = out.logits, None
     window = slice(start, start + width)
     targets = input_ids[:, start + 1:]
     result = {}

@@ -81,3 +81,28 @@ def test_head_runs_in_its_compute_dtype_when_mixed_precision_hands_back_float32_
     assert {t.dtype for t in head_operands(hidden, fp32.weight, fp32.bias)} == {torch.float32}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert {t.dtype for t in head_operands(hidden, fp32.weight, fp32.bias)} == {torch.bfloat16}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "gemma2", "mistral"])
+def test_final_hidden_is_the_last_of_output_hidden_states(arch, tmp_path):
+    """The final norm's output, caught by a hook, is bit-identical to `hidden_states[-1]` of the same forward
+    in training mode and under bf16 autocast, for every tested architecture; without output_hidden_states no
+    layer's output is kept, and gradients flow through the caught tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainers.logprobs import final_hidden, final_norm
+    from stages.trainers.precision import autocast_forward
+    from tests import architectures
+
+    path = build_tiny(tmp_path / "m") if arch == "llama" else getattr(architectures, arch)(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(path).train()
+    assert final_norm(model) is not None
+    ids = torch.tensor([[3, 5, 9, 13, 2, 7], [4, 6, 8, 10, 12, 1]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    for precision in ("no", "bf16"):
+        with autocast_forward(model, precision):  # one forward: GPT-2's dropout makes two forwards differ
+            hidden, out = final_hidden(model, inputs, logits_to_keep=1, output_hidden_states=True)
+            lean, lean_out = final_hidden(model, inputs, logits_to_keep=1)
+        assert torch.equal(hidden.float(), out.hidden_states[-1].float()), precision
+        assert lean.requires_grad and lean.shape == hidden.shape and lean_out.hidden_states is None

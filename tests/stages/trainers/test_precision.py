@@ -33,3 +33,35 @@ def test_autocast_forward_is_the_trainers_and_is_undone():
     assert bf16.dtype == torch.float32 and not torch.equal(bf16, fp32)
     assert (bf16 - fp32).abs().max() < 0.05  # bf16 rounding, not another model
     assert "forward" not in vars(model) and torch.equal(after, fp32)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_cached_casts_samples_as_per_forward_autocast_and_casts_each_weight_once(tmp_path):
+    """A bf16 trainer generates with its forward under autocast (accelerate's wrapping, here `wrap_forward`). With
+    `precision="bf16"` the whole call is one autocast region: the completions and their log-probs are exactly
+    those of per-forward autocast, and the weights are cast once per call instead of once per decode step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.trainers.online_sampling import GenerationParams, sample_online
+    from stages.trainers.precision import wrap_forward
+    from tests.stages.trainers.conftest import build_tiny, builtin_rows
+
+    path = build_tiny(tmp_path / "model")
+    model = wrap_forward(AutoModelForCausalLM.from_pretrained(path), "bf16")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [r["prompt"] for r in builtin_rows("prompts", "prompt_only", num_preference=3)]
+    g = GenerationParams(max_new_tokens=8)
+
+    per_forward = sample_online(model, tok, prompts, g, n=2, seed=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sample_online(model, tok, prompts, g, n=2, seed=3)
+    per_forward_casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    cached = sample_online(model, tok, prompts, g, n=2, seed=3, precision="bf16")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sample_online(model, tok, prompts, g, n=2, seed=3, precision="bf16")
+    cached_casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    assert cached.completion_ids == per_forward.completion_ids
+    assert cached.logprobs == per_forward.logprobs
+    weights = sum(1 for p in model.parameters() if p.dim() == 2) - 1  # the embedding is looked up, not cast
+    assert per_forward_casts - cached_casts >= weights * (g.max_new_tokens - 2)
+    assert not torch.is_autocast_enabled("cpu")

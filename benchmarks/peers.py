@@ -1,0 +1,501 @@
+"""Our trainers against TRL's, the same work on both sides: seconds per step, tokens/s, peak memory.
+
+    pip install -e '.[bench]'                          # TRL 1.16 (the library never imports it)
+    OMP_NUM_THREADS=1 python benchmarks/peers.py       # every trainer, fp32 and bf16, 2 rounds of 12 steps
+    python benchmarks/peers.py --trainers dpo grpo --precision fp32 --rounds 3 --steps 20
+    python benchmarks/peers.py --trainers dpo --profile ours      # torch.profiler table of our DPO steps
+    python benchmarks/peers.py --tiny --steps 2 --rounds 1        # the smoke test's settings
+
+One process, one torch thread. For each trainer and precision the two sides alternate over
+rounds (ours, TRL, then TRL, ours, ...) so a load change on the shared machine hits both; each
+run builds a fresh model from the same saved folder and trains it on the same rows.
+
+The setup (what the issue compares):
+- model: a Llama built locally like `builtin:tiny` (`stages.builtin.tiny`): hidden 256, 4 layers,
+  4 heads, intermediate 768, byte-level BPE tokenizer with single-digit tokens trained on the
+  built-in task's corpus (325 tokens: BPE runs out of merges there), padded with never-used added tokens
+  to a vocabulary of 1,024 (`--tiny`: hidden 64, 2 layers, vocab 384);
+- rows: the built-in arithmetic task (`stages.builtin.arithmetic.generate`) in chat form:
+  SFT prompt/completion (completion-only loss), DPO and reward prompt/chosen/rejected, KTO
+  prompt/completion/label, GRPO and online DPO prompt + answer;
+- batch 8 (SFT: 8 packed rows of 128 tokens, best-fit decreasing, each side's default
+  collation: TRL padding-free, ours padded rows with restarting position_ids; DPO, reward:
+  8 pairs; KTO: 8 rows plus their 8 KL rows; GRPO: 8 completions = 2 prompts x 4 generations;
+  online DPO: 8 prompts x 2 completions), max length 64; AdamW, lr 1e-5, no warm-up;
+- DPO, KTO, online DPO: sigmoid/KTO loss, beta 0.1, a live frozen reference model in every step
+  on both sides (ours defaults to precomputed reference log-probs; TRL to a live reference);
+- GRPO and online DPO: sampling at temperature 1, top-p 1, top-k 0, 32 new tokens; GRPO loss
+  "grpo", beta 0 (no reference, both defaults), epsilon 0.2, one iteration, group-scaled rewards;
+  the reward is the same Python function on both sides (1 when the answer ends the completion);
+- precision: fp32, and bf16 autocast (`bf16=True`); `gradient_checkpointing=False` on both sides
+  (TRL's configs default to bf16 and checkpointing even on CPU, see shared NOTES).
+
+Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
+`--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
+forwards run with gradients (the trained tokens: attention-mask sums, or all ids when padding-free)
+per second of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
+thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
+`malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
+optimizer state and activations count; the Python/torch allocator caches make it a rough figure),
+the median over the rounds (the first run of a kind in the process pays one-off allocations, and the
+sides take turns at going first). `ours/TRL` is TRL's s/step over ours: above 1, ours is faster.
+CPU s/step is the median of the training thread's CPU time per step (`time.thread_time`), each side's
+best over the rounds: on a machine shared with other CPU-bound jobs the wall-clock intervals include
+the time the thread waited for a core, its CPU time much less so.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+TRAINERS = ("sft", "dpo", "kto", "grpo", "online_dpo", "reward")
+SIZES = {"default": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768, vocab_size=1024),
+         "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, vocab_size=384)}
+BATCH, MAX_LENGTH, PACKED_LENGTH, NEW_TOKENS, GENERATIONS, LR = 8, 64, 128, 32, 4, 1e-5
+
+
+def answer_reward(prompts, completions, answer=None, **_):
+    """1.0 when the completion's last number is the row's answer, else 0.0 (both sides call this)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else c[-1]["content"]
+        digits = "".join(ch if ch.isdigit() else " " for ch in text).split()
+        out.append(float(bool(digits) and digits[-1] == str(a)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, rows, measurement
+# ---------------------------------------------------------------------------------------------
+
+def build_model_dir(size: str) -> Path:
+    from stages.builtin import tiny
+
+    s = dict(SIZES[size])
+    vocab = s.pop("vocab_size")
+    path = Path(tempfile.mkdtemp(prefix="peers-model-"))
+    tokenizer = tiny.build_tokenizer(vocab)
+    # BPE on the built-in corpus stops merging at ~325 tokens; never-occurring added tokens fill the vocabulary
+    # up to `vocab` so the output layer (and every log-softmax) has the width the comparison asks for.
+    tokenizer.add_tokens([f"<|unused{i}|>" for i in range(vocab - len(tokenizer))])
+    model = tiny.build_model(tokenizer, seed=0, **s)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+def build_rows(n: int) -> dict[str, list[dict]]:
+    from stages.builtin import arithmetic
+
+    data = arithmetic.generate(num_train=n, num_preference=n, num_eval=10, digits=2, error_rate=0.7,
+                               reasoning=True, seed=0)
+    sft = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in data["sft"]]
+    return {"sft": sft, "preference": data["preference"], "unpaired": data["unpaired"], "prompts": data["prompts"]}
+
+
+class StepTimer:
+    """A TrainerCallback: perf_counter at every step end (the intervals are the step times)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.ends.append(time.perf_counter())
+                timer.cpu_ends.append(time.thread_time())
+                timer.tokens_at.append(timer.tokens)
+
+        self.callback = _Callback()
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # this thread's CPU time: what the step cost, whatever else runs
+        self.tokens_at: list[int] = []
+        self.tokens = 0
+
+    def count_tokens(self, module, args, kwargs):
+        if not torch_grad_enabled():
+            return
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += int(mask.sum()) if mask is not None and mask.dim() == 2 else int(ids.numel())
+
+    def summary(self, warmup: int) -> tuple[float, float, float]:
+        """(median s/step, tokens/s, median CPU s/step) over the steps after `warmup`."""
+        gaps = [b - a for a, b in zip(self.ends[warmup:], self.ends[warmup + 1:])]
+        cpu = [b - a for a, b in zip(self.cpu_ends[warmup:], self.cpu_ends[warmup + 1:])]
+        if not gaps:
+            raise RuntimeError(f"{len(self.ends)} steps timed: need more than warmup + 1 = {warmup + 1}")
+        span = self.ends[-1] - self.ends[warmup]
+        return statistics.median(gaps), (self.tokens_at[-1] - self.tokens_at[warmup]) / span, statistics.median(cpu)
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+class PeakRSS:
+    """Peak resident set size (bytes) above the baseline, sampled by a thread every `interval` s."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    @property
+    def above_base(self) -> int:
+        return self.peak - self.base
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides: (trainer factory) per trainer
+# ---------------------------------------------------------------------------------------------
+
+def common_args(steps: int, precision: str, out: str) -> dict:
+    return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+                lr_scheduler_type="constant", warmup_steps=0, logging_steps=10, save_strategy="no", report_to="none",
+                use_cpu=True, disable_tqdm=True, seed=0, bf16=precision == "bf16", gradient_checkpointing=False,
+                dataloader_num_workers=0)
+
+
+def load(model_dir: Path, kind: str = "causal"):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if kind == "reward":
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+        model.config.pad_token_id = model.config.pad_token_id or 0
+        return model
+    return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str, out: str):
+    a = common_args(steps, precision, out)
+    if name == "sft":
+        from stages.trainers.sft import SFTConfig, SFTTrainer
+
+        cfg = SFTConfig(**a, max_seq_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
+        return SFTTrainer(load(model_dir), cfg, processing_class=tokenizer, train_dataset=rows["sft"])
+    if name == "dpo":
+        from stages.trainers.dpo import DPOConfig, DPOTrainer
+
+        cfg = DPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, precompute_ref_log_probs=False)
+        return DPOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["preference"])
+    if name == "kto":
+        from stages.trainers.kto import KTOConfig, KTOTrainer
+
+        cfg = KTOConfig(**a, beta=0.1, max_length=MAX_LENGTH)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return KTOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["unpaired"])
+    if name == "grpo":
+        from stages.trainers.generation_params import GenerationParams
+        from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+
+        cfg = GRPOConfig(**a, num_generations=GENERATIONS, beta=0.0, loss_type="grpo", epsilon=0.2,
+                         scale_rewards="group", num_iterations=1,
+                         generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
+        return GRPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
+                           train_dataset=rows["prompts"])
+    if name == "online_dpo":
+        from stages.trainers.generation_params import GenerationParams
+        from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH,
+                              generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
+        return OnlineDPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
+                                train_dataset=rows["prompts"])
+    if name == "reward":
+        from stages.trainers.reward import RewardConfig, RewardTrainer
+
+        cfg = RewardConfig(**a, max_length=MAX_LENGTH)
+        return RewardTrainer(load(model_dir, "reward"), args=cfg, processing_class=tokenizer,
+                             train_dataset=rows["preference"])
+    raise ValueError(name)
+
+
+def trl_side(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str, out: str):
+    import datasets
+    import trl
+
+    a = common_args(steps, precision, out)
+    if name == "sft":
+        cfg = trl.SFTConfig(**a, max_length=PACKED_LENGTH, packing=True, packing_strategy="bfd",
+                            completion_only_loss=True)
+        return trl.SFTTrainer(load(model_dir), args=cfg, processing_class=tokenizer,
+                              train_dataset=datasets.Dataset.from_list(rows["sft"]))
+    if name == "dpo":
+        cfg = trl.DPOConfig(**a, beta=0.1, loss_type=["sigmoid"], max_length=MAX_LENGTH, precompute_ref_log_probs=False)
+        return trl.DPOTrainer(load(model_dir), ref_model=load(model_dir), args=cfg, processing_class=tokenizer,
+                              train_dataset=datasets.Dataset.from_list(rows["preference"]))
+    if name == "kto":
+        cfg = trl.KTOConfig(**a, beta=0.1, max_length=MAX_LENGTH)
+        return trl.KTOTrainer(load(model_dir), ref_model=load(model_dir), args=cfg, processing_class=tokenizer,
+                              train_dataset=datasets.Dataset.from_list(rows["unpaired"]))
+    if name == "grpo":
+        cfg = trl.GRPOConfig(**a, num_generations=GENERATIONS, beta=0.0, loss_type="grpo", epsilon=0.2,
+                             scale_rewards="group", num_iterations=1, max_completion_length=NEW_TOKENS,
+                             temperature=1.0, top_p=1.0, top_k=0)
+        return trl.GRPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
+                               train_dataset=datasets.Dataset.from_list(rows["prompts"]))
+    if name == "online_dpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, max_new_tokens=NEW_TOKENS,
+                              temperature=1.0, top_p=1.0, top_k=0)
+        return OnlineDPOTrainer(load(model_dir), ref_model=load(model_dir), reward_funcs=[answer_reward], args=cfg,
+                                processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(rows["prompts"]))
+    if name == "reward":
+        cfg = trl.RewardConfig(**a, max_length=MAX_LENGTH)
+        return trl.RewardTrainer(load(model_dir, "reward"), args=cfg, processing_class=tokenizer,
+                                 train_dataset=datasets.Dataset.from_list(rows["preference"]))
+    raise ValueError(name)
+
+
+SIDES = {"ours": ours, "trl": trl_side}
+
+
+def trl_has(name: str) -> bool:
+    try:
+        if name == "online_dpo":
+            import trl.experimental.online_dpo  # noqa: F401
+        else:
+            import trl
+
+            getattr(trl, {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer",
+                          "reward": "RewardTrainer"}[name])
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling: phases as record_function ranges
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def phase_markers(trainer):
+    """Label the phases of a step for torch.profiler: forward (grad / no-grad), generate, collate."""
+    import torch
+    from torch.profiler import record_function
+
+    from stages.trainers.logprobs import unwrap
+
+    model = unwrap(trainer.model)
+    restore = []
+
+    def wrap(obj, attr, label):
+        fn = getattr(obj, attr)
+
+        def wrapped(*args, **kwargs):
+            name = label() if callable(label) else label
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        restore.append((obj, attr, vars(obj).get(attr, None), attr in vars(obj)))
+        setattr(obj, attr, wrapped)
+
+    models = [model] + [m for m in (getattr(trainer, "ref_model", None),) if m is not None]
+    for i, m in enumerate(models):
+        tag = "ref " if i else ""
+        wrap(m, "forward", lambda tag=tag: f"## {tag}forward ({'grad' if torch.is_grad_enabled() else 'no-grad'})")
+        wrap(m, "generate", f"## {tag}generate")
+    if callable(getattr(trainer, "data_collator", None)):
+        wrap(trainer, "data_collator", "## collate")
+    try:
+        yield
+    finally:
+        for obj, attr, original, own in reversed(restore):
+            if own:
+                setattr(obj, attr, original)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, attr)
+
+
+def profile(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int,
+            top: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    from transformers import TrainerCallback
+
+    active = max(steps - warmup - 1, 1)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = SIDES[side](name, model_dir, tokenizer, rows, warmup + 1 + active, precision, out)
+        with torch_profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=warmup, warmup=1, active=active),
+                           record_shapes=False) as prof:
+            class Step(TrainerCallback):
+                def on_step_end(self, *args, **kwargs):
+                    prof.step()
+
+            trainer.add_callback(Step())
+            quiet(trainer)
+            with phase_markers(trainer):
+                trainer.train()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6 / active
+    print(f"\n## profile: {side} {name} ({precision}), {active} steps, {total * 1000:.1f} ms/step of CPU self time, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print("\nphases (CPU total per step, nested: forward inside generate counts in both):")
+    phases = sorted((e for e in events if e.key.startswith("## ") or e.key.startswith("Optimizer.step")
+                     or e.key.startswith("autograd::engine::evaluate_function")),
+                    key=lambda e: -e.cpu_time_total)
+    backward = sum(e.cpu_time_total for e in phases if e.key.startswith("autograd::engine"))
+    for e in phases:
+        if not e.key.startswith("autograd::engine"):
+            print(f"  {e.key:<40} {e.cpu_time_total / 1e3 / active:8.1f} ms  ({e.count // active} calls)")
+    print(f"  {'backward (autograd::engine::*)':<40} {backward / 1e3 / active:8.1f} ms")
+    print(f"\ntop {top} ops by self CPU time:")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+def quiet(trainer) -> None:
+    """No log-line printing (disable_tqdm installs a PrinterCallback on both sides)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so each run's RSS baseline starts low."""
+    import ctypes
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int) -> dict:
+    from stages.trainers.logprobs import unwrap
+
+    release_memory()
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timer = StepTimer()
+        memory = PeakRSS()
+        trainer = SIDES[side](name, model_dir, tokenizer, rows, steps, precision, out)
+        trainer.add_callback(timer.callback)
+        quiet(trainer)
+        hook = unwrap(trainer.model).register_forward_pre_hook(timer.count_tokens, with_kwargs=True)
+        with memory:
+            trainer.train()
+        hook.remove()
+        del trainer
+    s_step, tok_s, cpu_step = timer.summary(warmup)
+    return {"s_step": s_step, "tok_s": tok_s, "cpu_step": cpu_step, "peak_mb": memory.above_base / 2**20}
+
+
+def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple[float, float]) -> str:
+    lines = [f"\n### {precision} (load average {load[0]:.2f} before, {load[1]:.2f} after)\n",
+             "| trainer | ours s/step | TRL s/step | ours/TRL speed | ours tokens/s | TRL tokens/s | "
+             "ours peak MB | TRL peak MB | ours CPU s/step | TRL CPU s/step | ours/TRL on CPU time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, sides in results.items():
+        best = {s: min(runs, key=lambda r: r["s_step"]) for s, runs in sides.items() if runs}
+        cpu = {s: min(r["cpu_step"] for r in runs) for s, runs in sides.items() if runs}
+        peak = {s: statistics.median(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
+        if "trl" not in best:
+            o = best["ours"]
+            lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {peak['ours']:.0f} | n/a "
+                         f"| {cpu['ours']:.4f} | n/a | n/a |")
+            continue
+        o, t = best["ours"], best["trl"]
+        lines.append(f"| {name} | {o['s_step']:.4f} | {t['s_step']:.4f} | {t['s_step'] / o['s_step']:.2f}x | "
+                     f"{o['tok_s']:.0f} | {t['tok_s']:.0f} | {peak['ours']:.0f} | {peak['trl']:.0f} | "
+                     f"{cpu['ours']:.4f} | {cpu['trl']:.4f} | {cpu['trl'] / cpu['ours']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (ours/TRL, TRL/ours, ...)")
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps not timed at the start of each run")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
+    ap.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 384 (tests)")
+    ap.add_argument("--profile", choices=tuple(SIDES), default=None,
+                    help="profile this side's steps (torch.profiler, CPU) instead of timing both")
+    ap.add_argument("--top", type=int, default=20, help="--profile: ops listed")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
+    from transformers import AutoTokenizer
+
+    model_dir = build_model_dir("tiny" if args.tiny else "default")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = build_rows(max(BATCH * (args.steps + 1), 64))
+    precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
+    size = SIZES["tiny" if args.tiny else "default"]
+    print(f"model: Llama hidden {size['hidden_size']}, {size['num_layers']} layers, vocab {len(tokenizer)}; "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    if args.profile:
+        for precision in precisions:
+            for name in args.trainers:
+                profile(name, args.profile, model_dir, tokenizer, rows, args.steps, precision, args.warmup, args.top)
+        return
+    import trl
+
+    print(f"trl {trl.__version__}; {args.rounds} rounds x {args.steps} steps, first {args.warmup} untimed")
+    for precision in precisions:
+        load_before = os.getloadavg()[0]
+        results: dict[str, dict[str, list[dict]]] = {}
+        for name in args.trainers:
+            sides = ["ours", "trl"] if trl_has(name) else ["ours"]
+            results[name] = {s: [] for s in sides}
+            for r in range(args.rounds):
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    res = run_once(name, side, model_dir, tokenizer, rows, args.steps, precision, args.warmup)
+                    results[name][side].append(res)
+                    print(f"  {precision} {name:<10} round {r} {side:<4} {res['s_step']:.4f} s/step "
+                          f"(CPU {res['cpu_step']:.4f}) "
+                          f"{res['tok_s']:8.0f} tok/s {res['peak_mb']:6.0f} MB  load {os.getloadavg()[0]:.2f}",
+                          flush=True)
+        print(table(precision, results, (load_before, os.getloadavg()[0])), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/peers.py: every trainer runs on both sides and the table reports a speed ratio for each."""
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_peers_prints_a_ratio_per_trainer(capsys, monkeypatch):
+    pytest.importorskip("trl")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import peers
+
+    peers.main(["--tiny", "--steps", "3", "--warmup", "1", "--rounds", "1", "--precision", "fp32"])
+    out = capsys.readouterr().out
+    rows = {m.group(1): m for m in re.finditer(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", out, re.M)}
+    assert set(rows) == set(peers.TRAINERS), out
+    for name, m in rows.items():
+        ours, trl, ratio = float(m.group(2)), float(m.group(3)), float(m.group(4))
+        assert ours > 0 and trl > 0, name
+        assert ratio == pytest.approx(trl / ours, abs=0.01), name  # TRL's s/step over ours
+    assert "load average" in out
+
+
+def test_the_library_never_imports_trl():
+    """TRL is the benchmark's peer (the `bench` extra), never a dependency of `stages/`."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "stages").rglob("*.py")
+                 if re.search(r"^\s*(import trl\b|from trl\b)", p.read_text(), re.M)]
+    assert offenders == []
