@@ -3,6 +3,7 @@
     python benchmarks/threads.py                 # 1 vs 2 threads, idle, then beside 1 busy process
     python benchmarks/threads.py --busy 0        # idle only
     python benchmarks/threads.py --model artifacts/sft/model --threads 1 2 4
+    python benchmarks/threads.py --busy 0 --threads 1 --precision fp32 bf16   # bf16 autocast vs fp32
 
 What `run.threads` (README "Threads") decides. Two workloads of the pipeline, on the built-in
 model (`builtin:tiny` as params.yaml builds it, or `--model`): an SFT-sized training step (batch
@@ -30,7 +31,7 @@ from benchmarks.pipeline import neighbours  # noqa: E402
 
 WORKER = r"""
 import json, statistics, sys, time, torch
-threads, path, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+threads, path, steps, bf16 = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "bf16"
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM
@@ -40,11 +41,14 @@ x = torch.randint(0, m.config.vocab_size, (32, 50))
 prompts = torch.randint(0, m.config.vocab_size, (256, 16))
 
 def train():
-    m(input_ids=x, labels=x).loss.backward(); opt.step(); opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = m(input_ids=x, labels=x).loss
+    loss.backward(); opt.step(); opt.zero_grad()
 
 @torch.no_grad()
 def generate():
-    m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, min_new_tokens=24,
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, min_new_tokens=24,
                do_sample=False, pad_token_id=0)
 
 out = {}
@@ -58,9 +62,9 @@ print(json.dumps(out))
 """
 
 
-def measure(threads: int, path: str, steps: int) -> dict[str, float]:
+def measure(threads: int, path: str, steps: int, precision: str = "fp32") -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    res = subprocess.run([sys.executable, "-c", WORKER, str(threads), path, str(steps)], env=env,
+    res = subprocess.run([sys.executable, "-c", WORKER, str(threads), path, str(steps), precision], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -79,27 +83,32 @@ def main() -> None:
     ap.add_argument("--model", help="a model folder (default: builtin:tiny as params.yaml builds it)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1], help="numbers of busy neighbours to measure beside")
+    ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                    help="bf16: the steps under torch's CPU bf16 autocast (fp32 master weights)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or builtin_model(Path(tmp))
-        print(f"{'busy':>4} {'threads':>7} {'train step s':>12} {'generation s':>12} {'load':>5}")
+        print(f"{'busy':>4} {'threads':>7} {'precision':>9} {'train step s':>12} {'generation s':>12} {'load':>5}")
+        variants = [(t, p) for t in args.threads for p in args.precision]
         for busy in args.busy:
-            best: dict[int, dict[str, float]] = {}
+            best: dict[tuple, dict[str, float]] = {}
             with neighbours(busy, 1):
                 time.sleep(1.0 if busy else 0.0)
                 for _ in range(args.rounds):
-                    for t in args.threads:  # alternated: both counts see the same load over the rounds
-                        got = measure(t, path, args.steps)
-                        best[t] = {k: min(v, best.get(t, {}).get(k, v)) for k, v in got.items()}
+                    for v in variants:  # alternated: every variant sees the same load over the rounds
+                        got = measure(*v[:1], path, args.steps, v[1])
+                        best[v] = {k: min(x, best.get(v, {}).get(k, x)) for k, x in got.items()}
                 load = os.getloadavg()[0]
-            for t in args.threads:
-                print(f"{busy:>4} {t:>7} {best[t]['train step']:>12.4f} {best[t]['generation']:>12.4f} {load:>5.2f}")
-            base = best[args.threads[0]]
-            for t in args.threads[1:]:
-                print(f"     speed of {t} threads / {args.threads[0]}: train {base['train step'] / best[t]['train step']:.2f}x, "
-                      f"generation {base['generation'] / best[t]['generation']:.2f}x")
+            for v in variants:
+                print(f"{busy:>4} {v[0]:>7} {v[1]:>9} {best[v]['train step']:>12.4f} {best[v]['generation']:>12.4f} "
+                      f"{load:>5.2f}")
+            base = best[variants[0]]
+            for v in variants[1:]:
+                print(f"     speed of {v[0]} threads {v[1]} / {variants[0][0]} {variants[0][1]}: train "
+                      f"{base['train step'] / best[v]['train step']:.2f}x, generation "
+                      f"{base['generation'] / best[v]['generation']:.2f}x")
 
 
 if __name__ == "__main__":

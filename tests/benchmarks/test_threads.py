@@ -19,9 +19,9 @@ def test_threads_benchmark_prints_a_row_per_count(tmp_path):
                           "--steps", "2", "--threads", "1", "2"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = re.findall(r"^\s+0\s+(\d)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", res.stdout, re.M)
+    rows = re.findall(r"^\s+0\s+(\d)\s+fp32\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", res.stdout, re.M)
     assert [r[0] for r in rows] == ["1", "2"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
-    assert "speed of 2 threads / 1" in res.stdout
+    assert "speed of 2 threads fp32 / 1 fp32" in res.stdout
 
 
 def test_busy_neighbour_burns_cpu_until_the_benchmark_ends():
