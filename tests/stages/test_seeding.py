@@ -86,7 +86,7 @@ def test_run_threads_sets_torchs_threads_for_the_stage(upstream):
     try:
         params = dataclasses.replace(upstream, run=dataclasses.replace(upstream.run, threads=2))
         assert runner.inspect("reward", params).current
-        m = runner.run_stage("merge", params, force=True)
+        m = runner.run_stage("reference", params, force=True)  # upstream sft and score: no other test here moves them
         assert m["determinism"]["torch_num_threads"] == 2 == torch.get_num_threads()
         seeding.set_threads(1)
         assert torch.get_num_threads() == 1
