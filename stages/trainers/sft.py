@@ -36,7 +36,7 @@ class SFTConfig(SFTParams, TrainingArguments):
 
     One TrainingArguments default differs: `warmup_steps` is the pipeline's `sft.warmup_ratio` (0.05, a
     share of the steps) instead of 0. Starting AdamW at the peak learning rate (2e-3) left 9 of 12 runs of
-    benchmarks/sft_seeds.py stuck on the loss plateau, the chunked and logits paths alike (TRL's trainer:
+    benchmarks/sft_seeds.py (seeds 1-6) stuck on the loss plateau, the chunked and logits paths alike (TRL's trainer:
     3 of 4); with the warm-up 5 of 12 (benchmarks/RESULTS-sft-seeds.md). `warmup_steps=0` restores HF's.
     """
 
