@@ -14,8 +14,8 @@ here: digits, "+", newline and the chat markers), and a Llama of hidden 128, 4 l
 parameters with random weights (`stages.builtin.tiny.build_model`, seeded). 12,000 rows,
 batch 64, 4 epochs (752 steps), lr 2e-3 cosine, no warm-up (the issue's recipe: `warmup_steps=0`
 is passed explicitly; SFTConfig's own default is now a 5 % warm-up, `--set warmup_steps=0.05`),
-max_grad_norm 1, no weight decay, fp32; then greedy decoding of 300 held-out sums, exact match. The labels cap accuracy at the share of sums without a carry
-(~0.59 on these 300).
+max_grad_norm 1, no weight decay, fp32; then greedy decoding of 300 held-out sums, exact match.
+The labels cap accuracy at the share of sums without a carry (0.59 on these 300).
 
 Paths, all `transformers.Trainer`s with the same arguments, model init and data order:
   chunked  stages.trainers.sft.SFTTrainer, use_chunked_logprobs=True (the default)
