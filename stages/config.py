@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from stages.fields import fraction, non_negative, param, positive  # noqa: F401 (re-exported)
+from stages.fields import WARMUP_RATIO, fraction, non_negative, param, positive  # noqa: F401 (re-exported)
 from stages.trainers.dpo_params import DPOParams
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.kto_params import KTOParams
@@ -197,7 +197,7 @@ class TrainingParams(PrecisionParams):
                            check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
     per_device_train_batch_size: int = positive(32, "rows per device per micro-batch")
     gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
-    warmup_ratio: float = fraction(0.05, "share of steps with linear warm-up")
+    warmup_ratio: float = fraction(WARMUP_RATIO, "share of steps with linear warm-up")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = param(
         "cosine", help="learning-rate schedule")
     save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")

@@ -17,6 +17,10 @@ import typing
 from dataclasses import field
 from typing import Any, Callable, Literal
 
+# Linear warm-up as a share of the steps: params.yaml's training sections (stages.config.TrainingParams) and
+# SFTConfig, whose TrainingArguments default would be 0 (benchmarks/RESULTS-sft-seeds.md).
+WARMUP_RATIO = 0.05
+
 
 def param(default: Any = dataclasses.MISSING, *, help: str, check: Callable[[Any], bool] | None = None,
           rule: str = "", default_factory: Any = dataclasses.MISSING) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -23,7 +23,7 @@ from transformers import Trainer, TrainingArguments
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
-from stages.fields import raise_problems
+from stages.fields import WARMUP_RATIO, raise_problems
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
 from stages.trainers.sft_params import SFTParams
@@ -32,7 +32,16 @@ from stages.trainers.sft_params import SFTParams
 @dataclass
 class SFTConfig(SFTParams, TrainingArguments):
     """TrainingArguments plus the SFT settings of `SFTParams` (stages.trainers.sft_params, shared with
-    params.yaml's `sft`), checked there."""
+    params.yaml's `sft`), checked there.
+
+    One TrainingArguments default differs: `warmup_steps` is the pipeline's `sft.warmup_ratio` (0.05, a
+    share of the steps) instead of 0. Starting AdamW at the peak learning rate (2e-3) left 9 of 12 runs of
+    benchmarks/sft_seeds.py (seeds 1-6) stuck on the loss plateau, the chunked and logits paths alike (TRL's trainer:
+    3 of 4); with the warm-up 5 of 12 (benchmarks/RESULTS-sft-seeds.md). `warmup_steps=0` restores HF's.
+    """
+
+    warmup_steps: float = field(default=WARMUP_RATIO, metadata={
+        "help": "linear warm-up: steps (>= 1) or a share of all steps (< 1); the pipeline's sft.warmup_ratio"})
 
     def __post_init__(self):
         super().__post_init__()
