@@ -42,6 +42,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -176,7 +177,8 @@ def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps:
             from stages.pipeline import training
             from stages.trainers.dpo import DPOConfig, DPOTrainer
 
-            cfg = training.trainer_config(DPOConfig, d, {**args, **({"precompute_ref_log_probs": True})})
+            cfg = training.trainer_config(DPOConfig, d, args)
+            assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
             trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs)
         else:
             import datasets
@@ -335,7 +337,10 @@ def main(argv=None) -> list[dict[str, Any]]:
     import trl
     from stages.config import parse_overrides
 
+    import transformers
+
     torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
     a = parse(argv)
     overrides, problems = parse_overrides(a.set)
     if problems:
