@@ -13,7 +13,9 @@ Per seed (`run.seed`), in one process, each side timed alone (never two training
   completion-only loss, no packing, fp32 (`bf16=False`, `gradient_checkpointing=False` on both);
 - DPO: both sides from OUR SFT model of that seed, on the same pairs (preprocess's preference pairs,
   `preference.jsonl`, the `policy.data: preprocess` source), params.yaml's `policy` + `policy.dpo`
-  settings, reference log-probs precomputed once before training on both sides (ours:
+  settings (`--dpo-pairs score`: instead the pairs of the pipeline's own `sft` -> `reward` -> `score` stages
+  of the seed, from that `sft` stage's model, rows labelled `dpo-score`), reference log-probs precomputed
+  once before training on both sides (ours:
   `precompute_ref_log_probs: true`, params.yaml's default; TRL: `precompute_ref_log_probs=True`);
 - GRPO: both sides from our SFT model, the prompts of preprocess's `prompts.jsonl`, one reward function
   (`final_number_reward` below, the same Python function on both sides), params.yaml's `policy.grpo`
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 METHODS = ("sft", "dpo", "grpo")
+ROW_METHODS = ("sft", "dpo", "dpo-score", "grpo")  # dpo-score: DPO on the pairs of our score stage
 SIDES = ("ours", "trl")
 DEFAULT_SEEDS = (1, 2, 3)
 RESULTS = ROOT / "benchmarks" / "RESULTS-efficacy.md"
@@ -169,7 +172,8 @@ def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: 
 
 def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps: int | None):
     model, tok = load(start, p)
-    pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows_of(data, "preference")]
+    source = data / "pairs.jsonl" if (data / "pairs.jsonl").exists() else data / "preference.jsonl"
+    pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows_of(source.parent, source.stem)]
     d = p.policy.dpo
     args = policy_args(p, "dpo", work, precision, steps)
     with Clock() as clock:
@@ -239,7 +243,7 @@ def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
 
 
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
-             eval_samples: int, precision: str, report) -> list[dict[str, Any]]:
+             eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess") -> list[dict[str, Any]]:
     import torch
     from stages import runner
     from stages.models import resolve_model
@@ -250,20 +254,27 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
     eval_rows = rows_of(data, "eval")[: eval_samples if eval_samples > 0 else None]
     records = []
     sft_model = out / "sft-ours-model"  # our SFT model of this seed: where DPO and GRPO start on both sides
-    need_sft = "sft" in methods or not sft_model.is_dir()
+    dpo_start, dpo_data = str(sft_model), data
+    if "dpo" in methods and dpo_pairs == "score":  # the pipeline's own sft -> reward -> score of this seed
+        for stage in ("sft", "reward", "score"):
+            runner.run_stage(stage, p)
+        dpo_start, dpo_data = str(out / "sft" / "model"), out / "score"
+    need_sft = "sft" in methods or ("grpo" in methods or dpo_start == str(sft_model)) and not sft_model.is_dir()
     for method in ["sft"] * need_sft + [m for m in methods if m != "sft"]:
         for side in SIDES:
             if method == "sft" and side == "trl" and "sft" not in methods:
                 continue
             torch.manual_seed(seed)
             work = out / f"work-{method}-{side}"
-            start = base if method == "sft" else str(sft_model)
-            trainer, tok, clock, result = RUNNERS[method](side, p, start, data, work, precision, steps[method])
+            start = base if method == "sft" else dpo_start if method == "dpo" else str(sft_model)
+            trainer, tok, clock, result = RUNNERS[method](side, p, start, dpo_data if method == "dpo" else data,
+                                                          work, precision, steps[method])
             acc = accuracy(trainer.model, tok, eval_rows, p)
             if method == "sft" and side == "ours":
                 trainer.save_model(str(sft_model))
                 tok.save_pretrained(str(sft_model))
-            rec = {"method": method, "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
+            rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
+                   "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
                    "cpu_s": clock.cpu, "steps": trainer.state.global_step, "train_loss": result.training_loss,
                    "load": os.getloadavg()[0], "precision": precision}
             if method in methods:
@@ -285,7 +296,7 @@ def record_line(r: dict[str, Any]) -> str:
 def summary_lines(records: list[dict[str, Any]]) -> list[str]:
     lines = ["| method | side | seeds | held-out accuracy (mean ± sd) | wall s (mean ± sd) | CPU s (mean ± sd) |",
              "|---|---|---:|---:|---:|---:|"]
-    for method in METHODS:
+    for method in ROW_METHODS:
         for side in SIDES:
             rs = [r for r in records if r["method"] == method and r["side"] == side]
             if not rs:
@@ -312,6 +323,9 @@ def parse(argv=None):
     ap.add_argument("--eval-samples", type=int, default=-1, help="first N eval prompts (default: all)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: autocast (bf16=True) on both sides, fp32 weights")
+    ap.add_argument("--dpo-pairs", choices=("preprocess", "score"), default="preprocess",
+                    help="preprocess: preprocess's preference pairs, from our direct SFT model; score: the pipeline's "
+                         "sft -> reward -> score stages of the seed (run first), from that sft stage's model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
     ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
@@ -364,7 +378,7 @@ def main(argv=None) -> list[dict[str, Any]]:
     try:
         for seed in a.seeds:
             records += run_seed(seed, a.methods, out / f"seed-{seed}", overrides, steps, a.eval_samples,
-                                a.precision, report)
+                                a.precision, report, a.dpo_pairs)
     finally:
         if not a.output_dir:
             shutil.rmtree(out, ignore_errors=True)
