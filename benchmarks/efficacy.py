@@ -31,6 +31,7 @@ CPU seconds are `time.process_time()` (this process, all threads). The load aver
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -58,21 +59,29 @@ RESULTS = ROOT / "benchmarks" / "RESULTS-efficacy.md"
 # --------------------------------------------------------------------------- shared pieces
 
 
-def final_number_reward(prompts, completions, answer=None, **_):
-    """1.0 where the completion's final number (after its reasoning block) equals the row's `answer`, else 0.0.
+def final_number_reward(tokenizer):
+    """The one reward function of both sides: 1.0 where the completion's final number (after its reasoning
+    block) equals the row's `answer`, else 0.0.
 
-    The one reward function of both sides: ours passes completions as strings with the reasoning block already
-    removed, TRL as chat messages with it; `answer_after_reasoning` makes both the same text (a no-op on ours),
-    then evaluate's answer regex `(-?\\d+)\\s*$` takes the final number."""
+    It reads the generated token ids (`completion_ids`, which both trainers pass to reward functions) and
+    decodes them itself with our `stages.utils.decode_and_strip_padding` (the text our GRPO gives its reward
+    functions), so both sides score the same text. The decoded strings each trainer passes as `completions`
+    differ: TRL decodes with `skip_special_tokens=True`, which drops this tokenizer's `<think>`/`</think>`
+    special tokens and glues the column sums to the answer ("...4+6+1=11</think>114" -> "...=11114"), so a
+    final-number reward on TRL's `completions` scores almost every answer wrong. Then evaluate's answer regex
+    `(-?\d+)\s*$` takes the final number."""
     from stages.rewards import final_integer
-    from stages.utils import answer_after_reasoning
+    from stages.utils import decode_and_strip_padding
 
-    out = []
-    for i, c in enumerate(completions):
-        text = c[-1]["content"] if isinstance(c, list) else str(c)
-        got = final_integer(answer_after_reasoning(text).strip())
-        out.append(float(got is not None and got == int(answer[i])))
-    return out
+    def final_number_reward(prompts, completions, completion_ids=None, answer=None, **_):
+        texts = [decode_and_strip_padding([list(ids)], tokenizer)[0] for ids in completion_ids]
+        out = []
+        for i, text in enumerate(texts):
+            got = final_integer(text.strip())
+            out.append(float(got is not None and got == int(answer[i])))
+        return out
+
+    return final_number_reward
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -211,7 +220,7 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
             from stages.trainers.grpo import GRPOConfig, GRPOTrainer
 
             cfg = training.trainer_config(GRPOConfig, g, args)
-            trainer = GRPOTrainer(model, [final_number_reward], args=cfg, processing_class=tok,
+            trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
                                   train_dataset=prompts)
         else:
             import datasets
@@ -224,7 +233,8 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
                                  scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
                                  mask_truncated_completions=g.mask_truncated_completions, use_vllm=False,
                                  log_completions=False)
-            trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward], args=cfg, processing_class=tok,
+            assert cfg.generation_batch_size == cfg.per_device_train_batch_size  # one generation per step, as ours
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward(tok)], args=cfg, processing_class=tok,
                                       train_dataset=datasets.Dataset.from_list(prompts))
         result = trainer.train()
     return trainer, tok, clock, result
@@ -330,6 +340,8 @@ def parse(argv=None):
     ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
     ap.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    ap.add_argument("--records", default=None, help="append every record to this JSONL file; --write then "
+                    "reports the records already in it too (a run split over several commands)")
     return ap.parse_args(argv)
 
 
@@ -370,10 +382,16 @@ def main(argv=None) -> list[dict[str, Any]]:
     print(HEADER, flush=True)
     records: list[dict[str, Any]] = []
 
+    earlier = [json.loads(line) for line in Path(a.records).read_text().splitlines()] \
+        if a.records and Path(a.records).exists() else []
+
     def report(rec):
         print(record_line(rec), flush=True)
+        if a.records:
+            with open(a.records, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         if a.write:
-            write(Path(a.results), records + [rec], cmd, steps, a)
+            write(Path(a.results), earlier + records + [rec], cmd, steps, a)
 
     try:
         for seed in a.seeds:

@@ -30,12 +30,17 @@ def _sets(d: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def test_the_one_reward_function_reads_both_sides_completions(efficacy):
-    ours = ["so 132", "131", ""]  # ours: strings, reasoning already removed
-    trl = [[{"role": "assistant", "content": "<think>2+9=11, 4+6=10+1</think>132"}],  # TRL: messages, reasoning kept
-           [{"role": "assistant", "content": "<think>2+9=11, 132"}], [{"role": "assistant", "content": "132"}]]
-    assert efficacy.final_number_reward([], ours, answer=["132", "132", "132"]) == [1.0, 0.0, 0.0]
-    assert efficacy.final_number_reward([], trl, answer=["132"] * 3) == [1.0, 0.0, 1.0]  # an unclosed block: no answer
+def test_the_one_reward_function_decodes_the_ids_itself(efficacy):
+    from stages.builtin import tiny
+
+    tok = tiny.build_tokenizer(384)
+    ids = [tok(text, add_special_tokens=False)["input_ids"] for text in (
+        "<think>7+7=14, 4+6+1=11</think>114<|end|>", "<think>7+7=14, 4+6=10</think>104<|end|>",
+        "<think>7+7=14, 114")]  # right, wrong, a block never closed (no answer)
+    # TRL's `completions` for the first: skip_special_tokens drops the think tags and glues the numbers
+    assert tok.decode(ids[0], skip_special_tokens=True).endswith("11114")
+    reward = efficacy.final_number_reward(tok)
+    assert reward(["p"] * 3, ["ignored"] * 3, completion_ids=ids, answer=["114"] * 3) == [1.0, 0.0, 0.0]
 
 
 def test_tiny_sft_run_prints_the_table_for_both_sides(efficacy, tmp_path, capsys):
