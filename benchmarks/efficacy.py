@@ -1,0 +1,425 @@
+"""Efficacy against TRL 1.16: our SFT, DPO and GRPO trainers and TRL's on the built-in task, side by side.
+
+    python benchmarks/efficacy.py                                   # sft dpo grpo, seeds 1 2 3, params.yaml settings
+    python benchmarks/efficacy.py --methods grpo --seeds 1 --grpo-steps 50
+    python benchmarks/efficacy.py --write                           # also benchmarks/RESULTS-efficacy.md
+
+Per seed (`run.seed`), in one process, each side timed alone (never two trainings at once):
+
+- data: our `preprocess` stage (`stages.runner.run_stage`, params.yaml + `--set` overrides) in a temporary
+  `run.output_dir`, which also builds `builtin:tiny` (the same base weights for every seed and both sides);
+- SFT: params.yaml's `sft` settings on both sides, from the same base weights, on the same
+  prompt/completion rows (chat messages, rendered by the model's chat template on both sides),
+  completion-only loss, no packing, fp32 (`bf16=False`, `gradient_checkpointing=False` on both);
+- DPO: both sides from OUR SFT model of that seed, on the same pairs (preprocess's preference pairs,
+  `preference.jsonl`, the `policy.data: preprocess` source), params.yaml's `policy` + `policy.dpo`
+  settings (`--dpo-pairs score`: instead the pairs of the pipeline's own `sft` -> `reward` -> `score` stages
+  of the seed, from that `sft` stage's model, rows labelled `dpo-score`), reference log-probs precomputed
+  once before training on both sides (ours:
+  `precompute_ref_log_probs: true`, params.yaml's default; TRL: `precompute_ref_log_probs=True`);
+- GRPO: both sides from our SFT model, the prompts of preprocess's `prompts.jsonl`, one reward function
+  (`final_number_reward` below, the same Python function on both sides), params.yaml's `policy.grpo`
+  settings mapped to TRL's names (`max_completion_length` = generation.max_new_tokens,
+  `per_device_train_batch_size` counts completions on both sides).
+
+Held-out accuracy: the eval prompts of the built-in task (`eval.jsonl`, 300), decoded by OUR generator
+(`stages.generation.generate`, greedy, `evaluate.max_new_tokens`) for both sides' models and scored by our
+evaluate stage's own `row_metrics` (answer regex `evaluate.answer_regex`, exact match): decoding and scoring
+are identical. Wall and CPU seconds cover building the trainer (tokenisation, reference pass) + `train()`;
+CPU seconds are `time.process_time()` (this process, all threads). The load average is printed beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("sft", "dpo", "grpo")
+ROW_METHODS = ("sft", "dpo", "dpo-score", "grpo")  # dpo-score: DPO on the pairs of our score stage
+SIDES = ("ours", "trl")
+DEFAULT_SEEDS = (1, 2, 3)
+RESULTS = ROOT / "benchmarks" / "RESULTS-efficacy.md"
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def final_number_reward(tokenizer):
+    """The one reward function of both sides: 1.0 where the completion's final number (after its reasoning
+    block) equals the row's `answer`, else 0.0.
+
+    It reads the generated token ids (`completion_ids`, which both trainers pass to reward functions) and
+    decodes them itself with our `stages.utils.decode_and_strip_padding` (the text our GRPO gives its reward
+    functions), so both sides score the same text. The decoded strings each trainer passes as `completions`
+    differ: TRL decodes with `skip_special_tokens=True`, which drops this tokenizer's `<think>`/`</think>`
+    special tokens and glues the column sums to the answer ("...4+6+1=11</think>114" -> "...=11114"), so a
+    final-number reward on TRL's `completions` scores almost every answer wrong. Then evaluate's answer regex
+    `(-?\d+)\s*$` takes the final number."""
+    from stages.rewards import final_integer
+    from stages.utils import decode_and_strip_padding
+
+    def final_number_reward(prompts, completions, completion_ids=None, answer=None, **_):
+        texts = [decode_and_strip_padding([list(ids)], tokenizer)[0] for ids in completion_ids]
+        out = []
+        for i, text in enumerate(texts):
+            got = final_integer(text.strip())
+            out.append(float(got is not None and got == int(answer[i])))
+        return out
+
+    return final_number_reward
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+class Clock:
+    """Wall (perf_counter) and CPU (process_time) seconds of a block."""
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
+
+
+def common_args(p, section, work: Path, name: str, precision: str) -> dict[str, Any]:
+    """The TrainingArguments keywords of our stage `name` (stages.pipeline.training.trainer_args), given to both
+    sides; no checkpoints (timing), and the precision of this run set explicitly."""
+    from stages.pipeline import training
+
+    ctx = SimpleNamespace(work=work, params=p)
+    args = training.trainer_args(ctx, section, device="cpu", section=name)
+    args.update(output_dir=str(work / "checkpoints"), save_strategy="no", bf16=precision == "bf16", fp16=False,
+                gradient_checkpointing=False, logging_steps=max(section.logging_steps, 1))
+    return args
+
+
+def policy_args(p, method: str, work: Path, precision: str, steps: int | None) -> dict[str, Any]:
+    """`common_args` of stage policy with the method's own learning rate / batch / steps / epochs (as the stage)."""
+    args = common_args(p, p.policy, work, "policy", precision)
+    m = getattr(p.policy, method)
+    for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
+        if getattr(m, key) is not None:
+            args[key] = getattr(m, key)
+    if steps is not None:
+        args["max_steps"] = steps
+    return args
+
+
+def load(path: str, p):
+    from stages.models import load_causal_lm, load_tokenizer
+
+    return load_causal_lm(path, dtype=p.model.dtype, device="cpu"), load_tokenizer(path)
+
+
+def accuracy(model, tokenizer, rows: list[dict], p) -> float:
+    """Held-out accuracy exactly as our evaluate stage computes it (its sampling params, generator, metrics)."""
+    from stages.pipeline import evaluate
+
+    e = p.evaluate
+    model.eval()
+    out = evaluate.generate_outputs(model, tokenizer, rows, evaluate.sampling_params(e, p.run.seed),
+                                    batch_size=e.batch_size)
+    row, _ = evaluate.row_metrics(rows, out, ["accuracy"], re.compile(e.answer_regex), None, None)
+    return row["accuracy"]
+
+
+def rows_of(data: Path, name: str) -> list[dict]:
+    from stages.data import read_jsonl
+
+    return read_jsonl(data / f"{name}.jsonl")
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: int | None):
+    model, tok = load(base, p)
+    rows = rows_of(data, "sft_train")
+    s = p.sft
+    args = common_args(p, s, work, "sft", precision)
+    if steps is not None:
+        args["max_steps"] = steps
+    with Clock() as clock:
+        if side == "ours":
+            from stages.pipeline import training
+            from stages.trainers.sft import SFTConfig, SFTTrainer
+
+            cfg = training.trainer_config(SFTConfig, s, args)
+            trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows)
+        else:
+            import datasets
+            import trl
+
+            cfg = trl.SFTConfig(**args, max_length=s.max_seq_length, completion_only_loss=s.completion_only_loss,
+                                packing=False, padding_free=False, dataset_num_proc=None)
+            trainer = trl.SFTTrainer(model=model, args=cfg, processing_class=tok,
+                                     train_dataset=datasets.Dataset.from_list(rows))
+        result = trainer.train()
+    return trainer, tok, clock, result
+
+
+# --------------------------------------------------------------------------- DPO
+
+
+def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps: int | None):
+    model, tok = load(start, p)
+    source = data / "pairs.jsonl" if (data / "pairs.jsonl").exists() else data / "preference.jsonl"
+    pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows_of(source.parent, source.stem)]
+    d = p.policy.dpo
+    args = policy_args(p, "dpo", work, precision, steps)
+    with Clock() as clock:
+        if side == "ours":
+            from stages.pipeline import training
+            from stages.trainers.dpo import DPOConfig, DPOTrainer
+
+            cfg = training.trainer_config(DPOConfig, d, args)
+            assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
+            trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs)
+        else:
+            import datasets
+            import trl
+
+            cfg = trl.DPOConfig(**args, beta=d.beta, loss_type=[d.loss_type], label_smoothing=d.label_smoothing,
+                                max_length=d.max_length, precompute_ref_log_probs=True,
+                                precompute_ref_batch_size=args["per_device_eval_batch_size"], dataset_num_proc=None)
+            trainer = trl.DPOTrainer(model=model, args=cfg, processing_class=tok,
+                                     train_dataset=datasets.Dataset.from_list(pairs))
+        result = trainer.train()
+    return trainer, tok, clock, result
+
+
+# --------------------------------------------------------------------------- GRPO
+
+
+def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps: int | None):
+    model, tok = load(start, p)
+    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows_of(data, "prompts")]
+    g = p.policy.grpo
+    args = policy_args(p, "grpo", work, precision, steps)
+    with Clock() as clock:
+        if side == "ours":
+            from stages.pipeline import training
+            from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+
+            cfg = training.trainer_config(GRPOConfig, g, args)
+            trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
+                                  train_dataset=prompts)
+        else:
+            import datasets
+            import trl
+
+            gen = g.generation
+            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=gen.max_new_tokens,
+                                 temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, beta=g.beta,
+                                 epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_type=g.loss_type,
+                                 scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
+                                 mask_truncated_completions=g.mask_truncated_completions, use_vllm=False,
+                                 log_completions=False)
+            assert cfg.generation_batch_size == cfg.per_device_train_batch_size  # one generation per step, as ours
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward(tok)], args=cfg, processing_class=tok,
+                                      train_dataset=datasets.Dataset.from_list(prompts))
+        result = trainer.train()
+    return trainer, tok, clock, result
+
+
+RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
+    from stages.config import load_params
+
+    return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
+
+
+def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
+             eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess") -> list[dict[str, Any]]:
+    import torch
+    from stages import runner
+    from stages.models import resolve_model
+
+    p = seed_params(out, seed, overrides)
+    runner.run_stage("preprocess", p)
+    data, base = out / "preprocess", resolve_model(p.model, p.run.output_dir)
+    eval_rows = rows_of(data, "eval")[: eval_samples if eval_samples > 0 else None]
+    records = []
+    sft_model = out / "sft-ours-model"  # our SFT model of this seed: where DPO and GRPO start on both sides
+    dpo_start, dpo_data = str(sft_model), data
+    if "dpo" in methods and dpo_pairs == "score":  # the pipeline's own sft -> reward -> score of this seed
+        for stage in ("sft", "reward", "score"):
+            runner.run_stage(stage, p)
+        dpo_start, dpo_data = str(out / "sft" / "model"), out / "score"
+    need_sft = "sft" in methods or ("grpo" in methods or dpo_start == str(sft_model)) and not sft_model.is_dir()
+    for method in ["sft"] * need_sft + [m for m in methods if m != "sft"]:
+        for side in SIDES:
+            if method == "sft" and side == "trl" and "sft" not in methods:
+                continue
+            torch.manual_seed(seed)
+            work = out / f"work-{method}-{side}"
+            start = base if method == "sft" else dpo_start if method == "dpo" else str(sft_model)
+            trainer, tok, clock, result = RUNNERS[method](side, p, start, dpo_data if method == "dpo" else data,
+                                                          work, precision, steps[method])
+            acc = accuracy(trainer.model, tok, eval_rows, p)
+            if method == "sft" and side == "ours":
+                trainer.save_model(str(sft_model))
+                tok.save_pretrained(str(sft_model))
+            rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
+                   "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
+                   "cpu_s": clock.cpu, "steps": trainer.state.global_step, "train_loss": result.training_loss,
+                   "load": os.getloadavg()[0], "precision": precision}
+            if method in methods:
+                records.append(rec)
+                report(rec)
+            shutil.rmtree(work, ignore_errors=True)
+            del trainer
+    return records
+
+
+HEADER = "| method | side | seed | held-out accuracy | wall s | CPU s | steps | train loss | load (1 min) |"
+
+
+def record_line(r: dict[str, Any]) -> str:
+    return (f"| {r['method']} | {r['side']} | {r['seed']} | {100 * r['accuracy']:.1f}% | {r['wall_s']:.1f} | "
+            f"{r['cpu_s']:.1f} | {r['steps']} | {r['train_loss']:.4f} | {r['load']:.2f} |")
+
+
+def summary_lines(records: list[dict[str, Any]]) -> list[str]:
+    lines = ["| method | side | seeds | held-out accuracy (mean ± sd) | wall s (mean ± sd) | CPU s (mean ± sd) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for method in ROW_METHODS:
+        for side in SIDES:
+            rs = [r for r in records if r["method"] == method and r["side"] == side]
+            if not rs:
+                continue
+            a, w, c = (mean_sd([r[k] for r in rs]) for k in ("accuracy", "wall_s", "cpu_s"))
+            lines.append(f"| {method} | {side} | {len(rs)} | {100 * a[0]:.1f}% ± {100 * a[1]:.1f}% | "
+                         f"{w[0]:.1f} ± {w[1]:.1f} | {c[0]:.1f} ± {c[1]:.1f} |")
+    return lines
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    return "\n".join([HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(record_line, records), "",
+                      *summary_lines(records)])
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+    ap.add_argument("--steps-scale", type=float, default=None,
+                    help="every method's steps = scale x its default number of optimizer steps")
+    for m in METHODS:
+        ap.add_argument(f"--{m}-steps", type=int, default=None, help=f"max_steps of {m} on both sides")
+    ap.add_argument("--eval-samples", type=int, default=-1, help="first N eval prompts (default: all)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: autocast (bf16=True) on both sides, fp32 weights")
+    ap.add_argument("--dpo-pairs", choices=("preprocess", "score"), default="preprocess",
+                    help="preprocess: preprocess's preference pairs, from our direct SFT model; score: the pipeline's "
+                         "sft -> reward -> score stages of the seed (run first), from that sft stage's model")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
+    ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
+    ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    ap.add_argument("--records", default=None, help="append every record to this JSONL file; --write then "
+                    "reports the records already in it too (a run split over several commands)")
+    return ap.parse_args(argv)
+
+
+def default_steps(p, method: str, data: Path | None = None) -> int:
+    """Optimizer steps of `method` at params.yaml's settings (for --steps-scale)."""
+    import math
+
+    if method == "grpo" and p.policy.grpo.max_steps:
+        return p.policy.grpo.max_steps
+    n = {"sft": p.data.builtin.num_train * 0.95, "dpo": p.data.builtin.num_preference * 0.9}[method]
+    s = p.sft if method == "sft" else p.policy
+    batch = s.per_device_train_batch_size if method == "sft" else (p.policy.dpo.per_device_train_batch_size
+                                                                   or p.policy.per_device_train_batch_size)
+    return math.ceil(n / batch) * s.num_train_epochs
+
+
+def main(argv=None) -> list[dict[str, Any]]:
+    import torch
+    import trl
+    from stages.config import parse_overrides
+
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    a = parse(argv)
+    overrides, problems = parse_overrides(a.set)
+    if problems:
+        raise SystemExit("\n".join(problems))
+    steps = {m: getattr(a, f"{m}_steps") for m in METHODS}
+    if a.steps_scale is not None:
+        p0 = seed_params(Path(tempfile.gettempdir()), a.seeds[0], overrides)
+        steps = {m: steps[m] or max(1, round(a.steps_scale * default_steps(p0, m))) for m in METHODS}
+    out = Path(a.output_dir) if a.output_dir else Path(tempfile.mkdtemp(prefix="efficacy-"))
+    cmd = "python benchmarks/efficacy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"trl {trl.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()}", flush=True)
+    print(HEADER, flush=True)
+    records: list[dict[str, Any]] = []
+
+    earlier = [json.loads(line) for line in Path(a.records).read_text().splitlines()] \
+        if a.records and Path(a.records).exists() else []
+
+    def report(rec):
+        print(record_line(rec), flush=True)
+        if a.records:
+            with open(a.records, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if a.write:
+            write(Path(a.results), earlier + records + [rec], cmd, steps, a)
+
+    try:
+        for seed in a.seeds:
+            records += run_seed(seed, a.methods, out / f"seed-{seed}", overrides, steps, a.eval_samples,
+                                a.precision, report, a.dpo_pairs)
+    finally:
+        if not a.output_dir:
+            shutil.rmtree(out, ignore_errors=True)
+    print()
+    print(table(records), flush=True)
+    print(f"load average at the end {os.getloadavg()}", flush=True)
+    return records
+
+
+def write(path: Path, records: list[dict[str, Any]], cmd: str, steps: dict, a) -> None:
+    import torch
+    import trl
+
+    overridden = {m: s for m, s in steps.items() if s is not None}
+    path.write_text("\n".join([
+        "# Efficacy against TRL 1.16 (`benchmarks/efficacy.py`)", "",
+        f"Command: `{cmd}`  ", f"trl {trl.__version__}, torch {torch.__version__}, 1 thread, "
+        f"precision {a.precision}, step overrides {overridden or 'none'}, "
+        f"eval prompts {a.eval_samples if a.eval_samples > 0 else 'all (300)'}. "
+        "Load average (1 min) per row: the machine is shared.", "",
+        "## Per seed", "", HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(record_line, records), "",
+        "## Mean ± sd over seeds", "", *summary_lines(records), ""]))
+
+
+if __name__ == "__main__":
+    main()
