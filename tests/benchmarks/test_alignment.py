@@ -1,8 +1,6 @@
 """benchmarks/alignment.py: the tuning budget, the choice, and a sweep that looks at eval only for the choice."""
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
 from pathlib import Path
 
@@ -10,6 +8,7 @@ import pytest
 
 from stages import artifacts
 from stages.config import load_params
+from tests.benchmarks.helpers import as_sets, load_benchmark
 from tests.conftest import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,18 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def alignment():
-    spec = importlib.util.spec_from_file_location("alignment_bench", ROOT / "benchmarks" / "alignment.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _flat(d: dict, prefix: str = "") -> list[str]:
-    """SMALL as --set KEY=VALUE arguments (JSON values are YAML)."""
-    out = []
-    for k, v in d.items():
-        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else ["--set", f"{prefix}{k}={json.dumps(v)}"]
-    return out
+    return load_benchmark("alignment")
 
 
 def test_every_method_gets_the_same_budget_of_valid_configurations(alignment):
@@ -55,7 +43,7 @@ def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(ali
     monkeypatch.setattr(alignment, "RESULTS", tmp_path / "RESULTS-alignment.md")
     out = tmp_path / "bench"
     alignment.main(["--sweep", "--seeds", "1", "2", "--methods", "dpo", "--output-dir", str(out), "--write",
-                    *_flat(SMALL)])
+                    *as_sets(SMALL)])
     printed = capsys.readouterr().out
     chosen = re.search(r"^dpo: dev accuracy per configuration .*; chosen (\S+)$", printed, re.M).group(1)
     names = [alignment.config_name(c) for c in alignment.configurations("dpo")]

@@ -1,33 +1,19 @@
 """benchmarks/efficacy.py: ours vs TRL on tiny settings prints its table (one method, one seed, a few steps)."""
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 
+from tests.benchmarks.helpers import as_sets, load_benchmark  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def efficacy():
-    spec = importlib.util.spec_from_file_location("efficacy_bench", ROOT / "benchmarks" / "efficacy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sets(d: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in d.items():
-        out += _sets(v, f"{prefix}{k}.") if isinstance(v, dict) else ["--set", f"{prefix}{k}={json.dumps(v)}"]
-    return out
+    return load_benchmark("efficacy")
 
 
 def test_the_one_reward_function_decodes_the_ids_itself(efficacy):
@@ -47,7 +33,7 @@ def test_tiny_sft_run_prints_the_table_for_both_sides(efficacy, tmp_path, capsys
     small = {"model": SMALL["model"], "data": SMALL["data"], "evaluate": SMALL["evaluate"]}
     records = efficacy.main(["--methods", "sft", "--seeds", "1", "--sft-steps", "2", "--eval-samples", "4",
                              "--output-dir", str(tmp_path / "out"), "--write", "--results",
-                             str(tmp_path / "RESULTS.md"), *_sets(small)])
+                             str(tmp_path / "RESULTS.md"), *as_sets(small)])
     printed = capsys.readouterr().out
     assert [(r["method"], r["side"], r["steps"]) for r in records] == [("sft", "ours", 2), ("sft", "trl", 2)]
     for side in ("ours", "trl"):
