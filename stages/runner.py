@@ -184,8 +184,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
-        seeding.set_threads(params.run.threads)
-        seeding.seed_everything(params.run.seed)  # before the stage draws anything (a fresh head, LoRA, dropout)
+        seeding.prepare(params.run)  # before the stage draws anything (a fresh head, LoRA, dropout)
         metrics = fn(ctx) or {}
         manifest = artifacts.write_manifest(tmp, {
             "stage": name,
@@ -233,8 +232,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
-        seeding.set_threads(params.run.threads, sharing=num_shards)
-        seeding.seed_everything(params.run.seed)
+        seeding.prepare(params.run, sharing=num_shards)
         summary = fn(ctx, shard, num_shards) or {}
     return {**row, "executed": True, **summary}
 
@@ -275,8 +273,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work)
-        seeding.set_threads(params.run.threads)
-        seeding.seed_everything(params.run.seed)
+        seeding.prepare(params.run)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 

@@ -1,6 +1,6 @@
 """Seeds and determinism settings, set once before a stage runs; what its outputs still depend on.
 
-`stages.runner` calls `seed_everything(run.seed)` before every stage entry point (and every
+`stages.runner` calls `prepare(run)` (threads from `run.threads`, then `seed_everything(run.seed)`) before every stage entry point (and every
 shard, and every launched rank), whichever way it was started (the Prefect flow, `python -m
 stages`, `dvc repro`). So whatever a stage draws before its trainer sets its own seed — a fresh
 reward-model `score` head, a PPO value head, LoRA's `A` matrices, dropout — is drawn from the
@@ -91,6 +91,13 @@ def set_threads(threads: int | str, sharing: int = 1) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def prepare(run, sharing: int = 1) -> None:
+    """What the runner does before every stage, shard and launched rank draws anything: torch's threads
+    from `run.threads` (split between `sharing` processes for "auto"), then every RNG from `run.seed`."""
+    set_threads(run.threads, sharing)
+    seed_everything(run.seed)
 
 
 def stable_seed(*parts: int | Iterable[int]) -> int:
