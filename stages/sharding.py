@@ -101,10 +101,16 @@ def generate_kwargs(model) -> dict:
     return {}
 
 
+def unwrap_wrappers(model):
+    """`model` without DDP / accelerate wrappers (PEFT kept, unlike `unwrap`)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def unwrap(model):
     """The model inside the DDP / accelerate wrappers and PEFT's adapter wrapper."""
-    while hasattr(model, "module"):  # DDP / accelerate wrappers
-        model = model.module
+    model = unwrap_wrappers(model)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return model

@@ -158,10 +158,10 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         if self.args.reference_free:
             return None, None
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-            return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs).chunk(2)
+            return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True).chunk(2)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps = sequence_logps(model, inputs, chunked=self.args.use_chunked_logprobs)
+        logps = sequence_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=True)
         ref_chosen, ref_rejected = self.reference_logps(model, inputs)
         bco_delta = None
         if self.reward_mean is not None:

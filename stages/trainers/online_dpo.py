@@ -151,9 +151,9 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
-        logps = sequence_logps(model, inputs, chunked=chunked)
+        logps = sequence_logps(model, inputs, chunked=chunked, pairs=True)
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-            ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked).chunk(2)
+            ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked, pairs=True).chunk(2)
         weight = inputs["weight"]  # (B,): 0 for a tied or unscored pair (kept so every rank runs backward)
         bco_delta = None
         if self.reward_mean is not None:  # bco_pair's running δ over the kept pairs' implicit rewards

@@ -21,7 +21,8 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
-from stages.trainers.logprobs import head_logprobs, lm_head_for_chunking, selected_hidden
+from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
+from stages.trainers.pair_packing import pack_pairs
 from stages.trainers.objectives import check_objective_output
 from stages.utils import pad
 
@@ -70,19 +71,27 @@ class PairCollator:
         return batch
 
 
-def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = False, chunked: bool = True
-                   ) -> torch.Tensor:
-    """Summed (or per-token averaged) completion log-probs of every row: (rows,)."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = False, chunked: bool = True,
+                   pairs: bool = False) -> torch.Tensor:
+    """Summed (or per-token averaged) completion log-probs of every row: (rows,).
+
+    pairs: the rows are a `PairCollator` batch (B chosen, then B rejected); each pair then runs as one row
+    packed on its shared prefix where the model allows (`stages.trainers.pair_packing`), with the same result.
+    """
+    packed = pack_pairs(model, batch) if pairs else None
+    inputs = (packed.inputs(model) if packed is not None
+              else {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+    unpack = packed.unpack if packed is not None else (lambda x: x)
     targets = batch["input_ids"][:, 1:]
     select = batch["completion_mask"][:, 1:].bool()
     head = lm_head_for_chunking(model) if chunked else None
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
     if head is not None:
-        hidden, _ = selected_hidden(model, inputs, select)
+        hidden, _ = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=1)
+        hidden = unpack(hidden)[:, :-1][select]
         per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
     else:
-        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        logits = unpack(model(**inputs, use_cache=False).logits)[:, :-1]
         per_token = torch.where(select, selective_log_softmax(logits, targets).float(), per_token)
     total = per_token.sum(-1)
     return total / completion_token_counts(batch).clamp(min=1) if average else total

@@ -24,20 +24,13 @@ import copy
 
 import torch
 
-from stages.sharding import sharded_reference, sharding_engine
+from stages.sharding import sharded_reference, sharding_engine, unwrap_wrappers  # noqa: F401 (re-exported)
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import autocast_forward
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, sequence_logps,
                                         tokenize_pairs)
 
 REFERENCE_FORWARDS = 0  # reference forward passes run so far (see reference_sequence_logps); for tests/benchmarks
-
-
-def unwrap_wrappers(model):
-    """`model` without DDP / accelerate wrappers (PEFT kept, unlike `logprobs.unwrap`)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def is_peft(model) -> bool:
@@ -82,11 +75,12 @@ def precomputed(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def reference_sequence_logps(ref, batch: dict[str, torch.Tensor], *, chunked: bool = True) -> torch.Tensor:
+def reference_sequence_logps(ref, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False
+                             ) -> torch.Tensor:
     """`sequence_logps` (sums) under the reference, counted in REFERENCE_FORWARDS: (rows,)."""
     global REFERENCE_FORWARDS
     REFERENCE_FORWARDS += 1
-    return sequence_logps(ref, batch, chunked=chunked)
+    return sequence_logps(ref, batch, chunked=chunked, pairs=pairs)
 
 
 @torch.no_grad()
@@ -110,7 +104,7 @@ def reference_logps_table(model, tokenizer, rows: list[dict], *, max_length: int
     try:
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size]).items()}
-            logps = reference_sequence_logps(model, batch, chunked=chunked)
+            logps = reference_sequence_logps(model, batch, chunked=chunked, pairs=True)
             if average:
                 logps = logps / completion_token_counts(batch).clamp(min=1)
             out.append(torch.stack(logps.chunk(2), dim=1).cpu())

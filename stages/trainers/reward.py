@@ -43,6 +43,7 @@ from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.fields import raise_problems
 from stages.losses import reward_loss
+from stages.trainers.pair_packing import pack_pairs
 from stages.trainers.preference import tokenized_dataset
 from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
@@ -163,21 +164,26 @@ def score_head(model) -> nn.Module:
                      "*ForSequenceClassification model; load it with stages.trainers.reward.load_reward_model")
 
 
-def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool = False
+                     ) -> torch.Tensor:
     """One reward per row, read at the row's last attended token: input_ids, attention_mask (N, T) -> (N,).
 
     The head's per-position output (N, T, 1) is caught with a forward hook, so the model's
     own forward runs as usual (DDP/FSDP hooks fire, PEFT's trainable head copy is used) and
     the position comes from the mask, not from pad ids (see the module docstring). Works
-    for left or right padding.
+    for left or right padding. pairs: the rows are a `RewardCollator` batch (B chosen, then B
+    rejected); each pair then runs as one row packed on its shared prefix where the model allows
+    (`stages.trainers.pair_packing`), with the same rewards.
     """
+    packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
+    inputs = packed.inputs(model) if packed is not None else {"input_ids": input_ids, "attention_mask": attention_mask}
     captured = []
     handle = score_head(model).register_forward_hook(lambda _module, _args, out: captured.append(out))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        model(**inputs, use_cache=False)
     finally:
         handle.remove()
-    scores = captured[-1]
+    scores = captured[-1] if packed is None else packed.unpack(captured[-1])
     if scores.shape[-1] != 1:
         raise ValueError(f"the reward head has {scores.shape[-1]} outputs; a reward model has exactly one "
                          "(load it with load_reward_model, which sets num_labels = 1)")
@@ -272,7 +278,7 @@ class RewardTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
+        rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"], pairs=True)
         chosen, rejected = rewards.chunk(2)
         loss, metrics = reward_loss(chosen, rejected, margin=inputs.get("margin"),
                                     center_rewards_coefficient=self.args.center_rewards_coefficient)
