@@ -139,3 +139,21 @@ def test_no_packing_when_it_saves_little(tmp_path):
     batch = _batch([([5, 6, 7, 8], [9, 10, 11, 12], 0), ([13, 14, 15], [16, 17, 18], 0)])
     assert pack_pairs(model, batch) is None
     assert sequence_logps(model, batch, pairs=True).shape == (4,)
+
+
+def test_packing_is_kept_under_bf16_autocast(tmp_path):
+    """bf16 rounding is far inside the first-use check's tolerance: the packed rows are used, and the log-probs
+    agree with the padded ones as closely as two bf16 forwards can."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.trainers.precision import autocast_forward
+
+    path = build_tiny(tmp_path / "m", num_layers=2)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, builtin_rows("preference", "preference",
+                                                                           num_preference=8), 128))
+    with autocast_forward(model, "bf16"):
+        assert pack_pairs(model, batch) is not None
+        packed, padded = sequence_logps(model, batch, pairs=True), sequence_logps(model, batch)
+    torch.testing.assert_close(packed, padded, rtol=2e-2, atol=0.1)
