@@ -32,8 +32,9 @@ The setup (what the issue compares):
 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
-forwards run with gradients (the trained tokens: attention-mask sums, or all ids when padding-free)
-per second of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
+forwards run with gradients (the trained tokens: attention-mask sums, or all ids when padding-free;
+our packed pairs count their shared prefix once: tokens computed, not tokens of data) per second
+of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
 thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
 `malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
 optimizer state and activations count; the Python/torch allocator caches make it a rough figure),
@@ -131,7 +132,10 @@ class StepTimer:
             return
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self.tokens += int(mask.sum()) if mask is not None and mask.dim() == 2 else int(ids.numel())
+        if mask is not None and mask.dim() == 4:  # our packed pairs: every real query attends its row's first token
+            self.tokens += int(mask[:, 0, :, 0].sum())
+        else:
+            self.tokens += int(mask.sum()) if mask is not None and mask.dim() == 2 else int(ids.numel())
 
     def summary(self, warmup: int) -> tuple[float, float, float]:
         """(median s/step, tokens/s, median CPU s/step) over the steps after `warmup`."""
