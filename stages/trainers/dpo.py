@@ -44,7 +44,7 @@ from stages.trainers.objectives import objective_problems, resolve_objective
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, preference_loss, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
-from stages.trainers.precision import trainer_precision
+from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
                                        reference_model, reference_sequence_logps)
 from stages.trainers.logprobs import unwrap
@@ -111,6 +111,7 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
 
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", PairCollator(processing_class.pad_token_id))
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=prepare(
             train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]

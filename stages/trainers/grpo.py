@@ -81,7 +81,7 @@ from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import PairCollator, tokenize_pairs
-from stages.trainers.precision import trainer_precision
+from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
@@ -227,6 +227,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                              "['exact_match']) or reward_head = 'shared' with a preference_dataset")
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", rows_collator)
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
         self.reward_functions = build_reward_functions(reward_functions, args.reward_weights) \
             if reward_functions is not None else None

@@ -32,7 +32,7 @@ from stages.losses import kto_loss
 from stages.fields import raise_problems
 from stages.trainers.kto_params import KTOParams
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
-from stages.trainers.precision import trainer_precision
+from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
 
@@ -124,6 +124,7 @@ class KTOTrainer(Trainer):
         check_labels(train["label"], args.desirable_weight, args.undesirable_weight)
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", KTOCollator(processing_class.pad_token_id, args.max_length))
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=train,
                          eval_dataset=prepare(eval_dataset), **kwargs)
         self.ref_model = frozen_reference(self.model, ref_model)

@@ -41,7 +41,7 @@ from stages.trainers.online_dpo_params import OnlineDPOParams
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
                                         sequence_logps)
-from stages.trainers.precision import trainer_precision
+from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 
@@ -102,6 +102,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         self.reward_functions = build_reward_functions(reward_functions, args.reward_weights)
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", list)  # rows pass through; prompts are rendered by the generator
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)

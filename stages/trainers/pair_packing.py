@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from stages.sharding import sharding_engine, unwrap_wrappers
+from stages.trainers.precision import CPU_FP32_SDPA
 
 log = logging.getLogger(__name__)
 
-MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
+MASKED_ATTENTION = ("sdpa", CPU_FP32_SDPA, "eager")  # attention implementations that take a custom 4D mask
 MIN_SAVING = 0.1                      # pack only when it removes at least this share of the tokens
 CHECK_PAIRS = 2                       # pairs compared packed against padded on a model's first packed forward
 TOLERANCE = 0.05                      # largest relative difference of a hidden state accepted there

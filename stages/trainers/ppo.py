@@ -61,7 +61,7 @@ from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.ppo_params import PPOParams
-from stages.trainers.precision import trainer_precision
+from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, sampler_logps
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
@@ -145,6 +145,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
             # "unused" (chunked log-probs read it outside the forward) and then fail when its gradient arrives
             args.ddp_find_unused_parameters = False
         kwargs.setdefault("data_collator", _keep_rows)
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class,
                          train_dataset=datasets.Dataset.from_list(rows), **kwargs)
         from stages.generation.common import eos_token_ids

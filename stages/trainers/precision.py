@@ -8,6 +8,12 @@ that policy outside its Trainer (the `reference` stage, a frozen copy, a precomp
 `train()`) must run the same way: otherwise the policy at step 0 differs from its reference by
 the autocast's rounding, and DPO's first margins are that rounding instead of 0.
 `autocast_forward` is that wrapping, with accelerate's own output conversion.
+
+Attention under CPU autocast runs in fp32 (`CPU_FP32_SDPA`, which `use_fp32_cpu_attention` gives every
+`sdpa` model a trainer or `wrap_forward` sees): torch's CPU flash-attention backward is ~5x slower in
+bf16 than in fp32 at the head sizes of small models (`benchmarks/peers.py`, README Figures), and
+autocast would cast SDPA's inputs to bf16. The matmuls stay in bf16; the attention is then more precise,
+not less. Without CPU autocast (fp32 training, any GPU) the implementation is plain `sdpa`, bit for bit.
 """
 from __future__ import annotations
 
@@ -18,6 +24,38 @@ from typing import Iterator
 import torch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+CPU_FP32_SDPA = "sdpa_cpu_fp32"  # transformers' sdpa, computed in fp32 under CPU autocast (registered below)
+
+
+def _sdpa_fp32_under_cpu_autocast(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                          **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_cpu_fp32_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CPU_FP32_SDPA, _sdpa_fp32_under_cpu_autocast)
+    AttentionMaskInterface.register(CPU_FP32_SDPA, sdpa_mask)  # the same masks as sdpa
+
+
+def use_fp32_cpu_attention(model) -> None:
+    """Switch an `sdpa` model (through DDP/accelerate wrappers) to CPU_FP32_SDPA, in memory only (the saved
+    config.json does not record an attention implementation); other implementations are left alone."""
+    while hasattr(model, "module"):
+        model = model.module
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
+        _register_cpu_fp32_sdpa()
+        model.set_attn_implementation(CPU_FP32_SDPA)
 
 
 def mixed_precision(setting: str, device: str, section: str) -> str:
@@ -47,6 +85,7 @@ def wrap_forward(model, precision: str):
         return model
     from accelerate.utils import convert_outputs_to_fp32
 
+    use_fp32_cpu_attention(model)
     dtype, forward = AUTOCAST_DTYPES[precision], model.forward
 
     @functools.wraps(forward)  # keeps the signature: `lm_head_for_chunking` reads it, as through accelerate's

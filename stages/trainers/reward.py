@@ -47,6 +47,7 @@ from stages.trainers.pair_packing import pack_pairs
 from stages.trainers.preference import tokenized_dataset
 from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
+from stages.trainers.precision import use_fp32_cpu_attention
 from stages.utils import pad
 
 log = logging.getLogger("stages")
@@ -273,6 +274,7 @@ class RewardTrainer(Trainer):
             _with_pad(unwrap(model), processing_class)
         args.remove_unused_columns = False
         kwargs.setdefault("data_collator", RewardCollator(processing_class.pad_token_id))
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class,
                          train_dataset=prepare(train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}

@@ -27,6 +27,7 @@ from stages.fields import WARMUP_RATIO, raise_problems
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
 from stages.trainers.sft_params import SFTParams
+from stages.trainers.precision import use_fp32_cpu_attention
 
 
 @dataclass
@@ -63,6 +64,7 @@ class SFTTrainer(Trainer):
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss,
             padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_seq_length))
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
         super().__init__(model=model, args=args, processing_class=processing_class,
                          train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
                          eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)

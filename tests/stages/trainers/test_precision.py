@@ -65,3 +65,50 @@ def test_cached_casts_samples_as_per_forward_autocast_and_casts_each_weight_once
     weights = sum(1 for p in model.parameters() if p.dim() == 2) - 1  # the embedding is looked up, not cast
     assert per_forward_casts - cached_casts >= weights * (g.max_new_tokens - 2)
     assert not torch.is_autocast_enabled("cpu")
+
+
+def _sdpa_input_dtypes(model, ids) -> set:
+    """The dtypes the CPU attention kernels receive in one training step (forward + backward) under bf16 autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func):
+                seen.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids).logits.float().sum().backward()
+    return seen
+
+
+def test_attention_runs_in_fp32_under_cpu_autocast_and_is_plain_sdpa_otherwise(tmp_path):
+    """The CPU flash-attention backward is several times slower in bf16: under CPU autocast the attention of a
+    converted model gets fp32 inputs (a plain sdpa model's gets bf16), without autocast the logits and gradients
+    are bit-identical to plain sdpa, and nothing of it reaches the saved config."""
+    import copy
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.trainers.precision import CPU_FP32_SDPA, use_fp32_cpu_attention
+
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4))
+    model = copy.deepcopy(plain)
+    use_fp32_cpu_attention(model)
+    assert model.config._attn_implementation == CPU_FP32_SDPA and plain.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 64, (3, 10))
+    assert _sdpa_input_dtypes(plain, ids) == {torch.bfloat16}
+    assert _sdpa_input_dtypes(model, ids) == {torch.float32}
+    for m in (plain, model):
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    model.save_pretrained(tmp_path)
+    assert CPU_FP32_SDPA not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+    assert LlamaForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
