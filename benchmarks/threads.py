@@ -35,7 +35,9 @@ threads, path, steps, bf16 = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sy
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM
+from stages.trainers.precision import use_fp32_cpu_attention
 m = AutoModelForCausalLM.from_pretrained(path)
+use_fp32_cpu_attention(m)  # as our trainers run it: attention in fp32 under CPU autocast
 opt = torch.optim.AdamW(m.parameters(), 1e-4)
 x = torch.randint(0, m.config.vocab_size, (32, 50))
 prompts = torch.randint(0, m.config.vocab_size, (256, 16))
