@@ -115,6 +115,15 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: 
     return PackedPairs(ids[:, :width_p], pos[:, :width_p], mask[:, None], rows, index)
 
 
+def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool):
+    """(the forward's inputs, a function taking its per-position outputs back to the padded rows): packed where
+    `pairs` and `pack_pairs` allow, else the padded rows themselves and the identity."""
+    packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
+    if packed is None:
+        return {"input_ids": input_ids, "attention_mask": attention_mask}, (lambda x: x)
+    return packed.inputs(model), packed.unpack
+
+
 def pack_pairs(model, batch: dict[str, torch.Tensor]) -> PackedPairs | None:
     """`batch` (2B padded pair rows) packed for `model`, or None when the padded rows should be used."""
     if attention_implementation(model) not in MASKED_ATTENTION or sharding_engine(model):

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import torch
 
+from stages.sharding import unwrap_wrappers
+
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,8 +52,7 @@ def _register_cpu_fp32_sdpa() -> None:
 def use_fp32_cpu_attention(model) -> None:
     """Switch an `sdpa` model (through DDP/accelerate wrappers) to CPU_FP32_SDPA, in memory only (the saved
     config.json does not record an attention implementation); other implementations are left alone."""
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap_wrappers(model)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
         _register_cpu_fp32_sdpa()

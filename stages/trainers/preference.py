@@ -22,7 +22,7 @@ from transformers import Trainer
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
 from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
-from stages.trainers.pair_packing import pack_pairs
+from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.objectives import check_objective_output
 from stages.utils import pad
 
@@ -78,10 +78,7 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = Fal
     pairs: the rows are a `PairCollator` batch (B chosen, then B rejected); each pair then runs as one row
     packed on its shared prefix where the model allows (`stages.trainers.pair_packing`), with the same result.
     """
-    packed = pack_pairs(model, batch) if pairs else None
-    inputs = (packed.inputs(model) if packed is not None
-              else {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
-    unpack = packed.unpack if packed is not None else (lambda x: x)
+    inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs)
     targets = batch["input_ids"][:, 1:]
     select = batch["completion_mask"][:, 1:].bool()
     head = lm_head_for_chunking(model) if chunked else None

@@ -43,7 +43,7 @@ from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.fields import raise_problems
 from stages.losses import reward_loss
-from stages.trainers.pair_packing import pack_pairs
+from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
 from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
@@ -176,15 +176,14 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     rejected); each pair then runs as one row packed on its shared prefix where the model allows
     (`stages.trainers.pair_packing`), with the same rewards.
     """
-    packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
-    inputs = packed.inputs(model) if packed is not None else {"input_ids": input_ids, "attention_mask": attention_mask}
+    inputs, unpack = forward_inputs(model, input_ids, attention_mask, pairs=pairs)
     captured = []
     handle = score_head(model).register_forward_hook(lambda _module, _args, out: captured.append(out))
     try:
         model(**inputs, use_cache=False)
     finally:
         handle.remove()
-    scores = captured[-1] if packed is None else packed.unpack(captured[-1])
+    scores = unpack(captured[-1])
     if scores.shape[-1] != 1:
         raise ValueError(f"the reward head has {scores.shape[-1]} outputs; a reward model has exactly one "
                          "(load it with load_reward_model, which sets num_labels = 1)")
