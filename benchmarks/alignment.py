@@ -19,12 +19,14 @@ decoding). It changes neither the base model (`model.builtin.seed`) nor the task
                                               them current (the stage contract), so they never rerun
 
 Default mode: each method with params.yaml's settings, evaluated on the held-out `eval` split
-(the reported table) and on `dev` (printed beside it). `--sweep`: each method gets the same
-tuning budget, the configurations of SWEEP below (learning rate × one knob of the method, 4
-each, params.yaml's setting among them), every one trained on every seed and scored on `dev`
-only; the configuration with the best mean dev accuracy (the first in SWEEP's order on a tie)
-is then scored on `eval`, the only time eval is looked at. `--write` writes the tables
-(and in sweep mode every configuration's dev accuracy) to benchmarks/RESULTS-alignment.md.
+(the reported table) and on `dev` (printed beside it). `--sweep N`: round N of the tuning budget,
+the same for every method (ROUNDS below): round 1 tries 2 learning rates × one knob of the method
+(4 configurations), round 2 one more knob from round 1's choice, which params.yaml holds (its
+value and one other: 2 configurations, params.yaml's being the default run's). Every
+configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
+accuracy (the first in order on a tie) is then scored on `eval`, the only time eval is looked
+at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode) or
+benchmarks/RESULTS-alignment-sweep-<N>.md (every configuration's dev accuracy).
 
 Times are each stage's build time from its manifest (a reused stage keeps the time it was
 built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 150 s of shared stages per
@@ -59,25 +61,59 @@ PER_METHOD = ("reference", "policy", "merge", "evaluate")
 DEFAULT_SEEDS = (1, 2, 3)
 RESULTS = ROOT / "benchmarks" / "RESULTS-alignment.md"
 
-# The tuning budget, the same for every method: 2 learning rates x 2 values of one knob of the method (keys under
-# policy.<method>.), params.yaml's setting among them. --sweep trains each on every seed and scores it on dev.
-SWEEP: dict[str, dict[str, list[Any]]] = {
-    "dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
-    "kto": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
-    "online_dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
-    "grpo": {"learning_rate": [1e-4, 1.5e-4], "num_generations": [4, 8]},
-    "ppo": {"learning_rate": [1.5e-5, 3e-5], "kl_coef": [0.02, 0.05]},
+# The tuning budget, the same for every method: 6 configurations in two rounds, each scored on dev over the seeds.
+# Round 1: 2 learning rates x 2 values of one knob (keys under policy.<method>.). Round 2, from round 1's choice
+# (params.yaml's settings since): one more knob, params.yaml's value first and one other.
+ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
+    {"dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+     "kto": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+     "online_dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
+     "grpo": {"learning_rate": [1e-4, 1.5e-4], "num_generations": [4, 8]},
+     "ppo": {"learning_rate": [1.5e-5, 3e-5], "kl_coef": [0.02, 0.05]}},
+    {"dpo": {"num_train_epochs": [1.0, 2.0]},
+     "kto": {"num_train_epochs": [1.0, 2.0]},
+     "online_dpo": {"rewards": ["reward_model", "exact_match+reward_model"]},
+     "grpo": {"generation.temperature": [1.0, 1.2]},
+     "ppo": {"rewards": ["reward_model", "exact_match+reward_model"]}},
+]
+# Named values of knobs that set several keys at once: the verifiable reward deciding and the reward model breaking
+# ties, as score.reward_functions does, against the reward model alone.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "rewards": {"reward_model": {"reward_functions": ["reward_model"], "reward_weights": None},
+                "exact_match+reward_model": {"reward_functions": ["exact_match", "reward_model"],
+                                             "reward_weights": [1.0, 0.05]}},
 }
 
 
-def configurations(method: str) -> list[dict[str, Any]]:
-    """SWEEP's grid of `method`: one {knob: value} per configuration, in a fixed order."""
-    grid = SWEEP[method]
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+def configurations(method: str, round_: int = 1) -> list[dict[str, Any]]:
+    """Round `round_`'s configurations of `method`, one {knob: value} each, in a fixed order. Round 2's first is
+    params.yaml's own setting, written {} (the default run's folder)."""
+    grid = ROUNDS[round_ - 1][method]
+    if round_ == 1:
+        return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    (knob, values), = grid.items()
+    return [{}] + [{knob: v} for v in values[1:]]
+
+
+def overrides(method: str, config: dict[str, Any]) -> dict[str, Any]:
+    """One configuration as params overrides: {"policy.<method>.<key>": value}, presets expanded."""
+    out = {}
+    for knob, value in config.items():
+        for key, v in (PRESETS[knob][value] if knob in PRESETS else {knob: value}).items():
+            out[f"policy.{method}.{key}"] = v
+    return out
 
 
 def config_name(config: dict[str, Any]) -> str:
     return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()) or "default"
+
+
+def config_label(method: str, config: dict[str, Any], round_: int) -> str:
+    """A configuration as the tables show it: round 2's {} names params.yaml's value of the round's knob."""
+    if config or round_ == 1:
+        return config_name(config)
+    (knob, values), = ROUNDS[round_ - 1][method].items()
+    return f"{config_name({knob: values[0]})} (params.yaml)"
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -106,9 +142,9 @@ class Bench:
                                                   **(extra or {})})
 
     def run_params(self, folder: Path, seed: int, method: str, config: dict[str, Any], split: str):
-        """The params of one configuration of `method` (SWEEP's keys under policy.<method>.), scored on `split`."""
+        """The params of one configuration of `method` (a ROUNDS entry), scored on `split`."""
         return self.params(folder, seed, {"policy.method": method, "evaluate.split": split,
-                                          **{f"policy.{method}.{k}": v for k, v in config.items()}})
+                                          **overrides(method, config)})
 
     def shared(self, seed: int) -> dict[str, Any]:
         """preprocess, sft, reward and score of `seed`: {stage: manifest}."""
@@ -165,18 +201,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="values of run.seed")
-    ap.add_argument("--sweep", action="store_true", help="tune each method on dev over SWEEP; the choice on eval")
+    ap.add_argument("--sweep", type=int, choices=range(1, len(ROUNDS) + 1), default=None, metavar="ROUND",
+                    help="tune each method on dev over ROUNDS[ROUND - 1]; the choice on eval")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a params override for every run (e.g. sft.max_steps=50)")
     ap.add_argument("--output-dir", default=None, help="keep the artifacts here; a rerun reuses every current stage")
-    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-alignment.md")
+    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-alignment[-sweep-N].md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")).resolve()
     bench, load_before, started = Bench(out, args.overrides), os.getloadavg()[0], time.perf_counter()
 
     for method in args.methods:  # every configuration's params are valid before anything trains
-        for config in configurations(method) if args.sweep else [{}]:
+        for config in configurations(method, args.sweep) if args.sweep else [{}]:
             bench.run_params(out / "check", args.seeds[0], method, config, "eval")
     shared = {seed: bench.shared(seed) for seed in args.seeds}
     sweep: dict[str, dict[str, list[float]]] = {}  # method -> config name -> dev accuracy per seed
@@ -185,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.sweep:
             chosen[method] = {}
             continue
-        grid = configurations(method)
+        grid = configurations(method, args.sweep)
         sweep[method] = {config_name(c): [method_record(bench.run(s, method, c, "dev"))["accuracy"]
                                           for s in args.seeds] for c in grid}
         best = pick({name: statistics.fmean(accs) for name, accs in sweep[method].items()})
@@ -211,14 +248,16 @@ def main(argv: list[str] | None = None) -> None:
                     wall_s=time.perf_counter() - started)
     print("\n" + report)
     if args.write:
-        RESULTS.write_text(report)
-        print(f"wrote {RESULTS}")
+        path = RESULTS.with_name(f"{RESULTS.stem}-sweep-{args.sweep}.md") if args.sweep else RESULTS
+        path.write_text(report)
+        print(f"wrote {path}")
 
 
 def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
            wall_s: float) -> str:
     seeds = " ".join(map(str, args.seeds))
-    command = " ".join(["python benchmarks/alignment.py", *(["--sweep"] if args.sweep else []), "--seeds", seeds,
+    command = " ".join(["python benchmarks/alignment.py", *([f"--sweep {args.sweep}"] if args.sweep else []),
+                        "--seeds", seeds,
                         *(["--methods", *args.methods] if list(args.methods) != list(METHODS) else []),
                         *(f"--set {o}" for o in args.overrides)])
     n = next((r["n"][0] for r in results.values() if "n" in r), None)
@@ -243,21 +282,24 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     for label, r in results.items():
         gain = "" if label in ("base", "sft") or not sft else \
             fmt([100 * (a - b) for a, b in zip(r["accuracy"], sft)], percent=False)
-        config = "" if label in ("base", "sft") else config_name(chosen[label]) if args.sweep else "params.yaml"
+        config = "" if label in ("base", "sft") else config_label(label, chosen[label], args.sweep) if args.sweep \
+            else "params.yaml"
         steps = "" if "steps" not in r else "/".join(sorted({str(s) for s in r["steps"]}))
         lines.append(f"| {label} | {config} | {fmt(r['accuracy'])} | {gain} | {fmt(r.get('dev', []))} | "
                      f"{fmt(r.get('reward', []), percent=False, digits=2)} | "
                      f"{fmt(r.get('train_s', []), percent=False)} | {steps} |")
     if sweep:
         lines += ["", "## Sweep (dev only)", "",
-                  "Each method's configurations (SWEEP in benchmarks/alignment.py: keys under `policy.<method>.`), "
+                  f"Each method's configurations of round {args.sweep} (ROUNDS in benchmarks/alignment.py: keys "
+                  "under `policy.<method>.`), "
                   "each trained on every seed and scored on the dev split only; the best mean dev accuracy is "
                   "chosen (bold) and only it is scored on eval (the table above).", "",
                   "| method | configuration | dev accuracy (mean ± sd) | per seed |", "|---|---|---:|---|"]
         for method, configs in sweep.items():
-            for name, accs in configs.items():
+            for config, (name, accs) in zip(configurations(method, args.sweep), configs.items()):
                 mark = "**" if name == config_name(chosen[method]) else ""
-                lines.append(f"| {method} | {mark}{name}{mark} | {mark}{fmt(accs)}{mark} | "
+                label = config_label(method, config, args.sweep)
+                lines.append(f"| {method} | {mark}{label}{mark} | {mark}{fmt(accs)}{mark} | "
                              f"{', '.join(f'{a:.1%}' for a in accs)} |")
     return "\n".join(lines) + "\n"
 

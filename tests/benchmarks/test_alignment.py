@@ -19,15 +19,37 @@ def alignment():
     return load_benchmark("alignment")
 
 
+def _value(section, dotted: str):
+    for key in dotted.split("."):
+        section = getattr(section, key)
+    return section
+
+
+def _effective(params, dotted: str):
+    """policy.<method>.<key>'s value in force: a method's null training override falls back to the policy's."""
+    value, key = _value(params, dotted), dotted.rsplit(".", 1)[-1]
+    return getattr(params.policy, key) if value is None and hasattr(params.policy, key) else value
+
+
 def test_every_method_gets_the_same_budget_of_valid_configurations(alignment):
-    assert set(alignment.SWEEP) == set(alignment.METHODS)
-    for method in alignment.METHODS:
-        configs = alignment.configurations(method)
-        assert len(configs) == 4 and len({alignment.config_name(c) for c in configs}) == 4, method
-        for c in configs:  # each is a valid params override of its method's section
-            params = load_params(ROOT / "params.yaml", {"policy.method": method,
-                                                        **{f"policy.{method}.{k}": v for k, v in c.items()}})
-            assert all(getattr(getattr(params.policy, method), k) == v for k, v in c.items())
+    params_yaml = load_params(ROOT / "params.yaml")
+    for round_, size in ((1, 4), (2, 2)):
+        assert set(alignment.ROUNDS[round_ - 1]) == set(alignment.METHODS)
+        for method in alignment.METHODS:
+            configs = alignment.configurations(method, round_)
+            assert len(configs) == size and len({alignment.config_name(c) for c in configs}) == size, method
+            for c in configs:  # each is a valid params override of its method's section, presets expanded
+                sets = alignment.overrides(method, c)
+                params = load_params(ROOT / "params.yaml", {"policy.method": method, **sets})
+                assert all(_value(params, k) == v for k, v in sets.items()), (method, c)
+            grid = alignment.ROUNDS[round_ - 1][method]
+            if round_ == 1:  # round 1's choice is what params.yaml holds
+                held = {k: _effective(params_yaml, f"policy.{method}.{k}") for k in grid}
+                assert all(held[k] in values for k, values in grid.items()), (method, held)
+            else:  # round 2's first value is params.yaml's own, run as the default configuration {}
+                (knob, values), = grid.items()
+                first = alignment.overrides(method, {knob: values[0]})
+                assert configs[0] == {} and all(_effective(params_yaml, k) == v for k, v in first.items()), method
 
 
 def test_pick_takes_the_best_mean_dev_accuracy_and_the_first_on_a_tie(alignment):
@@ -39,10 +61,10 @@ def test_pick_takes_the_best_mean_dev_accuracy_and_the_first_on_a_tie(alignment)
 @pytest.mark.slow
 def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(alignment, tmp_path, monkeypatch,
                                                                             capsys):
-    monkeypatch.setattr(alignment, "SWEEP", {"dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1]}})
+    monkeypatch.setattr(alignment, "ROUNDS", [{"dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1]}}])
     monkeypatch.setattr(alignment, "RESULTS", tmp_path / "RESULTS-alignment.md")
     out = tmp_path / "bench"
-    alignment.main(["--sweep", "--seeds", "1", "2", "--methods", "dpo", "--output-dir", str(out), "--write",
+    alignment.main(["--sweep", "1", "--seeds", "1", "2", "--methods", "dpo", "--output-dir", str(out), "--write",
                     *as_sets(SMALL)])
     printed = capsys.readouterr().out
     chosen = re.search(r"^dpo: dev accuracy per configuration .*; chosen (\S+)$", printed, re.M).group(1)
@@ -57,6 +79,6 @@ def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(ali
             assert split == ("eval" if name == chosen else "dev"), (seed, name)  # eval never seen by the others
     assert (artifacts.read_manifest(out / "seed-1" / "shared" / "sft")["fingerprint"]
             != artifacts.read_manifest(out / "seed-2" / "shared" / "sft")["fingerprint"])  # run.seed reaches sft
-    report = (tmp_path / "RESULTS-alignment.md").read_text()
+    report = (tmp_path / "RESULTS-alignment-sweep-1.md").read_text()
     assert "## Sweep (dev only)" in report and all(f"| dpo | {n}" in report.replace("**", "") for n in names)
     assert re.search(r"\| dpo \| " + re.escape(chosen) + r" \| \d+\.\d% ± \d+\.\d% \|", report)
