@@ -82,3 +82,12 @@ def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(ali
     report = (tmp_path / "RESULTS-alignment-sweep-1.md").read_text()
     assert "## Sweep (dev only)" in report and all(f"| dpo | {n}" in report.replace("**", "") for n in names)
     assert re.search(r"\| dpo \| " + re.escape(chosen) + r" \| \d+\.\d% ± \d+\.\d% \|", report)
+
+
+def test_a_configuration_that_sets_score_runs_its_own_score_stage(alignment):
+    assert alignment.own_stages({"beta": 0.3}) == ()
+    assert alignment.own_stages({"score.generation.temperature": 1.3}) == ("score",)
+    assert alignment.overrides("dpo", {"score.generation.temperature": 1.3, "beta": 0.3}) == {
+        "score.generation.temperature": 1.3, "policy.dpo.beta": 0.3}
+    assert alignment.overrides("ppo", {"rewards": "exact_match+reward_model"}) == {
+        "policy.ppo.reward_functions": ["exact_match", "reward_model"], "policy.ppo.reward_weights": [1.0, 0.05]}
