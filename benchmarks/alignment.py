@@ -42,17 +42,21 @@ import itertools
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
+from stages.builtin.arithmetic import ERROR_KINDS, error_kind  # noqa: E402
 from stages.config import POLICY_METHODS, load_params, parse_overrides  # noqa: E402
+from stages.data import read_jsonl  # noqa: E402
 from stages.registry import STAGES  # noqa: E402
 
 METHODS = tuple(m for m in POLICY_METHODS if m != "none")
@@ -163,10 +167,13 @@ class Bench:
         params = self.params(folder, seed)
         return {stage: runner.run_stage(stage, params) for stage in SHARED}
 
+    def folder(self, seed: int, method: str, config: dict[str, Any]) -> Path:
+        return self.out / f"seed-{seed}" / f"{method}-{config_name(config)}"
+
     def run(self, seed: int, method: str, config: dict[str, Any], split: str) -> dict[str, Any]:
         """Every stage of one configuration, scored on `split`; {stage: manifest}. Shared stages are links to the
         seed's shared folder, found current by the runner (except those the configuration sets: `own_stages`)."""
-        folder = self.out / f"seed-{seed}" / f"{method}-{config_name(config)}"
+        folder = self.folder(seed, method, config)
         _link(folder / "builtin", self.out / "builtin")
         linked = [stage for stage in SHARED if stage not in own_stages(config)]
         for stage in linked:
@@ -198,6 +205,21 @@ def method_record(manifests: dict[str, Any]) -> dict[str, Any]:
     return {"accuracy": rows_of(manifests)["policy"]["accuracy"], "reward": rows_of(manifests)["policy"].get("reward"),
             "n": manifests["evaluate"]["metrics"]["n"], "steps": policy["metrics"].get("steps"),
             "train_s": manifests["reference"]["wall_time_s"] + policy["wall_time_s"]}
+
+
+def error_counts(evaluate_dir: Path, model: str) -> Counter | None:
+    """How `model`'s held-out answers are wrong (stages.builtin.arithmetic.error_kind), from evaluate's
+    predictions.jsonl: {kind: count, "right": count}; None when the prompts are not the built-in task's."""
+    counts: Counter = Counter()
+    for row in read_jsonl(evaluate_dir / "predictions.jsonl"):
+        if row["model"] != model:
+            continue
+        operands = re.fullmatch(r"(\d+)\+(\d+)", row["prompt"][-1]["content"]) if isinstance(row["prompt"], list) \
+            else None
+        if operands is None:
+            return None
+        counts[error_kind(*map(int, operands.groups()), row["completion"]) or "right"] += 1
+    return counts
 
 
 def fmt(values: list[float], *, percent: bool = True, digits: int = 1) -> str:
@@ -241,10 +263,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{method}: dev accuracy per configuration {json.dumps(sweep[method])}; chosen {best}", flush=True)
 
     results: dict[str, dict[str, list]] = {"base": {}, "sft": {}}  # label -> measure -> one value per seed
+    errors: dict[str, Counter | None] = {}  # label -> error kinds on eval, summed over the seeds
     for method, config in chosen.items():
         for seed in args.seeds:
             dev = bench.run(seed, method, config, "dev")  # after --sweep: current, nothing runs
             evaluation = bench.run(seed, method, config, "eval")  # policy current: only evaluate runs
+            for label, model in (("sft", "sft"), (method, "policy")):
+                if label == "sft" and len(results["sft"].get("accuracy", [])) == len(args.seeds):
+                    continue  # the SFT rows: once per seed, from the first method
+                counts = error_counts(bench.folder(seed, method, config) / "evaluate", model)
+                errors[label] = None if counts is None or errors.get(label, 0) is None else \
+                    errors.get(label, Counter()) + counts
             for key, value in {**method_record(evaluation), "dev": method_record(dev)["accuracy"]}.items():
                 results.setdefault(method, {}).setdefault(key, []).append(value)
             for label in ("base", "sft"):  # the same for every method of a seed: taken from the first
@@ -256,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {label: r for label, r in results.items() if r}  # base: absent with evaluate.baseline false
     report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out,
-                    wall_s=time.perf_counter() - started)
+                    wall_s=time.perf_counter() - started, errors=errors)
     print("\n" + report)
     if args.write:
         path = RESULTS.with_name(f"{RESULTS.stem}-sweep-{args.sweep}.md") if args.sweep else RESULTS
@@ -265,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
-           wall_s: float) -> str:
+           wall_s: float, errors: dict[str, Counter | None] | None = None) -> str:
     seeds = " ".join(map(str, args.seeds))
     command = " ".join(["python benchmarks/alignment.py", *([f"--sweep {args.sweep}"] if args.sweep else []),
                         "--seeds", seeds,
@@ -299,6 +328,14 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
         lines.append(f"| {label} | {config} | {fmt(r['accuracy'])} | {gain} | {fmt(r.get('dev', []))} | "
                      f"{fmt(r.get('reward', []), percent=False, digits=2)} | "
                      f"{fmt(r.get('train_s', []), percent=False)} | {steps} |")
+    errors = {label: c for label, c in (errors or {}).items() if c}
+    if errors:
+        kinds = [k for k in ERROR_KINDS if any(c[k] for c in errors.values())]
+        lines += ["", f"What the models get wrong on eval (stages.builtin.arithmetic.error_kind; answers summed over "
+                  f"the {len(args.seeds)} seeds):", "", "| model | right | " + " | ".join(kinds) + " |",
+                  "|---|" + "---:|" * (len(kinds) + 1)]
+        for label, c in errors.items():
+            lines.append(f"| {label} | {c['right']} | " + " | ".join(str(c[k]) for k in kinds) + " |")
     if sweep:
         lines += ["", "## Sweep (dev only)", "",
                   f"Each method's configurations of round {args.sweep} (ROUNDS in benchmarks/alignment.py: keys "

@@ -96,3 +96,16 @@ def test_chat_template_prompt_is_prefix_and_marks_assistant(tiny_dir):
     enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     marked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]
     assert tok.decode(marked) == "132<|end|>"
+
+
+def test_error_kind_names_each_slip():
+    from stages.builtin.arithmetic import add, answer_text, error_kind
+
+    right = answer_text(*add(58, 98))  # <think>8+8=16, 5+9+1=15</think>156
+    assert error_kind(58, 98, right) is None
+    assert error_kind(58, 98, answer_text(*add(58, 98, drop_carry=True))) == "dropped carry"
+    assert error_kind(58, 98, "<think>8+8=16, 5+9+1=14</think>146") == "carry written, wrong sum"
+    assert error_kind(58, 98, "<think>8+8=16, 5+9+1=15</think>155") == "right steps, wrong answer"
+    assert error_kind(72, 63, "<think>2+3=5, 7+6=14</think>145") == "other step error"
+    assert error_kind(72, 63, "135") == "no reasoning block"
+    assert error_kind(72, 63, answer_text(*add(72, 63))) is None
