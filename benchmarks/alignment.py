@@ -54,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
-from stages.builtin.arithmetic import ERROR_KINDS, error_kind  # noqa: E402
+from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
 from stages.config import POLICY_METHODS, load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
 from stages.registry import STAGES  # noqa: E402

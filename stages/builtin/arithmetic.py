@@ -124,28 +124,6 @@ def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int,
             "eval": held_out(eval_pairs), "dev": held_out(dev_pairs)}
 
 
-ERROR_KINDS = ("dropped carry", "carry written, wrong sum", "right steps, wrong answer", "other step error",
-               "no reasoning block")
-
-
-def error_kind(a: int, b: int, completion: str) -> str | None:
-    """What is wrong with a reasoning-variant `completion` of a+b (None: it is right), one of ERROR_KINDS:
-    the labellers' own error (every carry dropped), a carry written whose column sum still drops it
-    ("9+5+1=14"), column sums right but the answer not theirs, any other slip in the column sums, or no
-    `<think>...</think>` block followed by an answer."""
-    head, sep, answer = completion.partition(THINK_CLOSE)
-    if not (sep and head.startswith(THINK_OPEN)):
-        return "no reasoning block"
-    steps, (value, right_steps) = head[len(THINK_OPEN):], add(a, b)
-    if steps == right_steps:
-        return None if answer.strip() == str(value) else "right steps, wrong answer"
-    if needs_carry(a, b) and steps == add(a, b, drop_carry=True)[1]:
-        return "dropped carry"
-    if needs_carry(a, b) and "+1=" in steps:
-        return "carry written, wrong sum"
-    return "other step error"
-
-
 def corpus(n: int = 3000, seed: int = 1234) -> Iterator[str]:
     """Raw strings the built-in tokenizer is trained on: the task's prompts and answers, both variants."""
     rng = random.Random(seed)

@@ -99,7 +99,8 @@ def test_chat_template_prompt_is_prefix_and_marks_assistant(tiny_dir):
 
 
 def test_error_kind_names_each_slip():
-    from stages.builtin.arithmetic import add, answer_text, error_kind
+    from stages.builtin.arithmetic import add, answer_text
+    from stages.builtin.arithmetic_errors import error_kind
 
     right = answer_text(*add(58, 98))  # <think>8+8=16, 5+9+1=15</think>156
     assert error_kind(58, 98, right) is None
