@@ -21,8 +21,8 @@ decoding). It changes neither the base model (`model.builtin.seed`) nor the task
 Default mode: each method with params.yaml's settings, evaluated on the held-out `eval` split
 (the reported table) and on `dev` (printed beside it). `--sweep N`: round N of the tuning budget,
 the same for every method (ROUNDS below): round 1 tries 2 learning rates × one knob of the method
-(4 configurations), round 2 one more knob from round 1's choice, which params.yaml holds (its
-value and one other: 2 configurations, params.yaml's being the default run's). Every
+(4 configurations), round 2 two values of one more knob from round 1's choice, which
+params.yaml holds (2 configurations; the one params.yaml holds is the default run's). Every
 configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
 accuracy (the first in order on a tie) is then scored on `eval`, the only time eval is looked
 at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode) or
@@ -67,7 +67,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS-alignment.md"
 
 # The tuning budget, the same for every method: 6 configurations in two rounds, each scored on dev over the seeds.
 # Round 1: 2 learning rates x 2 values of one knob (keys under policy.<method>.). Round 2, from round 1's choice
-# (params.yaml's settings since): one more knob, params.yaml's value first and one other. A knob naming a shared
+# (params.yaml's settings since): 2 values of one more knob. params.yaml holds each round's choice. A knob naming a shared
 # stage's key (score.*) is that key itself: the offline methods' data is sampled by score, so its sampling
 # temperature is theirs to tune (the SFT model samples the carry in 11-18% of carry sums where its labels had 30%).
 ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
@@ -92,13 +92,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def configurations(method: str, round_: int = 1) -> list[dict[str, Any]]:
-    """Round `round_`'s configurations of `method`, one {knob: value} each, in a fixed order. Round 2's first is
-    params.yaml's own setting, written {} (the default run's folder)."""
+    """Round `round_`'s configurations of `method`, one {knob: value} each, in a fixed order."""
     grid = ROUNDS[round_ - 1][method]
-    if round_ == 1:
-        return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    (knob, values), = grid.items()
-    return [{}] + [{knob: v} for v in values[1:]]
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 def overrides(method: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -122,12 +118,25 @@ def config_name(config: dict[str, Any]) -> str:
     return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()) or "default"
 
 
-def config_label(method: str, config: dict[str, Any], round_: int) -> str:
-    """A configuration as the tables show it: round 2's {} names params.yaml's value of the round's knob."""
-    if config or round_ == 1:
-        return config_name(config)
-    (knob, values), = ROUNDS[round_ - 1][method].items()
-    return f"{config_name({knob: values[0]})} (params.yaml)"
+def effective(params, dotted: str) -> Any:
+    """A dotted key's value in force: a method's null training override (policy.<method>.learning_rate, ...)
+    falls back to the policy section's."""
+    value = params
+    for key in dotted.split("."):
+        value = getattr(value, key)
+    key = dotted.rsplit(".", 1)[-1]
+    return getattr(params.policy, key) if value is None and hasattr(params.policy, key) else value
+
+
+def holds(params, method: str, config: dict[str, Any]) -> bool:
+    """`params` (params.yaml and the --set overrides) already are this configuration (which then runs in the
+    default run's folder)."""
+    return all(effective(params, k) == v for k, v in overrides(method, config).items())
+
+
+def config_label(params, method: str, config: dict[str, Any]) -> str:
+    """A configuration as the tables show it, "(params.yaml)" on the one `params` hold."""
+    return config_name(config) + (" (params.yaml)" if config and holds(params, method, config) else "")
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -147,6 +156,7 @@ class Bench:
     def __init__(self, out: Path, overrides: list[str]):
         self.out, self.overrides = out, overrides
         (out / "builtin").mkdir(parents=True, exist_ok=True)
+        self.base = self.params(out, 0)  # params.yaml + overrides: which configuration is the default run's
 
     def params(self, folder: Path, seed: int, extra: dict[str, Any] | None = None):
         parsed, problems = parse_overrides(self.overrides)
@@ -168,7 +178,8 @@ class Bench:
         return {stage: runner.run_stage(stage, params) for stage in SHARED}
 
     def folder(self, seed: int, method: str, config: dict[str, Any]) -> Path:
-        return self.out / f"seed-{seed}" / f"{method}-{config_name(config)}"
+        name = "default" if holds(self.base, method, config) else config_name(config)
+        return self.out / f"seed-{seed}" / f"{method}-{name}"
 
     def run(self, seed: int, method: str, config: dict[str, Any], split: str) -> dict[str, Any]:
         """Every stage of one configuration, scored on `split`; {stage: manifest}. Shared stages are links to the
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {label: r for label, r in results.items() if r}  # base: absent with evaluate.baseline false
     report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out,
-                    wall_s=time.perf_counter() - started, errors=errors)
+                    wall_s=time.perf_counter() - started, base=bench.base, errors=errors)
     print("\n" + report)
     if args.write:
         path = RESULTS.with_name(f"{RESULTS.stem}-sweep-{args.sweep}.md") if args.sweep else RESULTS
@@ -294,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
-           wall_s: float, errors: dict[str, Counter | None] | None = None) -> str:
+           wall_s: float, base, errors: dict[str, Counter | None] | None = None) -> str:
     seeds = " ".join(map(str, args.seeds))
     command = " ".join(["python benchmarks/alignment.py", *([f"--sweep {args.sweep}"] if args.sweep else []),
                         "--seeds", seeds,
@@ -322,7 +333,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     for label, r in results.items():
         gain = "" if label in ("base", "sft") or not sft else \
             fmt([100 * (a - b) for a, b in zip(r["accuracy"], sft)], percent=False)
-        config = "" if label in ("base", "sft") else config_label(label, chosen[label], args.sweep) if args.sweep \
+        config = "" if label in ("base", "sft") else config_label(base, label, chosen[label]) if args.sweep \
             else "params.yaml"
         steps = "" if "steps" not in r else "/".join(sorted({str(s) for s in r["steps"]}))
         lines.append(f"| {label} | {config} | {fmt(r['accuracy'])} | {gain} | {fmt(r.get('dev', []))} | "
@@ -346,7 +357,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
         for method, configs in sweep.items():
             for config, (name, accs) in zip(configurations(method, args.sweep), configs.items()):
                 mark = "**" if name == config_name(chosen[method]) else ""
-                label = config_label(method, config, args.sweep)
+                label = config_label(base, method, config)
                 lines.append(f"| {method} | {mark}{label}{mark} | {mark}{fmt(accs)}{mark} | "
                              f"{', '.join(f'{a:.1%}' for a in accs)} |")
     return "\n".join(lines) + "\n"

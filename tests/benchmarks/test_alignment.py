@@ -19,18 +19,6 @@ def alignment():
     return load_benchmark("alignment")
 
 
-def _value(section, dotted: str):
-    for key in dotted.split("."):
-        section = getattr(section, key)
-    return section
-
-
-def _effective(params, dotted: str):
-    """policy.<method>.<key>'s value in force: a method's null training override falls back to the policy's."""
-    value, key = _value(params, dotted), dotted.rsplit(".", 1)[-1]
-    return getattr(params.policy, key) if value is None and hasattr(params.policy, key) else value
-
-
 def test_every_method_gets_the_same_budget_of_valid_configurations(alignment):
     params_yaml = load_params(ROOT / "params.yaml")
     for round_, size in ((1, 4), (2, 2)):
@@ -41,15 +29,9 @@ def test_every_method_gets_the_same_budget_of_valid_configurations(alignment):
             for c in configs:  # each is a valid params override of its method's section, presets expanded
                 sets = alignment.overrides(method, c)
                 params = load_params(ROOT / "params.yaml", {"policy.method": method, **sets})
-                assert all(_value(params, k) == v for k, v in sets.items()), (method, c)
-            grid = alignment.ROUNDS[round_ - 1][method]
-            if round_ == 1:  # round 1's choice is what params.yaml holds
-                held = {k: _effective(params_yaml, f"policy.{method}.{k}") for k in grid}
-                assert all(held[k] in values for k, values in grid.items()), (method, held)
-            else:  # round 2's first value is params.yaml's own, run as the default configuration {}
-                (knob, values), = grid.items()
-                first = alignment.overrides(method, {knob: values[0]})
-                assert configs[0] == {} and all(_effective(params_yaml, k) == v for k, v in first.items()), method
+                assert all(alignment.effective(params, k) == v for k, v in sets.items()), (method, c)
+            # each round's choice is what params.yaml holds: exactly one configuration per round
+            assert sum(alignment.holds(params_yaml, method, c) for c in configs) == 1, (method, round_)
 
 
 def test_pick_takes_the_best_mean_dev_accuracy_and_the_first_on_a_tie(alignment):
