@@ -312,7 +312,8 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
                         *(["--methods", *args.methods] if list(args.methods) != list(METHODS) else []),
                         *(f"--set {o}" for o in args.overrides)])
     n = next((r["n"][0] for r in results.values() if "n" in r), None)
-    lines = ["# Alignment benchmark: every method, mean ± sd over seeds", "",
+    title = f"sweep round {args.sweep}: every method the same budget" if args.sweep else "every method"
+    lines = [f"# Alignment benchmark, {title}, mean ± sd over seeds", "",
              f"Command: `{command}`. Seeds (`run.seed`): {seeds}. Held-out accuracy: greedy decoding, exact match, "
              f"{n} eval prompts; dev: the disjoint dev split (`evaluate.split: dev`). Load average {load[0]:.1f} "
              f"before, {load[1]:.1f} after, {os.cpu_count()} CPUs, torch threads {torch_threads()}. Wall time of this "
@@ -342,7 +343,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     errors = {label: c for label, c in (errors or {}).items() if c}
     if errors:
         kinds = [k for k in ERROR_KINDS if any(c[k] for c in errors.values())]
-        lines += ["", f"What the models get wrong on eval (stages.builtin.arithmetic.error_kind; answers summed over "
+        lines += ["", f"What the models get wrong on eval (stages.builtin.arithmetic_errors.error_kind; answers summed over "
                   f"the {len(args.seeds)} seeds):", "", "| model | right | " + " | ".join(kinds) + " |",
                   "|---|" + "---:|" * (len(kinds) + 1)]
         for label, c in errors.items():

@@ -348,7 +348,11 @@ class KTOSection(KTOParams, MethodOverrides):
 @dataclass
 class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
     beta: float = positive(0.3, f"KL strength to the reference (OnlineDPOConfig's default 0.1; 0.3 {DEV_CHOICE})")
-    reward_functions: list[str] = _reward_functions(["reward_model"], "rank the two completions with these")
+    reward_functions: list[str] = _reward_functions(["exact_match", "reward_model"], "rank the two completions "
+                                                    f"with these (over [reward_model] alone, {DEV_CHOICE})")
+    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
+                                               "function (null: all 1.0): the verifiable reward decides, the reward "
+                                               "model breaks ties")
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
@@ -370,8 +374,11 @@ class GRPOSection(GRPOParams, MethodOverrides):
 class PPOSection(PPOParams, MethodOverrides):
     learning_rate: float | None = _override(f"peak learning rate (1.5e-5 {DEV_CHOICE}; 3e-4 collapses the reward)",
                                             default=1.5e-5)
-    reward_functions: list[str] = _reward_functions(["reward_model"], "score of each rollout (the reward model "
-                                                    "by default)")
+    reward_functions: list[str] = _reward_functions(["exact_match", "reward_model"], "score of each rollout "
+                                                    f"(over [reward_model] alone, {DEV_CHOICE})")
+    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
+                                               "function (null: all 1.0): the verifiable reward decides, the reward "
+                                               "model breaks ties")
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
