@@ -330,29 +330,32 @@ def _reward_functions(default: list[str], help: str) -> Any:
                  "or module:function dotted paths")
 
 
-# The built-in task's settings chosen on dev (`benchmarks/alignment.py --sweep`), where they differ from the
-# method's own (paper / TRL-like) default in stages/trainers/<method>_params.py.
-DEV_CHOICE = "chosen on dev: benchmarks/RESULTS-alignment.md"
+# Pipeline defaults chosen on dev (`benchmarks/alignment.py --sweep`); a method field chosen on dev is declared
+# with its choice in stages/trainers/<method>_params.py, except the reward weights (RESTATED, below).
+DEV_CHOICE = "chosen on dev: benchmarks/RESULTS-alignment-sweep-*.md"
+# The method fields a section may restate with another default: the weights of the reward functions, which only
+# the pipeline names (a trainer is handed its functions; its config's weights default to null, all 1.0).
+RESTATED = ("reward_weights",)
 
 
 @dataclass
 class DPOSection(DPOParams, MethodOverrides):
-    beta: float = positive(0.3, f"KL strength to the reference (DPOConfig's default 0.1; 0.3 {DEV_CHOICE})")
+    pass
 
 
 @dataclass
 class KTOSection(KTOParams, MethodOverrides):
-    beta: float = positive(0.3, f"KL strength to the reference (KTOConfig's default 0.1; 0.3 {DEV_CHOICE})")
+    pass
 
 
 @dataclass
 class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
-    beta: float = positive(0.3, f"KL strength to the reference (OnlineDPOConfig's default 0.1; 0.3 {DEV_CHOICE})")
     reward_functions: list[str] = _reward_functions(["exact_match", "reward_model"], "rank the two completions "
                                                     f"with these (over [reward_model] alone, {DEV_CHOICE})")
     reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
                                                "function (null: all 1.0): the verifiable reward decides, the reward "
-                                               "model breaks ties")
+                                               "model breaks ties (the trainers' own default: null; the weights go "
+                                               "with reward_functions, which only the pipeline names)")
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
@@ -378,7 +381,8 @@ class PPOSection(PPOParams, MethodOverrides):
                                                     f"(over [reward_model] alone, {DEV_CHOICE})")
     reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
                                                "function (null: all 1.0): the verifiable reward decides, the reward "
-                                               "model breaks ties")
+                                               "model breaks ties (the trainers' own default: null; the weights go "
+                                               "with reward_functions, which only the pipeline names)")
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)

@@ -16,7 +16,7 @@ from stages.fields import check_fields, param, positive
 
 @dataclass
 class DPOParams:
-    beta: float = positive(0.1, "KL strength to the reference (the SFT model); 0.1 is typical")
+    beta: float = positive(0.3, "KL strength to the reference; 0.3 chosen on dev for the built-in task (benchmarks/RESULTS-alignment-sweep-1.md; TRL's default: 0.1)")
     loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
                                        "module:function objective, or a list of them combined with loss_weights")
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")

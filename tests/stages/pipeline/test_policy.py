@@ -60,7 +60,7 @@ def test_beta_only_rerun_runs_no_reference_forward(tmp_path, built_pipeline):
 
     params, _ = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
-    p = load_params(write_params(tmp_path, {"policy": {"dpo": {"beta": 0.3}}}))
+    p = load_params(write_params(tmp_path, {"policy": {"dpo": {"beta": 0.5}}}))  # not the default (0.3)
     before = reference.REFERENCE_FORWARDS
     assert runner.run_stage("reference", p)["executed"] is False  # beta is not an input of the log-probs
     m = runner.run_stage("policy", p)

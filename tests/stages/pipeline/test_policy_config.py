@@ -11,7 +11,7 @@ CHANGED = {  # non-default values, nested sections included, so a dropped field 
     "dpo": {"policy.dpo.beta": 0.3, "policy.dpo.max_length": 256, "policy.dpo.loss_type": ["sigmoid", "sft"],
             "policy.dpo.loss_weights": [1.0, 0.2], "policy.dpo.use_chunked_logprobs": False},
     "kto": {"policy.kto.desirable_weight": 2.0, "policy.kto.max_length": 128},
-    "online_dpo": {"policy.online_dpo.generation.temperature": 0.7, "policy.online_dpo.reward_weights": [2.0]},
+    "online_dpo": {"policy.online_dpo.generation.temperature": 0.7, "policy.online_dpo.reward_weights": [2.0, 0.1]},
     "grpo": {"policy.grpo.num_generations": 8, "policy.grpo.generation.max_new_tokens": 16,
              "policy.grpo.epsilon_high": 0.28, "policy.grpo.reward_head_coef": 0.5},
     "ppo": {"policy.ppo.missing_eos_penalty": None, "policy.ppo.kl_estimator": "k3", "policy.ppo.gamma": 0.9},
