@@ -2,7 +2,7 @@
 
     python benchmarks/alignment.py                          # every method, seeds 1 2 3, default params.yaml
     python benchmarks/alignment.py --seeds 1 --methods dpo grpo
-    python benchmarks/alignment.py --sweep --write          # tune each method on dev, report the choice on eval
+    python benchmarks/alignment.py --sweep 1 --write        # tune each method on dev (round 1), the choice on eval
     python benchmarks/alignment.py --set policy.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
 Every stage is the real one (`stages.runner.run_stage`, what every entry point calls), run in
@@ -32,8 +32,9 @@ Times are each stage's build time from its manifest (a reused stage keeps the ti
 built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 150 s of shared stages per
 seed and about 200 s for the five methods' reference + policy + merge + evaluate (GRPO 75 s,
 PPO 40 s, online DPO 30 s, DPO and KTO 10 s each), so about 18 min for the default 3 seeds;
-`--sweep` trains 4 configurations per method and seed (about 4 x 200 s per seed), about
-45-50 min for 3 seeds. Wall times on a shared machine are inflated: the load average is printed.
+`--sweep 1` trains 4 configurations per method and seed (about 4 x 200 s per seed), about
+45-50 min for 3 seeds (`--sweep 2`: 2 configurations, one of them the default run). Wall times on a shared
+machine are inflated: the load average is printed.
 """
 from __future__ import annotations
 
