@@ -123,7 +123,7 @@ def test_weight_column_and_task_weights_scale_each_pair(setup, tmp_path):
     with torch.no_grad():
         chosen, rejected = sequence_logps(_load(path, NOISE), batch).chunk(2)
         ref_c, ref_r = sequence_logps(ref, batch).chunk(2)
-    per_pair, _, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.1)
+    per_pair, _, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=trainer.args.beta)
     scale = torch.tensor([w * (3.0 if t == "add" else 1.0) for w, t in zip(weights[:8], tasks[:8])])
     assert loss == pytest.approx((scale * per_pair).mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match=r"task_weights names task\(s\) \['ad'\] that no row has"):
