@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
 from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
-from stages.config import POLICY_METHODS, load_params, parse_overrides  # noqa: E402
+from stages.config import (POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, load_params,  # noqa: E402
+                           parse_overrides)
 from stages.data import read_jsonl  # noqa: E402
 from stages.registry import STAGES  # noqa: E402
 
@@ -87,8 +88,8 @@ ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
 # ties, as score.reward_functions does, against the reward model alone.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "rewards": {"reward_model": {"reward_functions": ["reward_model"], "reward_weights": None},
-                "exact_match+reward_model": {"reward_functions": ["exact_match", "reward_model"],
-                                             "reward_weights": [1.0, 0.05]}},
+                "exact_match+reward_model": {"reward_functions": list(VERIFIED_FIRST),
+                                             "reward_weights": list(VERIFIED_FIRST_WEIGHTS)}},
 }
 
 

@@ -231,6 +231,9 @@ class SFTSection(SFTParams, TrainingParams):
 
 
 REWARD_BUILTINS = ("exact_match", "reasoning_format", "length_penalty", "reward_model")
+# The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
+VERIFIED_FIRST = ("exact_match", "reward_model")
+VERIFIED_FIRST_WEIGHTS = (1.0, 0.05)
 
 
 def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
@@ -282,9 +285,9 @@ class ScoreParams:
                              rule="must be -1 or > 0")
     n: int = positive(4, "completions sampled per prompt (>= 2 to form pairs)")
     generation: GenerationParams = param(default_factory=GenerationParams, help="sampling settings")
-    reward_functions: list[str] = param(default_factory=lambda: ["exact_match", "reward_model"],
+    reward_functions: list[str] = param(default_factory=lambda: list(VERIFIED_FIRST),
                                         help="built-ins or module:function dotted paths")
-    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05],
+    reward_weights: list[float] | None = param(default_factory=lambda: list(VERIFIED_FIRST_WEIGHTS),
                                                help="one weight per reward function (null: all 1.0)")
     pairing: Literal["best_worst", "all_pairs"] = param("best_worst", help="best_worst: one pair per prompt; "
                                                          "all_pairs: every pair whose scores differ by > min_margin")
@@ -330,6 +333,13 @@ def _reward_functions(default: list[str], help: str) -> Any:
                  "or module:function dotted paths")
 
 
+def _verified_first_weights() -> Any:
+    """A section's restated `reward_weights` (RESTATED): VERIFIED_FIRST's, beside its own reward_functions."""
+    return param(default_factory=lambda: list(VERIFIED_FIRST_WEIGHTS), help="one weight per reward function (null: "
+                 "all 1.0): the verifiable reward decides, the reward model breaks ties (the trainers' own default: "
+                 "null; the weights go with reward_functions, which only the pipeline names)")
+
+
 # Pipeline defaults chosen on dev (`benchmarks/alignment.py --sweep`); a method field chosen on dev is declared
 # with its choice in stages/trainers/<method>_params.py, except the reward weights (RESTATED, below).
 DEV_CHOICE = "chosen on dev: benchmarks/RESULTS-alignment-sweep-*.md"
@@ -350,12 +360,9 @@ class KTOSection(KTOParams, MethodOverrides):
 
 @dataclass
 class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
-    reward_functions: list[str] = _reward_functions(["exact_match", "reward_model"], "rank the two completions "
+    reward_functions: list[str] = _reward_functions(list(VERIFIED_FIRST), "rank the two completions "
                                                     f"with these (over [reward_model] alone, {DEV_CHOICE})")
-    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
-                                               "function (null: all 1.0): the verifiable reward decides, the reward "
-                                               "model breaks ties (the trainers' own default: null; the weights go "
-                                               "with reward_functions, which only the pipeline names)")
+    reward_weights: list[float] | None = _verified_first_weights()
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
@@ -377,12 +384,9 @@ class GRPOSection(GRPOParams, MethodOverrides):
 class PPOSection(PPOParams, MethodOverrides):
     learning_rate: float | None = _override(f"peak learning rate (1.5e-5 {DEV_CHOICE}; 3e-4 collapses the reward)",
                                             default=1.5e-5)
-    reward_functions: list[str] = _reward_functions(["exact_match", "reward_model"], "score of each rollout "
+    reward_functions: list[str] = _reward_functions(list(VERIFIED_FIRST), "score of each rollout "
                                                     f"(over [reward_model] alone, {DEV_CHOICE})")
-    reward_weights: list[float] | None = param(default_factory=lambda: [1.0, 0.05], help="one weight per reward "
-                                               "function (null: all 1.0): the verifiable reward decides, the reward "
-                                               "model breaks ties (the trainers' own default: null; the weights go "
-                                               "with reward_functions, which only the pipeline names)")
+    reward_weights: list[float] | None = _verified_first_weights()
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
