@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from stages.fields import check_fields, param, positive
 
 
+
+def beta_field() -> Any:
+    """`beta` of DPO, KTO and online DPO, declared once."""
+    return positive(0.3, "KL strength to the reference; 0.3 chosen on dev for the built-in task "
+                    "(benchmarks/RESULTS-alignment-sweep-1.md; TRL's default: 0.1)")
+
+
 @dataclass
 class DPOParams:
-    beta: float = positive(0.3, "KL strength to the reference; 0.3 chosen on dev for the built-in task (benchmarks/RESULTS-alignment-sweep-1.md; TRL's default: 0.1)")
+    beta: float = beta_field()
     loss_type: str | list[str] = param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a "
                                        "module:function objective, or a list of them combined with loss_weights")
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")

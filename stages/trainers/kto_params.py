@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
+from stages.trainers.dpo_params import beta_field
 
 
 @dataclass
 class KTOParams:
-    beta: float = positive(0.3, "KL strength to the reference; 0.3 chosen on dev for the built-in task (benchmarks/RESULTS-alignment-sweep-1.md; TRL's default: 0.1)")
+    beta: float = beta_field()
     desirable_weight: float = positive(1.0, "loss weight of desirable rows")
     undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
