@@ -29,9 +29,9 @@ at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode
 benchmarks/RESULTS-alignment-sweep-<N>.md (every configuration's dev accuracy).
 
 Times are each stage's build time from its manifest (a reused stage keeps the time it was
-built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 150 s of shared stages per
+built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 220 s of shared stages per
 seed and about 200 s for the five methods' reference + policy + merge + evaluate (GRPO 75 s,
-PPO 40 s, online DPO 30 s, DPO and KTO 10 s each), so about 18 min for the default 3 seeds;
+PPO 40 s, online DPO 30 s, DPO and KTO 10 s each), so about 21 min for the default 3 seeds;
 `--sweep 1` trains 4 configurations per method and seed (about 4 x 200 s per seed), about
 45-50 min for 3 seeds (`--sweep 2`: 2 configurations, one of them the default run). Wall times on a shared
 machine are inflated: the load average is printed.
