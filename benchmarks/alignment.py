@@ -22,7 +22,9 @@ Default mode: each method with params.yaml's settings, evaluated on the held-out
 (the reported table) and on `dev` (printed beside it). `--sweep N`: round N of the tuning budget,
 the same for every method (ROUNDS below): round 1 tries 2 learning rates × one knob of the method
 (4 configurations), round 2 two values of one more knob from round 1's choice, which
-params.yaml holds (2 configurations; the one params.yaml holds is the default run's). Every
+params.yaml holds (2 configurations; the one params.yaml holds is the default run's), round 3
+each method's learning rate halved, kept and doubled (3 configurations, after the SFT trunk and
+the reward model changed under every method). Every
 configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
 accuracy (the first in order on a tie) is then scored on `eval`, the only time eval is looked
 at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode) or
@@ -67,7 +69,7 @@ PER_METHOD = ("reference", "policy", "merge", "evaluate")
 DEFAULT_SEEDS = (1, 2, 3)
 RESULTS = ROOT / "benchmarks" / "RESULTS-alignment.md"
 
-# The tuning budget, the same for every method: 6 configurations in two rounds, each scored on dev over the seeds.
+# The tuning budget, the same for every method: 9 configurations in three rounds, each scored on dev over the seeds.
 # Round 1: 2 learning rates x 2 values of one knob (keys under policy.<method>.). Round 2, from round 1's choice
 # (params.yaml's settings since): 2 values of one more knob. params.yaml holds each round's choice. A knob naming a shared
 # stage's key (score.*) is that key itself: the offline methods' data is sampled by score, so its sampling
@@ -83,6 +85,13 @@ ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
      "online_dpo": {"rewards": ["reward_model", "exact_match+reward_model"]},
      "grpo": {"generation.temperature": [1.0, 1.2]},
      "ppo": {"rewards": ["reward_model", "exact_match+reward_model"]}},
+    # Round 3, after the SFT trunk went from 2 to 3 epochs and the reward model to batch 8 (every method's data and
+    # start changed): each method's learning rate halved, kept and doubled.
+    {"dpo": {"learning_rate": [5e-5, 1e-4, 2e-4]},
+     "kto": {"learning_rate": [5e-5, 1e-4, 2e-4]},
+     "online_dpo": {"learning_rate": [5e-5, 1e-4, 2e-4]},
+     "grpo": {"learning_rate": [7.5e-5, 1.5e-4, 3e-4]},
+     "ppo": {"learning_rate": [7.5e-6, 1.5e-5, 3e-5]}},
 ]
 # Named values of knobs that set several keys at once: the verifiable reward deciding and the reward model breaking
 # ties, as score.reward_functions does, against the reward model alone.
