@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from stages.reward_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
 from stages.fields import WARMUP_RATIO, fraction, non_negative, param, positive  # noqa: F401 (re-exported)
 from stages.trainers.dpo_params import DPOParams
 from stages.trainers.grpo_params import GRPOParams
@@ -233,10 +234,11 @@ class SFTSection(SFTParams, TrainingParams):
         return problems
 
 
-REWARD_BUILTINS = ("exact_match", "reasoning_format", "length_penalty", "reward_model")
 # The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
-VERIFIED_FIRST = ("exact_match", "reward_model")
-VERIFIED_FIRST_WEIGHTS = (1.0, 0.05)
+# The reward model squashed, σ(r) in (0, 1), at weight 0.5: a right answer scores at least 1, a wrong one under
+# 0.5 (score.min_score), whatever scale the reward model learnt (stages.rewards.RewardModelReward).
+VERIFIED_FIRST = ("exact_match", "reward_model_prob")
+VERIFIED_FIRST_WEIGHTS = (1.0, 0.5)
 
 
 def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
@@ -352,14 +354,19 @@ DEV_CHOICE = "chosen on dev: benchmarks/RESULTS-alignment-sweep-*.md"
 RESTATED = ("reward_weights",)
 
 
+def _dev_learning_rate(value: float) -> Any:
+    """A method's learning rate chosen on dev (round 3: halved, kept and doubled on the 3-epoch SFT trunk)."""
+    return _override(f"peak learning rate ({value:g} {DEV_CHOICE})", default=value)
+
+
 @dataclass
 class DPOSection(DPOParams, MethodOverrides):
-    pass
+    learning_rate: float | None = _dev_learning_rate(5e-5)
 
 
 @dataclass
 class KTOSection(KTOParams, MethodOverrides):
-    pass
+    learning_rate: float | None = _dev_learning_rate(5e-5)
 
 
 @dataclass
@@ -374,7 +381,7 @@ class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
 
 @dataclass
 class GRPOSection(GRPOParams, MethodOverrides):
-    learning_rate: float | None = _override("peak learning rate", default=1.5e-4)
+    learning_rate: float | None = _dev_learning_rate(3e-4)
     per_device_train_batch_size: int | None = _override("completions per micro-batch (num_generations per prompt)",
                                                         integer=True, default=128)
     max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True, default=150)
@@ -386,8 +393,7 @@ class GRPOSection(GRPOParams, MethodOverrides):
 
 @dataclass
 class PPOSection(PPOParams, MethodOverrides):
-    learning_rate: float | None = _override(f"peak learning rate (1.5e-5 {DEV_CHOICE}; 3e-4 collapses the reward)",
-                                            default=1.5e-5)
+    learning_rate: float | None = _dev_learning_rate(3e-5)  # 3e-4 collapses the reward
     reward_functions: list[str] = _reward_functions(list(VERIFIED_FIRST), "score of each rollout "
                                                     f"(over [reward_model] alone, {DEV_CHOICE})")
     reward_weights: list[float] | None = _verified_first_weights()

@@ -13,6 +13,8 @@ Built-ins (`BUILTIN_REWARDS`):
   reasoning_format  1.0 for a closed, non-empty reasoning block followed by a non-empty answer, else 0.0
   length_penalty    -min(length / max, 1) in [-1, 0]: tokens when `completion_ids` is given, else characters
   reward_model      a trained reward model (`reward_model_path`) scoring prompt + completion
+  reward_model_prob the same squashed to (0, 1), σ(r): a bounded tie-breaker beside a verifiable
+                    reward (weight w < 1: a right answer always outscores a wrong one, whatever r)
 
 Anything else is a dotted path `package.module:function` (imported, never eval'd).
 `RewardFunctions` runs several, checks every output and sums them with weights.
@@ -26,6 +28,7 @@ import numbers
 import re
 from typing import Any, Callable
 
+from stages.reward_names import REWARD_MODEL_REWARDS
 from stages.utils import answer_after_reasoning
 
 RewardFn = Callable[..., list]
@@ -97,18 +100,24 @@ def length_penalty(prompts: list, completions: list[str], *, completion_ids: lis
 
 
 class RewardModelReward:
-    """A trained reward model as a reward function: r(prompt, completion) from `score_texts`.
+    """A trained reward model as a reward function: r(prompt, completion) from `score_texts`; with
+    `squash`, σ(r) in (0, 1) (`reward_model_prob`).
 
     The model saw whole completions in training, reasoning included, so where the
     `reasoning` column is given the text is put back together as
     `<think>{reasoning}</think>{answer}` before scoring.
+
+    Bradley-Terry fixes only differences of r, and its scale grows with training (held-out margins of 10
+    and more on the built-in task): beside exact_match, a raw r at weight 0.05 outscored a wrong answer past
+    a right one on 24% of one seed's pairs; σ(r) at any weight below 1 cannot.
     """
 
-    def __init__(self, path: str, *, device: str = "cpu", batch_size: int = 64, max_length: int = 1024):
+    def __init__(self, path: str, *, device: str = "cpu", batch_size: int = 64, max_length: int = 1024,
+                 squash: bool = False):
         from stages.models import load_tokenizer
         from stages.trainers.reward import load_reward_model
 
-        self.path, self.batch_size, self.max_length = path, batch_size, max_length
+        self.path, self.batch_size, self.max_length, self.squash = path, batch_size, max_length, squash
         self.tokenizer = load_tokenizer(path)
         self.model = load_reward_model(path, self.tokenizer, device=device, require_head=True).eval()
 
@@ -118,8 +127,17 @@ class RewardModelReward:
         if reasoning is not None:
             completions = [c if r is None else f"{THINK_TAGS[0]}{r}{THINK_TAGS[1]}{c}"
                            for c, r in zip(completions, reasoning)]
-        return score_texts(self.model, self.tokenizer, prompts, completions, batch_size=self.batch_size,
-                           max_length=self.max_length)
+        scores = score_texts(self.model, self.tokenizer, prompts, completions, batch_size=self.batch_size,
+                             max_length=self.max_length)
+        return [sigmoid(r) for r in scores] if self.squash else scores
+
+
+def sigmoid(x: float) -> float:
+    """σ(x) = 1 / (1 + e^-x), without overflow for large |x|."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 BUILTIN_REWARDS: dict[str, Any] = {
@@ -127,6 +145,7 @@ BUILTIN_REWARDS: dict[str, Any] = {
     "reasoning_format": reasoning_format,
     "length_penalty": length_penalty,
     "reward_model": RewardModelReward,  # built by load_reward_function from reward_model_path
+    "reward_model_prob": RewardModelReward,  # the same, squash=True
 }
 
 
@@ -136,10 +155,10 @@ def load_reward_function(name: str, *, reward_model_path: str | None = None, dev
                          key: str = "reward_functions") -> RewardFn:
     """A BUILTIN_REWARDS name, or a dotted path "package.module:function" (an attribute path after the
     colon, e.g. "mod:obj.method", is followed). `key` is the params key being read, for errors."""
-    if name == "reward_model":
+    if name in REWARD_MODEL_REWARDS:
         if not reward_model_path:
-            raise ValueError(f"{key} = 'reward_model' needs reward_model_path: the folder of a trained reward model")
-        return RewardModelReward(reward_model_path, device=device)
+            raise ValueError(f"{key} = {name!r} needs reward_model_path: the folder of a trained reward model")
+        return RewardModelReward(reward_model_path, device=device, squash=name == "reward_model_prob")
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import FORMATS, detect_format, is_conversational
+from stages.reward_names import REWARD_MODEL_REWARDS
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
 HELD_OUT_KEYS = ("data.eval_source", "data.dev_source")  # held-out rows with references, never trained on
@@ -37,7 +38,6 @@ ACCEPTS: dict[str, frozenset | None] = {
 BUILTIN_SHAPE = frozenset({"sft", "preference", "unpaired", "prompts", "eval", "dev"})
 PEEK_BYTES = 16 * 2**20  # files up to this size are peeked whole: absence of a kind of row is then certain
 PEEK_ROWS = 2000
-REWARD_MODEL = "reward_model"
 
 
 @dataclass
@@ -191,14 +191,15 @@ def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
         lists.append((f"policy.{method}.reward_functions", s.reward_functions, s.reward_weights))
     problems = []
     for key, names, weights in lists:
-        if REWARD_MODEL not in names:
+        named = [n for n in names if n in REWARD_MODEL_REWARDS]
+        if not named:
             continue
-        rest = [n for n in names if n != REWARD_MODEL] or ["exact_match"]
+        rest = [n for n in names if n not in REWARD_MODEL_REWARDS] or ["exact_match"]
         fix = f"--set {key}=[{','.join(rest)}]"
         if weights is not None:
-            kept = [w for n, w in zip(names, weights) if n != REWARD_MODEL] or [1.0]
+            kept = [w for n, w in zip(names, weights) if n not in REWARD_MODEL_REWARDS] or [1.0]
             fix += f" --set {key.rsplit('.', 1)[0]}.reward_weights=[{','.join(map(str, kept))}]"
-        problems.append((key, f"= {names} includes reward_model, but there is no preference data to train one: "
+        problems.append((key, f"= {names} includes {named[0]}, but there is no preference data to train one: "
                               f"set {fix}, or give data.preference"))
     return problems
 

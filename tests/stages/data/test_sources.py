@@ -48,9 +48,10 @@ def test_sft_only_with_default_params_names_every_list_that_needs_the_reward_mod
     p.policy.method = "ppo"  # its default reward is the reward model too
     problems = dict(needs(p, peek(p.data)))
     assert problems["score.reward_functions"] == (
-        "= ['exact_match', 'reward_model'] includes reward_model, but there is no preference data to train one: "
+        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to train one: "
         "set --set score.reward_functions=[exact_match] --set score.reward_weights=[1.0], or give data.preference")
-    assert problems["policy.ppo.reward_functions"].startswith("= ['exact_match', 'reward_model'] includes reward_model")
+    assert problems["policy.ppo.reward_functions"].startswith("= ['exact_match', 'reward_model_prob'] includes "
+                                                                "reward_model_prob")
     assert "--set policy.ppo.reward_functions=[exact_match]" in problems["policy.ppo.reward_functions"]
     p.score.reward_functions, p.score.reward_weights, p.policy.method = ["exact_match"], None, "grpo"
     assert needs(p, peek(p.data)) == []  # GRPO's default reward is a rule: nothing missing

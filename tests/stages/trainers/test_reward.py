@@ -7,7 +7,8 @@ import torch
 
 from stages.config import LoraParams
 from stages.losses import reward_loss
-from stages.rewards import load_reward_function
+from stages.config import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, ScoreParams
+from stages.rewards import build_reward_functions, load_reward_function, sigmoid
 from stages.trainers.adapters import apply_lora
 from stages.trainers.reward import (RewardCollator, RewardConfig, RewardTrainer, evaluate_reward_model,
                                     load_reward_model, score_texts, sequence_rewards, tokenize_pairs)
@@ -198,3 +199,29 @@ def test_saved_model_scores_as_the_reward_model_reward_function(setup, tmp_path)
     expected = score_texts(model, tok, prompts, full)
     assert fn(prompts, answers, reasoning=reasoning) == pytest.approx(expected, abs=1e-5)
     assert fn(prompts, answers) != pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_prob_is_the_squashed_score_and_keeps_the_verified_reward_first(setup, tmp_path):
+    """reward_model_prob = σ(reward_model), in (0, 1) and in the same order; with VERIFIED_FIRST's weights every
+    right answer outscores every wrong one and every wrong one stays under score.min_score, even when the reward
+    model's scale is large (here its head scaled x1000; raw r at the old weight 0.05 would let r decide)."""
+    path, tok, rows = setup
+    model = _model(path, tok)
+    with torch.no_grad():
+        model.score.weight.mul_(1000.0)
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rm = str(tmp_path / "rm")
+    prompts = [r["prompt"] for r in rows[:4]] * 2
+    right = [r["chosen"][0]["content"] for r in rows[:4]]
+    completions = right + [c[:-1] + str((int(c[-1]) + 1) % 10) for c in right]  # last digit off by one: wrong
+    raw = load_reward_function("reward_model", reward_model_path=rm)(prompts, completions)
+    prob = load_reward_function("reward_model_prob", reward_model_path=rm)(prompts, completions)
+    assert max(abs(r) for r in raw) > 20  # a scale at which raw x 0.05 outweighs exact_match
+    assert prob == pytest.approx([sigmoid(r) for r in raw]) and all(0 <= q <= 1 for q in prob)
+    answers = [str(int(c[c.index("</think>") + len("</think>"):])) for c in right] * 2
+    verified = build_reward_functions(list(VERIFIED_FIRST), list(VERIFIED_FIRST_WEIGHTS), reward_model_path=rm)
+    totals, scores = verified(prompts, completions, answer=answers)
+    assert scores["exact_match"] == [1.0] * 4 + [0.0] * 4
+    assert min(totals[:4]) >= 1.0 > ScoreParams().min_score > max(totals[4:])
+    assert sigmoid(1000.0) == 1.0 and sigmoid(-1000.0) == 0.0  # no overflow
