@@ -217,7 +217,7 @@ def test_flow_keeps_dvc_lock_in_step_without_dvc_on_path(built):
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=built, path=without_venv()).stdout
     assert flow.count(" cached ") == len(STAGE_ORDER), flow  # the Prefect path agrees with DVC's build
 
-    set_key(built, "policy.learning_rate", 0.0002)  # a change through the flow: policy and below execute
+    set_key(built, "policy.dpo.learning_rate", 0.0002)  # a change through the flow: policy and below execute
     flow = sh(sys.executable, "-m", "flows.cli", "run", cwd=built, path=without_venv()).stdout
     rows = [line.split()[:2] for line in flow.splitlines()]
     below = STAGE_ORDER.index("policy")
