@@ -31,11 +31,12 @@ at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode
 benchmarks/RESULTS-alignment-sweep-<N>.md (every configuration's dev accuracy).
 
 Times are each stage's build time from its manifest (a reused stage keeps the time it was
-built in). Expected on 2 idle cores with OMP_NUM_THREADS=1: about 220 s of shared stages per
-seed and about 200 s for the five methods' reference + policy + merge + evaluate (GRPO 75 s,
-PPO 40 s, online DPO 30 s, DPO and KTO 10 s each), so about 21 min for the default 3 seeds;
-`--sweep 1` trains 4 configurations per method and seed (about 4 x 200 s per seed), about
-45-50 min for 3 seeds (`--sweep 2`: 2 configurations, one of them the default run). Wall times on a shared
+built in). Expected with OMP_NUM_THREADS=1 (the Intel Xeon machine of 2026-12-02 19:00, two runs side by
+side): about 140 s of shared stages per seed and about 160 s for the five methods' reference + policy +
+merge + evaluate (GRPO 80 s, PPO 40 s, online DPO 26 s, DPO 5 s, KTO 8 s), so about 15 min for the default
+3 seeds on one process; `--sweep 1` trains 4 configurations per method and seed, `--sweep 3` 3 (about 25 min
+for 3 seeds in two processes: `--seeds 2 3` and `--seeds 1` into one --output-dir, then all with --write,
+which reuses every stage). Wall times on a shared
 machine are inflated: the load average is printed.
 """
 from __future__ import annotations
