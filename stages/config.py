@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
-from stages.reward_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
 from stages.fields import WARMUP_RATIO, fraction, non_negative, param, positive  # noqa: F401 (re-exported)
+from stages.reward_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
 from stages.trainers.dpo_params import DPOParams
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.kto_params import KTOParams

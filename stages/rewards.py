@@ -28,7 +28,7 @@ import numbers
 import re
 from typing import Any, Callable
 
-from stages.reward_names import REWARD_MODEL_REWARDS
+from stages.reward_names import REWARD_BUILTINS, REWARD_MODEL_REWARDS
 from stages.utils import answer_after_reasoning
 
 RewardFn = Callable[..., list]
@@ -147,6 +147,7 @@ BUILTIN_REWARDS: dict[str, Any] = {
     "reward_model": RewardModelReward,  # built by load_reward_function from reward_model_path
     "reward_model_prob": RewardModelReward,  # the same, squash=True
 }
+assert tuple(BUILTIN_REWARDS) == REWARD_BUILTINS, "stages/reward_names.py lists the built-ins params validation accepts"
 
 
 # ---------------------------------------------------------------------------------- loading

@@ -5,9 +5,8 @@ import copy
 import pytest
 import torch
 
-from stages.config import LoraParams
+from stages.config import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, LoraParams, ScoreParams
 from stages.losses import reward_loss
-from stages.config import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, ScoreParams
 from stages.rewards import build_reward_functions, load_reward_function, sigmoid
 from stages.trainers.adapters import apply_lora
 from stages.trainers.reward import (RewardCollator, RewardConfig, RewardTrainer, evaluate_reward_model,
