@@ -63,8 +63,8 @@ def mixed_precision(setting: str, device: str, section: str) -> str:
     """The autocast a stage trains under ("no", "bf16" or "fp16") for `{section}.mixed_precision` on `device`.
 
     auto: bf16 on a GPU that has it, else no. On CPU bf16 steps are faster where the CPU has bf16 matmuls
-    (AMX), but the quickstart's DPO policy lost 20 points with sft, reward and policy at bf16 (README
-    "bf16 or fp32 by default on CPU"), so fp32 stays the CPU default. bf16 runs on CPU too (torch's CPU autocast); fp16 needs a GPU (its loss scaler is CUDA's)."""
+    (AMX), but the quickstart with sft, reward and policy at bf16 was no faster as a whole and its DPO policy
+    lost 12 points (README "bf16 or fp32 by default on CPU"), so fp32 stays the CPU default. bf16 runs on CPU too (torch's CPU autocast); fp16 needs a GPU (its loss scaler is CUDA's)."""
     if setting == "auto":
         return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "no"
     if setting == "fp16" and device != "cuda":
