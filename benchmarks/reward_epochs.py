@@ -4,6 +4,9 @@ own column sums ("plain"; "train_plain": the first 400 training pairs of that ki
 
     python benchmarks/reward_epochs.py OUTPUT_DIR SEED [KEY=VALUE ...]
     python benchmarks/reward_epochs.py /tmp/align/seed-1/shared 1 reward.num_train_epochs=8
+    python benchmarks/reward_epochs.py artifacts 0 --frozen-layers 2   # an experiment, not a stage option
+
+--frozen-layers K: the embeddings and the lowest K decoder blocks are frozen (the backward stops above them).
 
 OUTPUT_DIR holds preprocess/ and sft/ of run.seed SEED (benchmarks/alignment.py's seed-<s>/shared); the
 overrides are params.yaml keys. Nothing is written there (the checkpoints go to a temporary folder).
@@ -31,6 +34,11 @@ from stages.seeding import prepare  # noqa: E402
 from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model  # noqa: E402,E501
 
 shared, seed, *sets = sys.argv[1:]
+frozen = 0
+if "--frozen-layers" in sets:
+    i = sets.index("--frozen-layers")
+    frozen = int(sets[i + 1])
+    del sets[i:i + 2]
 parsed, _ = parse_overrides(sets)
 p = load_params(ROOT / "params.yaml", {**parsed, "run.output_dir": shared, "run.seed": int(seed)})
 prepare(p.run)
@@ -44,6 +52,9 @@ start = str(Path(shared) / "sft" / "model")
 tok = load_tokenizer(start)
 model, _, _ = training.load_trainable_model(start, p, r, device="cpu", section="reward",
                                           load=functools.partial(load_reward_model, tokenizer=tok), task_type="SEQ_CLS")
+if frozen:
+    for module in [model.model.embed_tokens, *model.model.layers[:frozen]]:
+        module.requires_grad_(False)
 work = Path(tempfile.mkdtemp(prefix="reward-epochs-"))
 ctx = types.SimpleNamespace(work=work, log=logging.getLogger("x"), params=p)
 args = training.trainer_config(RewardConfig, r, {**training.trainer_args(ctx, r, device="cpu", section="reward"),
@@ -61,4 +72,4 @@ class Ep(TrainerCallback):
         print(f"epoch {state.epoch:.0f} step {state.global_step} acc {allq:.3f} {out} t={time.time()-t0:.0f}s", flush=True)
 trainer = RewardTrainer(model, args=args, processing_class=tok, train_dataset=train_pairs, callbacks=[Ep()])
 trainer.train()
-print("train time", time.time() - t0, sets)
+print("train time", time.time() - t0, sets, f"frozen layers {frozen}")
