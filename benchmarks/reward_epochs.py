@@ -24,6 +24,8 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from reward_step import freeze_lower  # noqa: E402
 from stages.builtin.arithmetic import needs_carry  # noqa: E402
 from stages.config import load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
@@ -53,8 +55,7 @@ tok = load_tokenizer(start)
 model, _, _ = training.load_trainable_model(start, p, r, device="cpu", section="reward",
                                           load=functools.partial(load_reward_model, tokenizer=tok), task_type="SEQ_CLS")
 if frozen:
-    for module in [model.model.embed_tokens, *model.model.layers[:frozen]]:
-        module.requires_grad_(False)
+    freeze_lower(model, frozen)
 work = Path(tempfile.mkdtemp(prefix="reward-epochs-"))
 ctx = types.SimpleNamespace(work=work, log=logging.getLogger("x"), params=p)
 args = training.trainer_config(RewardConfig, r, {**training.trainer_args(ctx, r, device="cpu", section="reward"),

@@ -54,6 +54,12 @@ def pair_rows(p, n: int) -> list[dict]:
     return rows["preference"]
 
 
+def freeze_lower(model, k: int) -> None:
+    """Freeze a Llama-layout reward model's embeddings and its lowest `k` decoder blocks (an experiment)."""
+    for module in [model.model.embed_tokens, *model.model.layers[:k]]:
+        module.requires_grad_(False)
+
+
 def trainer_step(path: str, tok, rows: list[dict], steps: int, overrides: dict) -> float:
     """Median CPU seconds between consecutive step ends of the reward stage's trainer."""
     from transformers import PrinterCallback, TrainerCallback
@@ -90,9 +96,7 @@ def bare_step(path: str, tok, batches: list[dict], *, pairs: bool = True, frozen
     model = load_reward_model(path, tok)
     model.train()
     if frozen_half:
-        inner = model.model
-        for module in [inner.embed_tokens, *inner.layers[:len(inner.layers) // 2]]:
-            module.requires_grad_(False)
+        freeze_lower(model, len(model.model.layers) // 2)
     opt = torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.reward.learning_rate)
     times = []
     for i, batch in enumerate(batches):
