@@ -20,7 +20,10 @@ def test_peers_prints_a_ratio_per_trainer(capsys, monkeypatch):
     for name, m in rows.items():
         ours, trl, ratio = float(m.group(2)), float(m.group(3)), float(m.group(4))
         assert ours > 0 and trl > 0, name
-        assert ratio == pytest.approx(trl / ours, rel=0.01, abs=0.01), name  # TRL's s/step over ours
+        # TRL's s/step over ours, from the unrounded times: within what the printed 4 decimals of each time
+        # and 2 of the ratio allow
+        half = 0.00005
+        assert (trl - half) / (ours + half) - 0.005 <= ratio <= (trl + half) / (ours - half) + 0.005, name
     assert "load average" in out
 
 
