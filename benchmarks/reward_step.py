@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 WARMUP = 3
 
 
-def reward_section(overrides: dict):
+def load_params_with(overrides: dict):
+    """params.yaml with `overrides` (dotted keys)."""
     from stages.config import load_params
 
     return load_params(ROOT / "params.yaml", overrides)
@@ -67,7 +68,7 @@ def trainer_step(path: str, tok, rows: list[dict], steps: int, overrides: dict) 
     from stages.pipeline import training
     from stages.trainers.reward import RewardConfig, RewardTrainer, load_reward_model
 
-    p = reward_section(overrides)
+    p = load_params_with(overrides)
     r = p.reward
     model = load_reward_model(path, tok)
     ends: list[float] = []
@@ -92,7 +93,7 @@ def bare_step(path: str, tok, batches: list[dict], *, pairs: bool = True, frozen
     from stages.losses import reward_loss
     from stages.trainers.reward import load_reward_model, sequence_rewards
 
-    p = reward_section({})
+    p = load_params_with({})
     model = load_reward_model(path, tok)
     model.train()
     if frozen_half:
@@ -127,7 +128,7 @@ def main() -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    p = reward_section({})
+    p = load_params_with({})
     b = p.reward.per_device_train_batch_size
     rows = pair_rows(p, b * (WARMUP + args.steps))
     with tempfile.TemporaryDirectory() as tmp:
