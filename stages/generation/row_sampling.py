@@ -58,11 +58,17 @@ class PerRowSampler(LogitsProcessor):
             self.warpers.append(TopPLogitsWarper(float(s.top_p)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        token = self.sample(input_ids.shape[1] - self.start, scores, input_ids)
+        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
+
+    def sample(self, step: int, scores: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's (B, 1) token number `step` from its (B, V) logits (what `stages.generation.decoder`
+        calls directly); its log-prob is appended to `logps`."""
         logits = self.warpers(input_ids, scores.float())
         cdf = logits.double().softmax(-1).cumsum(-1)
         total = cdf[:, -1:]
-        u = self.uniforms[:, input_ids.shape[1] - self.start, None] * total
+        u = self.uniforms[:, step, None] * total
         last = (cdf < total).sum(-1, keepdim=True)  # the last token of non-zero probability (u·total rounding to it)
         token = torch.minimum(torch.searchsorted(cdf, u, right=True), last)
         self.logps.append(logits.double().log_softmax(-1).gather(1, token).squeeze(1))
-        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
+        return token

@@ -1,0 +1,213 @@
+"""A lean KV-cache decoder for Llama-family causal LMs: the "hf" backend's fast path (`stages.generation.hf`).
+
+HF's `generate` runs every decode step through the whole module stack: per-module calls, the cache
+object, mask building, the rotary module, the generation loop's bookkeeping. For a small model on a
+CPU that overhead is most of the step; a 4-layer, hidden-256 Llama decoding 8 rows spends ~2 ms of
+each ~3.2 ms forward outside its matmuls (`benchmarks/decode.py`). `Decoder` computes the same
+forward from the model's own weights in a few fused tensor ops per layer:
+
+- q/k/v and gate/up are one matmul each (weights concatenated once per call);
+- one preallocated cache for all layers, written in place;
+- the rotary cos/sin of every position computed once per call, by the model's own `rotary_emb`
+  (so every RoPE variant the model supports comes out the same);
+- left padding: each row's positions count its real tokens only (as HF's), and padded keys are
+  masked; a padded query attends to itself only, so no softmax row is empty.
+
+The loop is HF's greedy loop: each step's token comes from `pick(step, logits)` (the argmax, or
+`row_sampling.PerRowSampler.sample`), a finished row is fed the pad token, and decoding stops once
+every row has produced an EOS or `max_new_tokens` tokens. Under autocast the matmuls run in the
+autocast dtype (weights cast once per call, as `precision.cached_casts` gives HF's path) and the
+residual stream, norms and rotary stay in fp32, as in the HF modules; with `precision.CPU_FP32_SDPA`
+the attention runs in fp32 too. The tokens equal HF's up to float rounding (tests compare both).
+
+`Decoder.for_model` returns None, and the caller keeps HF's `generate`, for anything it does not
+reproduce exactly: other architectures (`why_not` says why), PEFT adapters, quantised or hooked
+modules, sliding windows shorter than the call, and generation configs that add logits processors
+(repetition penalty, bad words, minimum lengths, ...).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# model_type -> whether its attention has per-head q/k norms (Qwen3)
+ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+ATTENTION = ("sdpa", "eager", "sdpa_cpu_fp32")  # computed by torch's SDPA here; see precision.CPU_FP32_SDPA
+# generation-config fields that make HF's greedy `generate` add a logits processor or change the mode, with
+# the values that leave it out (None leaves every one out)
+NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
+           "encoder_no_repeat_ngram_size": (0,), "bad_words_ids": (), "min_length": (0,), "min_new_tokens": (0,),
+           "forced_bos_token_id": (), "forced_eos_token_id": (), "suppress_tokens": (), "begin_suppress_tokens": (),
+           "sequence_bias": (), "exponential_decay_length_penalty": (), "renormalize_logits": (False,),
+           "remove_invalid_values": (False,), "guidance_scale": (1.0,), "watermarking_config": (),
+           "penalty_alpha": (), "dola_layers": (), "stop_strings": (), "max_time": (), "token_healing": (False,),
+           "prompt_lookup_num_tokens": (), "constraints": (), "force_words_ids": ()}
+
+
+def why_not(model, capacity: int) -> str | None:
+    """Why `Decoder` cannot stand in for `model.generate` on `model` for calls of `capacity` positions
+    (prompt width + new tokens); None when it can."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in ARCHITECTURES or not type(model).__name__.endswith("ForCausalLM"):
+        return f"{type(model).__name__} ({kind}): only {', '.join(ARCHITECTURES)} causal LMs"
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ATTENTION:
+        return f"attention implementation {attention!r}"
+    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if inner is None or type(head) is not torch.nn.Linear or head.bias is not None:
+        return "no plain lm_head over model.model"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1 \
+            or getattr(config, "mlp_bias", False):
+        return "an MLP other than SiLU-gated without bias"
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return f"hooks on {name or 'the model'}"
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "global forward hooks"
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        return f"parameters of dtypes {sorted(map(str, dtypes))}"
+    window = getattr(config, "sliding_window", None)
+    sliding = any(t != "full_attention" for t in getattr(config, "layer_types", None) or [])
+    if (sliding or kind == "mistral") and window is not None and window < capacity:
+        return f"a sliding window of {window} < {capacity} positions"
+    for i, layer in enumerate(inner.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            module = getattr(a, name, None) or getattr(mlp, name, None)
+            if type(module) is not torch.nn.Linear:
+                return f"model.layers.{i}.{name} is a {type(module).__name__} (an adapter or a quantised layer)"
+        if len({p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
+            return "biases on some of q/k/v_proj only"
+    gen = getattr(model, "generation_config", None)
+    for key, neutral in NEUTRAL.items():
+        value = getattr(gen, key, None)
+        if value is not None and value not in neutral:
+            return f"generation_config.{key} = {value!r} (a logits processor of HF's generate)"
+    return None
+
+
+class Decoder:
+    """`model`'s forward with a preallocated KV cache, from its current weights (see the module docstring).
+    Build one per generate call (`for_model`): it snapshots the weights it fuses."""
+
+    @classmethod
+    def for_model(cls, model, capacity: int) -> Decoder | None:
+        return cls(model) if why_not(model, capacity) is None else None
+
+    def __init__(self, model):
+        config, inner = model.config, model.model
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.qk_norm = ARCHITECTURES[config.model_type]
+        device = inner.embed_tokens.weight.device
+        self.autocast = torch.is_autocast_enabled(device.type)
+        self.fp32_attention = self.autocast and config._attn_implementation == "sdpa_cpu_fp32" and device.type == "cpu"
+        mm_dtype = torch.get_autocast_dtype(device.type) if self.autocast else None
+        self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
+        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.head = _cast(model.lm_head.weight, mm_dtype)
+        self.layers = []
+        for layer in inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            self.layers.append(dict(
+                norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                qkv=_cast(torch.cat([m.weight for m in qkv]), mm_dtype),
+                qkv_bias=None if a.q_proj.bias is None else _cast(torch.cat([m.bias for m in qkv]), mm_dtype),
+                q_norm=(a.q_norm.weight, a.q_norm.variance_epsilon) if self.qk_norm else None,
+                k_norm=(a.k_norm.weight, a.k_norm.variance_epsilon) if self.qk_norm else None,
+                o=_cast(a.o_proj.weight, mm_dtype),
+                o_bias=None if a.o_proj.bias is None else _cast(a.o_proj.bias, mm_dtype),
+                norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                gate_up=_cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mm_dtype),
+                down=_cast(mlp.down_proj.weight, mm_dtype)))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos: list[int], pad_id: int,
+                 pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The new tokens of left-padded `input_ids` (B, T): (B, steps), steps <= max_new_tokens, rows
+        that finished early padded with `pad_id` after their EOS. `pick(step, logits)` returns each row's
+        (B, 1) token from its (B, V) float32 logits; default: the argmax."""
+        rows, width = input_ids.shape
+        device, capacity = input_ids.device, width + max_new_tokens
+        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        valid[:, :width] = attention_mask.bool()
+        valid[:, width:] = True
+        # HF's positions: real tokens count from 0; positions of left padding do not matter (masked)
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        probe = self.embed[:1, None]
+        cos, sin = self.rotary(probe, positions)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, capacity, D)
+        cache = torch.empty(len(self.layers), 2, rows, self.kv_heads, capacity, self.head_dim, dtype=probe.dtype,
+                            device=device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=device)
+        prefill_mask = ((causal & valid[:, None, :width]) | eye)[:, None]
+        eos_ids = torch.tensor(eos, device=device)
+        unfinished = torch.ones(rows, 1, dtype=torch.bool, device=device)
+        pick = pick or (lambda _step, logits: logits.argmax(-1, keepdim=True))
+        logits = self._forward(input_ids, cache, 0, cos[:, :, :width], sin[:, :, :width], prefill_mask)
+        out = []
+        for step in range(max_new_tokens):
+            token = pick(step, logits.float())
+            token = torch.where(unfinished, token, torch.full_like(token, pad_id))
+            out.append(token)
+            unfinished &= ~torch.isin(token, eos_ids)
+            if step + 1 == max_new_tokens or not bool(unfinished.any()):
+                break
+            at = width + step
+            logits = self._forward(token, cache, at, cos[:, :, at:at + 1], sin[:, :, at:at + 1],
+                                   valid[:, None, None, :at + 1])
+        return torch.cat(out, 1)
+
+    def _forward(self, tokens, cache, start: int, cos, sin, mask) -> torch.Tensor:
+        """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache."""
+        rows, length = tokens.shape
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(tokens, self.embed)
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(_rms_norm(x, w["norm1"]), w["qkv"], w["qkv_bias"]).view(rows, length, h + 2 * kv, d)
+            qk, v = qkv[:, :, :h + kv], qkv[:, :, h + kv:]
+            if self.qk_norm:
+                qk = torch.cat([_rms_norm_as_hf(qk[:, :, :h], w["q_norm"]), _rms_norm_as_hf(qk[:, :, h:], w["k_norm"])],
+                               2)
+            qk = qk.transpose(1, 2)
+            qk = qk * cos + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), -1) * sin
+            cache[i, 0, :, :, start:start + length] = qk[:, h:]
+            cache[i, 1, :, :, start:start + length] = v.transpose(1, 2)
+            q, keys, values = qk[:, :h], cache[i, 0, :, :, :start + length], cache[i, 1, :, :, :start + length]
+            attn = self._attention(q, keys, values, mask)
+            x = x + F.linear(attn.transpose(1, 2).reshape(rows, length, h * d), w["o"], w["o_bias"])
+            gate, up = F.linear(_rms_norm(x, w["norm2"]), w["gate_up"]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+        return F.linear(_rms_norm(x[:, -1], self.norm), self.head)
+
+    def _attention(self, q, keys, values, mask):
+        gqa = self.heads != self.kv_heads
+        if self.fp32_attention:
+            with torch.autocast(q.device.type, enabled=False):
+                return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
+                                                      enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t.detach() if dtype is None else t.detach().to(dtype)
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """The decoder norms, on the fp32 (or model-dtype) residual stream."""
+    weight, eps = norm
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rms_norm_as_hf(x: torch.Tensor, norm) -> torch.Tensor:
+    """HF's RMSNorm on a possibly lower-precision input: normalised in fp32, rounded back, then scaled."""
+    weight, eps = norm
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

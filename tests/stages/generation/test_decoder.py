@@ -1,0 +1,153 @@
+"""The lean decoder against HF's `generate` on random models of each architecture it covers, and where it steps aside."""
+import pytest
+import torch
+
+from stages.generation import SamplingParams, generate
+from stages.generation.decoder import Decoder, why_not
+from stages.generation.row_sampling import per_row_sampler
+
+from .conftest import PROMPTS
+
+SIZE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+
+
+def _model(kind: str, **extra):
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    kw = {**SIZE, "num_key_value_heads": 2, **extra}  # grouped-query attention
+    if kind == "qwen3":
+        kw["head_dim"] = 16  # wider than hidden / heads, as Qwen3's configs allow
+    model = model_cls(config_cls(**kw)).eval()
+    with torch.no_grad():  # peaked logits, random biases and norm weights: every weight shows in the tokens
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.3)
+    return model
+
+
+def _batch(rows=6, seed=1):
+    """Left-padded prompts of different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 9, 5, 12, 1, 7][:rows]
+    ids = torch.zeros(rows, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, -n:] = torch.randint(3, SIZE["vocab_size"], (n,), generator=gen)
+        mask[r, -n:] = 1
+    return ids, mask
+
+
+def _hf(model, ids, mask, new, **kw):
+    kw = {"eos_token_id": [1], **kw}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             pad_token_id=0, **kw)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_tokens_equal_hf_generate_with_left_padding_and_gqa(kind):
+    model = _model(kind, attention_bias=True) if kind in ("llama", "qwen3") else _model(kind)
+    ids, mask = _batch()
+    assert why_not(model, ids.shape[1] + 20) is None
+    ours = Decoder.for_model(model, ids.shape[1] + 20).generate(ids, mask, 20, [1], 0)
+    theirs = _hf(model, ids, mask, 20)
+    assert torch.equal(ours, theirs)
+    assert len({tuple(r) for r in ours.tolist()}) == len(ours)  # the rows differ, so a row mix-up would show
+
+
+def test_prefill_logits_match_the_model_forward():
+    model = _model("qwen2")
+    ids, mask = _batch()
+    captured = []
+    decoder = Decoder(model)
+    decoder.generate(ids, mask, 1, [1], 0, pick=lambda step, logits: captured.append(logits) or logits.argmax(-1, True))
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    torch.testing.assert_close(captured[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_per_row_sampling_draws_the_same_tokens_and_logps_as_hf():
+    model = _model("llama")
+    ids, mask = _batch()
+    s = SamplingParams(max_new_tokens=16, n=1, do_sample=True, temperature=0.9, top_p=0.95, top_k=40, seed=3)
+    prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    ours_sampler, hf_sampler = (per_row_sampler(prompts, s, ids.shape[1], "cpu") for _ in range(2))
+    ours = Decoder(model).generate(ids, mask, 16, [1], 0, pick=ours_sampler[0].sample)
+    theirs = _hf(model, ids, mask, 16, logits_processor=hf_sampler)
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(torch.stack(ours_sampler[0].logps), torch.stack(hf_sampler[0].logps), atol=1e-4,
+                               rtol=1e-5)  # float32 logits computed in another op order
+
+
+def test_stops_when_every_row_has_finished_and_pads_after_eos():
+    model = _model("llama")
+    ids, mask = _batch()
+    first = Decoder(model).generate(ids, mask, 1, [1], 0)[:, 0]
+    eos = sorted(set(first.tolist()))  # every row's first token is an EOS: one step, then stop
+    assert Decoder(model).generate(ids, mask, 10, eos, 0).shape == (len(ids), 1)
+    only_row0 = [int(first[0])]  # row 0 stops at once, the others run on
+    out = Decoder(model).generate(ids, mask, 8, only_row0, 0)
+    assert out[0, 0] == first[0] and (out[0, 1:] == 0).all()
+    assert torch.equal(out, _hf(model, ids, mask, 8, eos_token_id=only_row0))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa_cpu_fp32"])
+def test_under_bf16_autocast_it_tracks_hf_generate(attention):
+    from stages.trainers.precision import use_fp32_cpu_attention
+
+    model = _model("qwen2")
+    if attention == "sdpa_cpu_fp32":
+        use_fp32_cpu_attention(model)
+    assert model.config._attn_implementation == attention
+    ids, mask = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = Decoder(model).generate(ids, mask, 12, [1], 0)
+        theirs = _hf(model, ids, mask, 12)
+    # bf16 matmuls round differently in a different op order; on peaked logits the argmax rarely moves
+    assert (ours == theirs).float().mean() >= 0.9
+    assert torch.equal(ours[:, :3], theirs[:, :3])
+
+
+def test_the_hf_backend_uses_it_and_gets_hf_generates_completions(model, tok, monkeypatch):
+    s = SamplingParams(max_new_tokens=10, n=3, do_sample=True, seed=5)
+    calls = []
+    real = Decoder.generate
+    monkeypatch.setattr(Decoder, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    fast = generate(model, tok, PROMPTS, s, batch_size=4)
+    greedy_fast = generate(model, tok, PROMPTS, SamplingParams(max_new_tokens=10), batch_size=4)
+    assert len(calls) == 6  # 3 batches, twice
+    monkeypatch.setattr(Decoder, "for_model", classmethod(lambda cls, m, capacity: None))
+    slow = generate(model, tok, PROMPTS, s, batch_size=4)
+    assert fast.completion_ids == slow.completion_ids
+    torch.testing.assert_close(torch.tensor([x for r in fast.logprobs for x in r]),
+                               torch.tensor([x for r in slow.logprobs for x in r]))
+    assert greedy_fast.completion_ids == generate(model, tok, PROMPTS, SamplingParams(max_new_tokens=10),
+                                                  batch_size=4).completion_ids
+    assert len(calls) == 6
+
+
+def test_it_steps_aside_for_what_it_does_not_reproduce():
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96))
+    assert "GPT2LMHeadModel" in why_not(gpt2, 16)
+    lora = get_peft_model(_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert why_not(lora, 16) is not None
+    assert "adapter" in why_not(lora.get_base_model(), 16)  # LoRA layers inside the base model
+    penalised = _model("llama")
+    penalised.generation_config.repetition_penalty = 1.2
+    assert "repetition_penalty" in why_not(penalised, 16)
+    windowed = _model("mistral", sliding_window=8)
+    assert "sliding window" in why_not(windowed, 16) and why_not(windowed, 8) is None
+    hooked = _model("llama")
+    hooked.model.norm.register_forward_hook(lambda *a: None)
+    assert "hooks on model.norm" == why_not(hooked, 16)
