@@ -127,6 +127,20 @@ class StepTimer:
         self.tokens_at: list[int] = []
         self.tokens = 0
 
+    def wrap_forward(self, model):
+        """Count the tokens of `model`'s forwards with gradient (both sides' training forwards) by wrapping
+        its `forward`, not with a module hook: a hook would turn our "hf" backend's decoder off (it steps
+        aside for hooked models, `stages.generation.decoder.why_not`), which users' models do not have.
+        Returns the function that restores the model's own forward."""
+        inner = model.forward
+
+        def counting_forward(*args, **kwargs):
+            self.count_tokens(model, args, kwargs)
+            return inner(*args, **kwargs)
+
+        model.forward = counting_forward
+        return lambda: delattr(model, "forward")
+
     def count_tokens(self, module, args, kwargs):
         if not torch_grad_enabled():
             return
@@ -415,10 +429,10 @@ def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, preci
         trainer = SIDES[side](name, model_dir, tokenizer, rows, steps, precision, out)
         trainer.add_callback(timer.callback)
         quiet(trainer)
-        hook = unwrap(trainer.model).register_forward_pre_hook(timer.count_tokens, with_kwargs=True)
+        restore = timer.wrap_forward(unwrap(trainer.model))
         with memory:
             trainer.train()
-        hook.remove()
+        restore()
         del trainer
     s_step, tok_s, cpu_step = timer.summary(warmup)
     return {"s_step": s_step, "tok_s": tok_s, "cpu_step": cpu_step, "peak_mb": memory.above_base / 2**20}

@@ -6,7 +6,9 @@ CPU that overhead is most of the step; a 4-layer, hidden-256 Llama decoding 8 ro
 each ~3.2 ms forward outside its matmuls (`benchmarks/decode.py`). `Decoder` computes the same
 forward from the model's own weights in a few fused tensor ops per layer:
 
-- q/k/v and gate/up are one matmul each (weights concatenated once per call);
+- q/k/v and gate/up are one matmul each, every weight concatenated and transposed once per call
+  (on CPU an (8, 256) @ (256, 1536) matmul takes ~45 us against a (1536, 256) weight stored
+  (in, out), ~70 us through `F.linear`'s (out, in));
 - one preallocated cache for all layers, written in place;
 - the rotary cos/sin of every position computed once per call, by the model's own `rotary_emb`
   (so every RoPE variant the model supports comes out the same);
@@ -109,22 +111,22 @@ class Decoder:
         mm_dtype = torch.get_autocast_dtype(device.type) if self.autocast else None
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = _cast(model.lm_head.weight, mm_dtype)
+        self.head = _weight(model.lm_head.weight, mm_dtype)
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv = [a.q_proj, a.k_proj, a.v_proj]
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                qkv=_cast(torch.cat([m.weight for m in qkv]), mm_dtype),
+                qkv=_weight(torch.cat([m.weight for m in qkv]), mm_dtype),
                 qkv_bias=None if a.q_proj.bias is None else _cast(torch.cat([m.bias for m in qkv]), mm_dtype),
                 q_norm=(a.q_norm.weight, a.q_norm.variance_epsilon) if self.qk_norm else None,
                 k_norm=(a.k_norm.weight, a.k_norm.variance_epsilon) if self.qk_norm else None,
-                o=_cast(a.o_proj.weight, mm_dtype),
+                o=_weight(a.o_proj.weight, mm_dtype),
                 o_bias=None if a.o_proj.bias is None else _cast(a.o_proj.bias, mm_dtype),
                 norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                gate_up=_cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mm_dtype),
-                down=_cast(mlp.down_proj.weight, mm_dtype)))
+                gate_up=_weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mm_dtype),
+                down=_weight(mlp.down_proj.weight, mm_dtype)))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -171,7 +173,7 @@ class Decoder:
         h, kv, d = self.heads, self.kv_heads, self.head_dim
         x = F.embedding(tokens, self.embed)
         for i, w in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(x, w["norm1"]), w["qkv"], w["qkv_bias"]).view(rows, length, h + 2 * kv, d)
+            qkv = _mm(_rms_norm(x, w["norm1"]), w["qkv"], w["qkv_bias"]).view(rows, length, h + 2 * kv, d)
             qk, v = qkv[:, :, :h + kv], qkv[:, :, h + kv:]
             if self.qk_norm:
                 qk = torch.cat([_rms_norm_as_hf(qk[:, :, :h], w["q_norm"]), _rms_norm_as_hf(qk[:, :, h:], w["k_norm"])],
@@ -182,10 +184,10 @@ class Decoder:
             cache[i, 1, :, :, start:start + length] = v.transpose(1, 2)
             q, keys, values = qk[:, :h], cache[i, 0, :, :, :start + length], cache[i, 1, :, :, :start + length]
             attn = self._attention(q, keys, values, mask)
-            x = x + F.linear(attn.transpose(1, 2).reshape(rows, length, h * d), w["o"], w["o_bias"])
-            gate, up = F.linear(_rms_norm(x, w["norm2"]), w["gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
-        return F.linear(_rms_norm(x[:, -1], self.norm), self.head)
+            x = x + _mm(attn.transpose(1, 2).reshape(rows, length, h * d), w["o"], w["o_bias"])
+            gate, up = _mm(_rms_norm(x, w["norm2"]), w["gate_up"]).chunk(2, -1)
+            x = x + _mm(F.silu(gate) * up, w["down"])
+        return _mm(_rms_norm(x[:, -1], self.norm), self.head)
 
     def _attention(self, q, keys, values, mask):
         gqa = self.heads != self.kv_heads
@@ -198,6 +200,18 @@ class Decoder:
 
 def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.detach() if dtype is None else t.detach().to(dtype)
+
+
+def _weight(w: torch.Tensor, dtype) -> torch.Tensor:
+    """A linear layer's (out, in) weight as a contiguous (in, out) matrix, in `dtype` (None: its own)."""
+    return _cast(w, dtype).t().contiguous()
+
+
+def _mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight_t (+ bias) over x's last dimension."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    return out.view(*x.shape[:-1], weight_t.shape[1])
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
