@@ -9,7 +9,7 @@ forward from the model's own weights in a few fused tensor ops per layer:
 - q/k/v and gate/up are one matmul each, every weight concatenated and transposed once per call
   (on CPU an (8, 256) @ (256, 1536) matmul takes ~45 us against a (1536, 256) weight stored
   (in, out), ~70 us through `F.linear`'s (out, in));
-- one preallocated cache for all layers, written in place;
+- one cache for all layers, written in place (room for 64 new tokens at first, doubled as rows run on);
 - the rotary cos/sin of every position computed once per call, by the model's own `rotary_emb`
   (so every RoPE variant the model supports comes out the same);
 - left padding: each row's positions count its real tokens only (as HF's), and padded keys are
@@ -25,7 +25,8 @@ the attention runs in fp32 too. The tokens equal HF's up to float rounding (test
 `Decoder.for_model` returns None, and the caller keeps HF's `generate`, for anything it does not
 reproduce exactly: other architectures (`why_not` says why), PEFT adapters, quantised or hooked
 modules, sliding windows shorter than the call, and generation configs that add logits processors
-(repetition penalty, bad words, minimum lengths, ...).
+(repetition penalty, bad words, minimum lengths, ...). It is for CPU (models on an accelerator keep
+HF's kernels; vLLM is their fast path), and for models up to 2 GiB of weights, the copy it makes per call.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 
 # model_type -> whether its attention has per-head q/k norms (Qwen3)
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
+FIRST_CACHE_TOKENS = 64  # the cache starts with room for this many new tokens and doubles as rows run on
 ATTENTION = ("sdpa", "eager", "sdpa_cpu_fp32")  # computed by torch's SDPA here; see precision.CPU_FP32_SDPA
 # generation-config fields that make HF's greedy `generate` add a logits processor or change the mode, with
 # the values that leave it out (None leaves every one out)
@@ -69,9 +72,15 @@ def why_not(model, capacity: int) -> str | None:
             return f"hooks on {name or 'the model'}"
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "global forward hooks"
-    dtypes = {p.dtype for p in model.parameters()}
+    params = list(model.parameters())
+    dtypes, devices = {p.dtype for p in params}, {p.device.type for p in params}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         return f"parameters of dtypes {sorted(map(str, dtypes))}"
+    if devices != {"cpu"}:  # on accelerators HF's kernels are not overhead-bound the same way; vLLM is the fast path
+        return f"parameters on {sorted(devices)}: the decoder is for CPU"
+    size = sum(p.numel() * p.element_size() for p in params)
+    if size > MAX_WEIGHT_BYTES:
+        return f"{size / 2**30:.1f} GiB of weights: more than the decoder copies per call ({MAX_WEIGHT_BYTES / 2**30:.0f} GiB)"
     window = getattr(config, "sliding_window", None)
     sliding = any(t != "full_attention" for t in getattr(config, "layer_types", None) or [])
     if (sliding or kind == "mistral") and window is not None and window < capacity:
@@ -145,8 +154,8 @@ class Decoder:
         probe = self.embed[:1, None]
         cos, sin = self.rotary(probe, positions)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, capacity, D)
-        cache = torch.empty(len(self.layers), 2, rows, self.kv_heads, capacity, self.head_dim, dtype=probe.dtype,
-                            device=device)
+        cache = torch.empty(len(self.layers), 2, rows, self.kv_heads, width + min(max_new_tokens, FIRST_CACHE_TOKENS),
+                            self.head_dim, dtype=probe.dtype, device=device)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         eye = torch.eye(width, dtype=torch.bool, device=device)
         prefill_mask = ((causal & valid[:, None, :width]) | eye)[:, None]
@@ -163,6 +172,8 @@ class Decoder:
             if step + 1 == max_new_tokens or not bool(unfinished.any()):
                 break
             at = width + step
+            if at == cache.shape[-2]:  # as long as rows run on, not max_new_tokens up front
+                cache = _grown(cache, min(capacity, width + 2 * (at - width)))
             logits = self._forward(token, cache, at, cos[:, :, at:at + 1], sin[:, :, at:at + 1],
                                    valid[:, None, None, :at + 1])
         return torch.cat(out, 1)
@@ -196,6 +207,12 @@ class Decoder:
                 return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                                       enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
+    bigger = cache.new_empty((*cache.shape[:-2], capacity, cache.shape[-1]))
+    bigger[..., :cache.shape[-2], :] = cache
+    return bigger
 
 
 def _cast(t: torch.Tensor, dtype) -> torch.Tensor:

@@ -63,6 +63,16 @@ def test_greedy_tokens_equal_hf_generate_with_left_padding_and_gqa(kind):
     assert len({tuple(r) for r in ours.tolist()}) == len(ours)  # the rows differ, so a row mix-up would show
 
 
+def test_a_cache_that_grows_mid_call_gives_the_same_tokens(monkeypatch):
+    import stages.generation.decoder as decoder
+
+    model = _model("llama")
+    ids, mask = _batch()
+    whole = Decoder(model).generate(ids, mask, 20, [1], 0)
+    monkeypatch.setattr(decoder, "FIRST_CACHE_TOKENS", 2)  # grows at new tokens 2, 4, 8, 16
+    assert torch.equal(Decoder(model).generate(ids, mask, 20, [1], 0), whole)
+
+
 def test_prefill_logits_match_the_model_forward():
     model = _model("qwen2")
     ids, mask = _batch()
@@ -151,3 +161,12 @@ def test_it_steps_aside_for_what_it_does_not_reproduce():
     hooked = _model("llama")
     hooked.model.norm.register_forward_hook(lambda *a: None)
     assert "hooks on model.norm" == why_not(hooked, 16)
+    assert why_not(_model("llama").to("meta"), 16) == "parameters on ['meta']: the decoder is for CPU"
+
+
+def test_it_steps_aside_for_models_larger_than_the_copy_it_makes(monkeypatch):
+    import stages.generation.decoder as decoder
+
+    model = _model("llama")
+    monkeypatch.setattr(decoder, "MAX_WEIGHT_BYTES", 1000)
+    assert "GiB of weights" in why_not(model, 16)
