@@ -23,8 +23,9 @@ residual stream, norms and rotary stay in fp32, as in the HF modules; with `prec
 the attention runs in fp32 too. The tokens equal HF's up to float rounding (tests compare both).
 
 `Decoder.for_model` returns None, and the caller keeps HF's `generate`, for anything it does not
-reproduce exactly: other architectures (`why_not` says why), PEFT adapters, quantised or hooked
-modules, sliding windows shorter than the call, and generation configs that add logits processors
+reproduce exactly: other architectures (`why_not` says why), quantised or hooked modules, PEFT
+adapters other than plain LoRA (a LoRA layer's weight is taken as its base weight plus B·A, once per
+call), sliding windows shorter than the call, and generation configs that add logits processors
 (repetition penalty, bad words, minimum lengths, ...). It is for CPU (models on an accelerator keep
 HF's kernels; vLLM is their fast path), and for models up to 2 GiB of weights, the copy it makes per call.
 """
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
 FIRST_CACHE_TOKENS = 64  # the cache starts with room for this many new tokens and doubles as rows run on
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("sdpa", "eager", "sdpa_cpu_fp32")  # computed by torch's SDPA here; see precision.CPU_FP32_SDPA
 # generation-config fields that make HF's greedy `generate` add a logits processor or change the mode, with
 # the values that leave it out (None leaves every one out)
@@ -54,6 +56,7 @@ NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "
 def why_not(model, capacity: int) -> str | None:
     """Why `Decoder` cannot stand in for `model.generate` on `model` for calls of `capacity` positions
     (prompt width + new tokens); None when it can."""
+    model = _base(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES or not type(model).__name__.endswith("ForCausalLM"):
@@ -87,11 +90,11 @@ def why_not(model, capacity: int) -> str | None:
         return f"a sliding window of {window} < {capacity} positions"
     for i, layer in enumerate(inner.layers):
         a, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            module = getattr(a, name, None) or getattr(mlp, name, None)
-            if type(module) is not torch.nn.Linear:
-                return f"model.layers.{i}.{name} is a {type(module).__name__} (an adapter or a quantised layer)"
-        if len({p.bias is None for p in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
+        for name in PROJECTIONS:
+            problem = _projection_problem(getattr(a, name, None) or getattr(mlp, name, None))
+            if problem:
+                return f"model.layers.{i}.{name} is {problem}"
+        if len({_linear(m)[1] is None for m in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
             return "biases on some of q/k/v_proj only"
     gen = getattr(model, "generation_config", None)
     for key, neutral in NEUTRAL.items():
@@ -110,6 +113,7 @@ class Decoder:
         return cls(model) if why_not(model, capacity) is None else None
 
     def __init__(self, model):
+        model = _base(model)
         config, inner = model.config, model.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -124,18 +128,20 @@ class Decoder:
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            (q, q_bias), (k, k_bias), (v, v_bias) = (_linear(m) for m in (a.q_proj, a.k_proj, a.v_proj))
+            (o, o_bias), (gate, _), (up, _), (down, _) = (_linear(m) for m in (a.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                                                 mlp.down_proj))
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                qkv=_weight(torch.cat([m.weight for m in qkv]), mm_dtype),
-                qkv_bias=None if a.q_proj.bias is None else _cast(torch.cat([m.bias for m in qkv]), mm_dtype),
+                qkv=_weight(torch.cat([q, k, v]), mm_dtype),
+                qkv_bias=None if q_bias is None else _cast(torch.cat([q_bias, k_bias, v_bias]), mm_dtype),
                 q_norm=(a.q_norm.weight, a.q_norm.variance_epsilon) if self.qk_norm else None,
                 k_norm=(a.k_norm.weight, a.k_norm.variance_epsilon) if self.qk_norm else None,
-                o=_weight(a.o_proj.weight, mm_dtype),
-                o_bias=None if a.o_proj.bias is None else _cast(a.o_proj.bias, mm_dtype),
+                o=_weight(o, mm_dtype),
+                o_bias=None if o_bias is None else _cast(o_bias, mm_dtype),
                 norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                gate_up=_weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mm_dtype),
-                down=_weight(mlp.down_proj.weight, mm_dtype)))
+                gate_up=_weight(torch.cat([gate, up]), mm_dtype),
+                down=_weight(down, mm_dtype)))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -207,6 +213,53 @@ class Decoder:
                 return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                                       enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+def _base(model):
+    """The model inside PEFT's wrapper (its LoRA layers stay in place), or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+
+
+def _lora_linear():
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:
+        return None
+    return Linear
+
+
+def _projection_problem(module) -> str | None:
+    """Why the decoder cannot read one weight (and bias) off this projection; None: a plain nn.Linear, or
+    a PEFT LoRA layer over one (its active adapters are added to the weight, `_linear`)."""
+    if type(module) is torch.nn.Linear:
+        return None
+    lora = _lora_linear()
+    if lora is None or type(module) is not lora:
+        return f"a {type(module).__name__} (a quantised or custom layer)"
+    if type(module.base_layer) is not torch.nn.Linear:
+        return f"LoRA over a {type(module.base_layer).__name__}"
+    if module.merged and module.disable_adapters:
+        return "a merged LoRA layer with adapters disabled"
+    for name in module.active_adapters:
+        variants = getattr(module, "lora_variant", {}) or {}
+        if module.use_dora.get(name) or name in variants or (getattr(module, "lora_bias", {}) or {}).get(name):
+            return f"LoRA adapter {name!r} with DoRA, a variant or a bias"
+    return None
+
+
+def _linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (out, in) weight and bias that `module`'s forward applies: a LoRA layer's base weight plus
+    its active, unmerged adapters' scaled B·A (in the weights' dtype, outside any autocast)."""
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias
+    base = module.base_layer
+    weight = base.weight
+    if not module.merged and not module.disable_adapters:
+        with torch.autocast(weight.device.type, enabled=False):
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    weight = weight + module.get_delta_weight(name).to(weight.dtype)
+    return weight, base.bias
 
 
 def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -144,15 +144,40 @@ def test_the_hf_backend_uses_it_and_gets_hf_generates_completions(model, tok, mo
     assert len(calls) == 6
 
 
+@pytest.mark.parametrize("state", ["active", "merged", "disabled"])
+def test_lora_adapters_are_added_to_the_weights_as_peft_applies_them(state):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                        lora_dropout=0.1))
+    with torch.no_grad():  # B starts at zero; random B makes every adapter move the tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.eval()
+    if state == "merged":
+        model.merge_adapter()
+    ids, mask = _batch()
+    ours = Decoder.for_model(model, ids.shape[1] + 16)
+    assert ours is not None
+    if state == "disabled":
+        with model.disable_adapter():
+            tokens, theirs = ours.__class__(model).generate(ids, mask, 16, [1], 0), _hf(model, ids, mask, 16)
+    else:
+        tokens, theirs = ours.generate(ids, mask, 16, [1], 0), _hf(model, ids, mask, 16)
+    assert torch.equal(tokens, theirs)
+    base = _hf(_model("qwen2"), ids, mask, 16)
+    assert torch.equal(tokens, base) == (state == "disabled")  # the adapters do change the tokens
+
+
 def test_it_steps_aside_for_what_it_does_not_reproduce():
     import transformers
     from peft import LoraConfig, get_peft_model
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96))
     assert "GPT2LMHeadModel" in why_not(gpt2, 16)
-    lora = get_peft_model(_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert why_not(lora, 16) is not None
-    assert "adapter" in why_not(lora.get_base_model(), 16)  # LoRA layers inside the base model
+    dora = get_peft_model(_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True))
+    assert "DoRA" in why_not(dora, 16)
     penalised = _model("llama")
     penalised.generation_config.repetition_penalty = 1.2
     assert "repetition_penalty" in why_not(penalised, 16)
