@@ -129,9 +129,10 @@ class StepTimer:
 
     def wrap_forward(self, model):
         """Count the tokens of `model`'s forwards with gradient (both sides' training forwards) by wrapping
-        its `forward`, not with a module hook: a hook would turn our "hf" backend's decoder off (it steps
-        aside for hooked models, `stages.generation.decoder.why_not`), which users' models do not have.
-        Returns the function that restores the model's own forward."""
+        the forward of its decoder stack (`model.model`), not with a module hook or a wrapped top-level
+        forward: those turn our "hf" backend's decoder off (`stages.generation.decoder.why_not`), and
+        users' models have neither. Returns the function that restores the stack's own forward."""
+        model = model.model
         inner = model.forward
 
         def counting_forward(*args, **kwargs):

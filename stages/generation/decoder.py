@@ -23,7 +23,9 @@ residual stream, norms and rotary stay in fp32, as in the HF modules; with `prec
 the attention runs in fp32 too. The tokens equal HF's up to float rounding (tests compare both).
 
 `Decoder.for_model` returns None, and the caller keeps HF's `generate`, for anything it does not
-reproduce exactly: other architectures (`why_not` says why), quantised or hooked modules, PEFT
+reproduce exactly: other architectures (`why_not` says why), quantised or hooked modules, a wrapped
+`model.forward` (accelerate's autocast wrapper) outside an autocast region (inside one, as
+`cached_casts` gives the online trainers, the wrapper's own autocast adds nothing), PEFT
 adapters other than plain LoRA (a LoRA layer's weight is taken as its base weight plus B·A, once per
 call), sliding windows shorter than the call, and generation configs that add logits processors
 (repetition penalty, bad words, minimum lengths, ...). It is for CPU (models on an accelerator keep
@@ -56,6 +58,10 @@ NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "
 def why_not(model, capacity: int) -> str | None:
     """Why `Decoder` cannot stand in for `model.generate` on `model` for calls of `capacity` positions
     (prompt width + new tokens); None when it can."""
+    if "forward" in vars(model) or "forward" in vars(_base(model)):  # accelerate's / `precision.wrap_forward`'s
+        device = next(model.parameters()).device.type
+        if not torch.is_autocast_enabled(device):
+            return "a wrapped forward (an autocast wrapper?) outside an autocast region: it would be skipped"
     model = _base(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
