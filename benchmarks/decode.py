@@ -12,9 +12,11 @@ of `--calls` calls, best of `--rounds` alternated rounds:
 - a generate call with transformers' default cache (`torch.cat` of the whole cache per step), with a
   preallocated cache written in place (`PreallocatedLayer` below, an experiment kept here, not in stages/),
   with `cache_implementation="static"`, and under one bf16 autocast region (as `precision.cached_casts`);
-- with `--compile`: `torch.compile(model.forward, dynamic=True)`, the first call (compiling) and then steady.
+- with `--compile`: `torch.compile(model.forward, dynamic=True)`, the first call (compiling) and then steady;
+- `stages.generation.decoder.Decoder`, the "hf" backend's fast path (its per-call weight copy included),
+  at these 8 rows and at `--rows-large` rows (score's batch: 64 prompts x 4), against HF's generate there.
 
-The outputs of the default and the preallocated cache are checked to be the same token ids.
+The outputs of the default cache, the preallocated cache and the decoder are checked to be the same token ids.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--rows-large", type=int, default=256)
     args = ap.parse_args(argv)
     import peers
     from transformers import AutoModelForCausalLM
@@ -107,12 +110,29 @@ def main(argv: list[str] | None = None) -> None:
             for m, x in zip(linears, inputs):
                 torch.nn.functional.linear(x, m.weight, m.bias)
 
+    from stages.generation.decoder import Decoder
+
+    large_ids = torch.randint(5, 300, (args.rows_large, PROMPT))
+    large_mask = torch.ones_like(large_ids)
+
+    def hf_large():
+        with torch.no_grad():
+            return model.generate(input_ids=large_ids, attention_mask=large_mask, max_new_tokens=NEW,
+                                  min_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=1)
+
+    def decoder(ids=ids, mask=mask):  # EOS 1 never sampled here: the random model's argmax avoids it (checked)
+        return Decoder(model).generate(ids, mask, NEW, [1], 0)
+
     same = torch.equal(generate(), generate(cache=preallocated_cache(model, PROMPT + NEW)))
+    same_decoder = torch.equal(generate()[:, PROMPT:], decoder())
     cases = {
         "generate, default dynamic cache": generate,
         "generate, preallocated cache": lambda: generate(cache=preallocated_cache(model, PROMPT + NEW)),
         "generate, cache_implementation=static": lambda: generate(cache_implementation="static"),
         "generate, one bf16 autocast region": bf16_generate,
+        "stages.generation.decoder": decoder,
+        f"generate, {args.rows_large} rows": hf_large,
+        f"stages.generation.decoder, {args.rows_large} rows": lambda: decoder(large_ids, large_mask),
     }
     best: dict[str, float] = {}
     for _ in range(args.rounds):
@@ -131,11 +151,13 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"model: peers.py's Llama (hidden 256, 4 layers, vocab 1024); {ROWS} rows, {PROMPT}-token prompt, "
           f"{NEW} new tokens; torch {torch.__version__}, threads {torch.get_num_threads()}")
-    base = best["generate, default dynamic cache"]
+    base, large = best["generate, default dynamic cache"], best[f"generate, {args.rows_large} rows"]
     for name, seconds in best.items():
-        vs = f"  ({base / seconds:.2f}x the default's speed)" if name.startswith("generate") else ""
-        print(f"{name:<44} {seconds * 1e3:9.2f} ms{vs}")
+        against = large if name.endswith(f"{args.rows_large} rows") else base
+        vs = f"  ({against / seconds:.2f}x generate's speed)" if name.startswith(("generate", "stages")) else ""
+        print(f"{name:<48} {seconds * 1e3:9.2f} ms{vs}")
     print(f"preallocated cache gives the same token ids as the default: {same}")
+    print(f"the decoder gives the same token ids as the default: {same_decoder}")
 
 
 if __name__ == "__main__":
