@@ -17,7 +17,9 @@ Two variants of the same call, `generate(model, tok, prompts, SamplingParams(n=4
 - one at a time: `batch_size=1`, i.e. one `model.generate` per prompt (its 4 samples together);
 and, for the cost of seeding every prompt's rows apart (`stages.generation.row_sampling`), a third:
 - batched, HF's sampler: the same batches through `model.generate(do_sample=True, num_return_sequences=4)`
-  directly, which samples the whole batch from torch's global RNG (not prompt-seeded).
+  directly, which samples the whole batch from torch's global RNG (not prompt-seeded);
+and, for the "hf" backend's decoder (`stages.generation.decoder`, on by default where it applies), a fourth:
+- batched, HF's generate: the batched call with the decoder turned off (every batch through `model.generate`).
 Throughput = generated tokens (up to and including EOS) / wall time, minimum over `--repeats`
 rounds run round-robin so both see the same background load, after an untimed warm-up.
 It also checks that greedy decoding gives identical tokens batched and one at a time.
@@ -37,6 +39,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 HF_SAMPLER = "batched, HF's sampler"
+HF_GENERATE = "batched, HF's generate"
+
+
+def hf_generate_only(fn):
+    """`fn()` with the "hf" backend's decoder turned off: every batch through HF's `model.generate`."""
+    from stages.generation.decoder import Decoder
+
+    real = Decoder.for_model
+    Decoder.for_model = classmethod(lambda cls, model, capacity: None)
+    try:
+        return fn()
+    finally:
+        Decoder.for_model = real
 
 
 def build_model(args, folder: Path):
@@ -126,7 +141,8 @@ def main() -> None:
         path, model, tok = build_model(args, Path(tmp))
         prompts = task_prompts(args.prompts)
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.samples, do_sample=True, seed=0)
-        variants = {"batched": args.batch_size, "one prompt at a time": 1, HF_SAMPLER: args.batch_size}
+        variants = {"batched": args.batch_size, "one prompt at a time": 1, HF_SAMPLER: args.batch_size,
+                    HF_GENERATE: args.batch_size}
         for bs in variants.values():  # warm-up: allocator, kernels, first-call overheads
             generate(model, tok, prompts[:2], sampling, batch_size=bs)
         best: dict[str, tuple[float, int, float]] = {}
@@ -135,6 +151,10 @@ def main() -> None:
                 if name == HF_SAMPLER:
                     comps, secs = timed(lambda: hf_batch_sampler(model, tok, prompts, sampling, bs))
                     finished = sum(bool(c) and c[-1] in (tok.eos_token_id,) for c in comps) / len(comps)
+                elif name == HF_GENERATE:
+                    gens, secs = timed(lambda: hf_generate_only(lambda: generate(model, tok, prompts, sampling,
+                                                                                 batch_size=bs)))
+                    comps, finished = gens.completion_ids, sum(gens.finished) / len(gens)
                 else:
                     gens, secs = timed(lambda: generate(model, tok, prompts, sampling, batch_size=bs))
                     comps, finished = gens.completion_ids, sum(gens.finished) / len(gens)
@@ -156,6 +176,7 @@ def main() -> None:
     speedup = rows[0][4] / rows[1][4]
     print(f"speed-up batched / one at a time: {speedup:.1f}x (target >= 5x) -> {'MET' if speedup >= 5 else 'NOT MET'}")
     print(f"per-prompt seeded sampler / HF's batch sampler, tokens/s: {rows[0][4] / rows[2][4]:.2f}")
+    print(f"with the decoder / HF's generate, tokens/s: {rows[0][4] / rows[3][4]:.2f}")
     if same_greedy is not None:
         print(f"greedy tokens identical batched vs one at a time (32 prompts): {same_greedy}")
     if args.write:
@@ -197,6 +218,8 @@ def write_results(args, path, rows, speedup, same_greedy, repeats) -> None:
         f"{'met' if speedup >= 5 else 'NOT met'}).",
         f"Per-prompt seeded rows (`stages.generation.row_sampling`) / HF's batch sampler on the same batches: "
         f"**{rows[0][4] / rows[2][4]:.2f}x** the tokens/s.",
+        f"The \"hf\" backend's decoder (`stages.generation.decoder`) / the same calls through HF's `generate`: "
+        f"**{rows[0][4] / rows[3][4]:.2f}x** the tokens/s.",
     ]
     if same_greedy is not None:
         lines.append(f"Greedy decoding gives identical tokens batched and one at a time (first 32 prompts): "

@@ -348,8 +348,14 @@ def phase_markers(trainer):
     models = [model] + [m for m in (getattr(trainer, "ref_model", None),) if m is not None]
     for i, m in enumerate(models):
         tag = "ref " if i else ""
-        wrap(m, "forward", lambda tag=tag: f"## {tag}forward ({'grad' if torch.is_grad_enabled() else 'no-grad'})")
+        # the decoder stack's forward, not the model's: a wrapped top-level forward turns our decoder off
+        # outside autocast (`stages.generation.decoder.why_not`)
+        wrap(getattr(m, "model", m), "forward",
+             lambda tag=tag: f"## {tag}forward ({'grad' if torch.is_grad_enabled() else 'no-grad'})")
         wrap(m, "generate", f"## {tag}generate")
+    from stages.generation.decoder import Decoder
+
+    wrap(Decoder, "generate", "## generate (stages.generation.decoder)")
     if callable(getattr(trainer, "data_collator", None)):
         wrap(trainer, "data_collator", "## collate")
     try:

@@ -75,10 +75,10 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                 if per_row:  # n consecutive rows per prompt, as HF's num_return_sequences lays them out
                     from stages.generation.row_sampling import per_row_sampler
 
-                    input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
                     extra["logits_processor"] = per_row_sampler([prompt_ids[i] for i in batch], sampling,
                                                                 input_ids.shape[1], device)
-                new = _decode(model, input_ids, attention_mask, sampling, kwargs, extra, eos, pad_id).tolist()
+                new = _decode(model, input_ids, attention_mask, n if per_row else 1, sampling, kwargs, extra, eos,
+                              pad_id).tolist()
                 # n consecutive rows per prompt (HF's num_return_sequences: best beam first)
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
@@ -97,17 +97,19 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                              backend="hf", logprobs=per_prompt_logps)
 
 
-def _decode(model, input_ids, attention_mask, s: SamplingParams, kwargs: dict, extra: dict, eos: list[int],
-            pad_id: int) -> torch.Tensor:
-    """The new tokens of one batch: `decoder.Decoder` where it reproduces this model's greedy / per-row
-    `generate` (it is several times lighter per step), HF's `model.generate` otherwise."""
+def _decode(model, input_ids, attention_mask, repeats: int, s: SamplingParams, kwargs: dict, extra: dict,
+            eos: list[int], pad_id: int) -> torch.Tensor:
+    """The new tokens of one batch of prompts, each as `repeats` consecutive rows: `decoder.Decoder` where it
+    reproduces this model's greedy / per-row `generate` (lighter per step, one prefill per prompt), HF's
+    `model.generate` over the repeated rows otherwise."""
     from stages.generation.decoder import Decoder
 
     width = input_ids.shape[1]
     decoder = None if s.num_beams > 1 or "synced_gpus" in kwargs else Decoder.for_model(model, width + s.max_new_tokens)
     if decoder is not None:
         pick = extra["logits_processor"][0].sample if extra else None
-        return decoder.generate(input_ids, attention_mask, s.max_new_tokens, eos, pad_id, pick)
+        return decoder.generate(input_ids, attention_mask, s.max_new_tokens, eos, pad_id, pick, repeats=repeats)
+    input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)[:, width:]
 
 
