@@ -38,6 +38,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from stages.sharding import unwrap  # PEFT's wrapper off; its LoRA layers stay in place
+
 # model_type -> whether its attention has per-head q/k norms (Qwen3)
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
@@ -58,11 +60,11 @@ NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "
 def why_not(model, capacity: int) -> str | None:
     """Why `Decoder` cannot stand in for `model.generate` on `model` for calls of `capacity` positions
     (prompt width + new tokens); None when it can."""
-    if "forward" in vars(model) or "forward" in vars(_base(model)):  # accelerate's / `precision.wrap_forward`'s
+    if "forward" in vars(model) or "forward" in vars(unwrap(model)):  # accelerate's / `precision.wrap_forward`'s
         device = next(model.parameters()).device.type
         if not torch.is_autocast_enabled(device):
             return "a wrapped forward (an autocast wrapper?) outside an autocast region: it would be skipped"
-    model = _base(model)
+    model = unwrap(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES or not type(model).__name__.endswith("ForCausalLM"):
@@ -100,7 +102,7 @@ def why_not(model, capacity: int) -> str | None:
             problem = _projection_problem(getattr(a, name, None) or getattr(mlp, name, None))
             if problem:
                 return f"model.layers.{i}.{name} is {problem}"
-        if len({_linear(m)[1] is None for m in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
+        if len({getattr(m, "base_layer", m).bias is None for m in (a.q_proj, a.k_proj, a.v_proj)}) != 1:
             return "biases on some of q/k/v_proj only"
     gen = getattr(model, "generation_config", None)
     for key, neutral in NEUTRAL.items():
@@ -119,7 +121,7 @@ class Decoder:
         return cls(model) if why_not(model, capacity) is None else None
 
     def __init__(self, model):
-        model = _base(model)
+        model = unwrap(model)
         config, inner = model.config, model.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -224,11 +226,6 @@ class Decoder:
                 return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
                                                       enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-
-
-def _base(model):
-    """The model inside PEFT's wrapper (its LoRA layers stay in place), or `model` itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
 
 
 def _lora_linear():
