@@ -16,6 +16,7 @@ import torch
 
 from stages import runner
 from stages.config import load_params
+from stages.pipeline.training import complete_checkpoint
 from tests.conftest import ROOT, write_params
 
 STEPS, SAVE = 60, 10
@@ -23,7 +24,11 @@ STEPS, SAVE = 60, 10
 
 def kill_after_first_checkpoint(params_file: Path, stage: str) -> tuple[int, str]:
     """Run `python -m stages <stage>` as a process, SIGKILL it as soon as a complete checkpoint exists.
-    -> (the step of the checkpoints it left, the log)."""
+    -> (the step of the checkpoints it left, the log).
+
+    "Complete" is the stage's own rule (`complete_checkpoint`): transformers creates trainer_state.json
+    empty and then writes it, so a kill on the file's mere existence can leave no complete checkpoint
+    at all, and the rerun rightly starts from step 0."""
     work = params_file.parent / "artifacts" / ".work"
     log = params_file.parent / f"{stage}-killed.log"
     with open(log, "w") as out:
@@ -31,7 +36,7 @@ def kill_after_first_checkpoint(params_file: Path, stage: str) -> tuple[int, str
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.time() + 240
         try:
-            while not list(work.glob(f"{stage}-*/checkpoints/checkpoint-*/trainer_state.json")):
+            while not any(map(complete_checkpoint, work.glob(f"{stage}-*/checkpoints/checkpoint-*"))):
                 assert proc.poll() is None, f"{stage} ended before its first checkpoint:\n{log.read_text()}"
                 assert time.time() < deadline, "no checkpoint within 240 s"
                 time.sleep(0.005)
