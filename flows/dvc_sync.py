@@ -20,6 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from stages.artifacts import MANIFEST
 from stages.dvcgen import OUTPUT_DIR
 
 
@@ -81,7 +84,8 @@ def record_in_dvc_lock(params_file: str, output_dir: str, overrides: list[str] |
                        executed: bool = True) -> bool:
     """The flow's last step: record this run's outputs in dvc.lock when they are what dvc.yaml describes.
 
-    With nothing `executed`, only a missing dvc.lock is written (a cached rerun stays fast)."""
+    With nothing `executed`, dvc.lock is written only when it is behind the outputs (`lock_behind`): a cached
+    rerun stays fast, and one after a run killed before its commit records what that run built."""
     from prefect import get_run_logger
 
     logger = get_run_logger()
@@ -90,11 +94,24 @@ def record_in_dvc_lock(params_file: str, output_dir: str, overrides: list[str] |
         level, reason = skip
         getattr(logger, level)(reason)
         return False
-    if not executed and (root / "dvc.lock").is_file():
+    if not executed and not lock_behind(root, output_dir):
         return False
     ok, message = commit_lock(root)
     (logger.info if ok else logger.warning)(message)
     return ok
+
+
+def lock_behind(root: Path, output_dir: str) -> bool:
+    """Whether dvc.lock is missing, unreadable, or older than a stage output's manifest: then a run that built
+    nothing still records the outputs (the run that built them was killed before or during its `dvc commit`)."""
+    lock = root / "dvc.lock"
+    try:
+        written = lock.stat().st_mtime_ns
+        yaml.safe_load(lock.read_text())
+    except (OSError, yaml.YAMLError):
+        return True
+    manifests = Path(output_dir).glob(f"*/{MANIFEST}")
+    return any(m.stat().st_mtime_ns > written for m in manifests)
 
 
 def lock_status(root: str | Path) -> str | None:

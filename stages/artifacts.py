@@ -121,6 +121,9 @@ def verify(folder: Path, expected_fingerprint: str | None = None) -> tuple[bool,
     manifest = read_manifest(folder)
     if manifest is None:
         return False, f"{folder / MANIFEST} is missing or unreadable (an interrupted write?)"
+    sealed = manifest.pop("manifest_hash", None)
+    if sealed is not None and sealed != hash_json(manifest):
+        return False, f"{folder / MANIFEST} was changed since it was written (its own hash does not match)"
     if expected_fingerprint is not None and manifest.get("fingerprint") != expected_fingerprint:
         return False, "stale: params, code or inputs changed since it was built"
     recorded = {**manifest.get("outputs", {}).get("files", {}), **manifest.get("logs", {}).get("files", {})}
@@ -214,12 +217,77 @@ def clean_leftovers(final: Path, log: logging.Logger | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+# What writers that are not Python's own I/O say when the device is full: safetensors ("I/O error: No space left
+# on device (os error 28)"); torch.save says only "unexpected pos ..." or "file write failed" (see `is_disk_full`).
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+_NEARLY_FULL = 1 << 20  # bytes free under which a write error that names no cause counts as a full disk
+
+
+def is_disk_full(exc: BaseException, folder: Path | None = None) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a write that failed for lack of space.
+
+    An OSError says so by its errno, safetensors in its message. torch.save's writer says neither
+    (a RuntimeError "unexpected pos" or "file write failed"): with `folder` given, a RuntimeError
+    raised while the device holding `folder` has less than 1 MiB free counts as a full disk too.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(exc).lower() for text in _DISK_FULL_TEXT):
+            return True
+        if folder is not None and isinstance(exc, RuntimeError) and free_bytes(folder) < _NEARLY_FULL:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes free for this user on the device holding `folder` (or its closest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def folder_bytes(folder: Path) -> int:
+    """Total size of the files under `folder` (0 when it does not exist)."""
+    folder = Path(folder)
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+class DiskFull(OSError):
+    """A stage's output `folder` could not be written: the device filled. The message names the folder, how
+    many bytes the stage had written when it failed (a lower bound of what it needs), the size of the
+    previous version (what a rebuild usually needs again) and the bytes free."""
+
+    def __init__(self, folder: Path, written: int, previous: int, free: int, cause: BaseException):
+        self.folder, self.written, self.previous, self.free = Path(folder).absolute(), written, previous, free
+        self.needed = max(written, previous)
+        before = f"; its previous version takes {previous:,} bytes" if previous else ""
+        super().__init__(errno.ENOSPC, f"no space left on device while writing {self.folder}: it needs at least "
+                         f"{self.needed:,} bytes ({written:,} were written when the device filled{before}), "
+                         f"{free:,} bytes are free there ({one_line(cause)})")
+
+    def __str__(self) -> str:  # OSError's "[Errno 28] ..." prefix would come before the folder
+        return self.strerror
+
+
+def disk_full(folder: Path, written_in: tuple[Path, ...], cause: BaseException) -> DiskFull:
+    """The DiskFull error of output `folder`, measured now (before the partial output is removed)."""
+    return DiskFull(folder, sum(folder_bytes(p) for p in written_in), folder_bytes(folder),
+                    free_bytes(Path(folder).parent), cause)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}"
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every output file and write the manifest (always the last file written).
+    """Hash every output file and write the manifest (always the last file written), sealed by its own hash
+    (`manifest_hash`, checked by `verify`). Returns the manifest without that seal.
 
     `outputs` holds the results (models, data, metrics files) and their `hash`, the one downstream
     fingerprints use; `logs` the log files (see LOGS), verified like the rest but hashed apart.
@@ -229,8 +297,10 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     logs = {k: v for k, v in hashes.items() if is_log(k)}
     manifest = {**manifest, "outputs": {"files": results, "hash": tree_hash(results)},
                 "logs": {"files": logs, "hash": tree_hash(logs)}}
+    manifest = json.loads(json.dumps(manifest, default=str))  # as it reads back, so its own hash verifies
+    sealed = {**manifest, "manifest_hash": hash_json(manifest)}  # a changed byte in the manifest itself shows
     tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    tmp.write_text(json.dumps(sealed, indent=2, sort_keys=True))
     os.replace(tmp, folder / MANIFEST)
     return manifest
 

@@ -20,6 +20,8 @@ LAUNCHED_ENV = "ALIGN_LAUNCHED"  # set in every launched rank: `python -m stages
 TAIL_LINES = 30
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]+(\d+)\]:")  # torchrun --tee: [<role><local rank>]:
 _ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)", re.S)
+# torchrun's summary of the first failure: "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: 123) SIGKILL"
+_ROOT_EXIT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank:\s*(\d+)\)\s*exitcode\s*:\s*(-?\d+)", re.S)
 
 
 class LaunchFailed(RuntimeError):
@@ -105,8 +107,26 @@ def run_command(cmd: list[str], *, on_line: Callable[[str], Any] = print, timeou
                            "process it started was killed", proc.returncode, list(lines)[-TAIL_LINES:])
     if proc.returncode != 0:
         tail = failing_rank_tail(list(lines))
-        raise LaunchFailed(f"{_show(cmd)} exited with code {proc.returncode}; last lines:\n" + "\n".join(tail),
-                           proc.returncode, tail)
+        cause = root_cause(list(lines))
+        raise LaunchFailed(f"{cause + '; ' if cause else ''}{_show(cmd)} exited with code {proc.returncode}; "
+                           "last lines:\n" + "\n".join(tail), proc.returncode, tail)
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """How the rank torchrun names as the first failure ended: "rank 1 (local rank 1) was killed by SIGKILL" or
+    "rank 0 (local rank 0) exited with code 1"; None when torchrun printed no summary."""
+    found = _ROOT_EXIT.search("\n".join(lines))
+    if not found:
+        return None
+    rank, local, code = found.group(1), found.group(2), int(found.group(3))
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {rank} (local rank {local}) {how}"
 
 
 def failing_rank_tail(lines: list[str], n: int = TAIL_LINES) -> list[str]:

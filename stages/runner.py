@@ -159,9 +159,10 @@ def run_stage(name: str, params: Params, *, force: bool = False) -> dict[str, An
         except OSError as e:
             if not artifacts.is_disk_full(e):
                 raise
-            raise StageFailed(f"{name}: no space left on device while writing {state.folder} ({e}); nothing "
-                              "was published and the previous output, if any, is intact; free space and rerun "
-                              "(checkpoints in run.output_dir/.work are kept)") from e
+            what = str(e) if isinstance(e, artifacts.DiskFull) else \
+                f"no space left on device while writing {state.folder} ({e})"
+            raise StageFailed(f"{name}: {what}; nothing was published and the previous output, if any, is intact; "
+                              "free space and rerun (checkpoints in run.output_dir/.work are kept)") from e
         except FloatingPointError as e:  # stages.trainers.callbacks.NumericGuard: a NaN/Inf loss or gradient
             raise StageFailed(f"{name}: {e}") from e
         finally:  # a failed stage keeps its checkpoints for the rerun, but leaves no empty folders behind
@@ -185,21 +186,26 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
         seeding.prepare(params.run)  # before the stage draws anything (a fresh head, LoRA, dropout)
-        metrics = fn(ctx) or {}
-        manifest = artifacts.write_manifest(tmp, {
-            "stage": name,
-            "fingerprint": state.fingerprint,
-            "params": params.select(spec.params),
-            "inputs": {u: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
-                       for u, m in state.upstream.items()},
-            "files": input_hashes(spec, params),
-            "code": {"hash": artifacts.code_hash(code), "paths": list(code), "git": _git_commit()},
-            "metrics": metrics,
-            "started_at": started.isoformat(),
-            "wall_time_s": round(time.perf_counter() - t0, 3),
-            "versions": _versions(),
-            "determinism": seeding.environment(params.run.device),
-        })
+        try:
+            metrics = fn(ctx) or {}
+            manifest = artifacts.write_manifest(tmp, {
+                "stage": name,
+                "fingerprint": state.fingerprint,
+                "params": params.select(spec.params),
+                "inputs": {u: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
+                           for u, m in state.upstream.items()},
+                "files": input_hashes(spec, params),
+                "code": {"hash": artifacts.code_hash(code), "paths": list(code), "git": _git_commit()},
+                "metrics": metrics,
+                "started_at": started.isoformat(),
+                "wall_time_s": round(time.perf_counter() - t0, 3),
+                "versions": _versions(),
+                "determinism": seeding.environment(params.run.device),
+            })
+        except Exception as e:  # a full disk is measured here, before atomic_output removes the partial output
+            if artifacts.is_disk_full(e, tmp):
+                raise artifacts.disk_full(state.folder, (tmp, work), e) from e
+            raise
     shutil.rmtree(work, ignore_errors=True)
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
     log.info("%s: done in %.1fs -> %s", name, manifest["wall_time_s"], state.folder)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from stages.processes import LaunchFailed, failing_rank_tail, run_command, stage_target
+from stages.processes import LaunchFailed, failing_rank_tail, root_cause, run_command, stage_target
 
 
 def test_stage_target_is_the_stage_command_line():
@@ -20,6 +20,17 @@ def test_the_failing_rank_is_named_from_torchrun_s_root_cause():
     assert failing_rank_tail(lines) == ["(local rank 1, the first to fail)", "[default1]:Traceback",
                                         "[default1]:RuntimeError: boom"]
     assert failing_rank_tail(["a", "b", "c"], n=2) == ["b", "c"]
+
+
+def test_the_failing_rank_and_its_signal_are_read_from_torchrun_s_summary():
+    """The lines torchrun prints (torch.distributed.elastic's failure template) when rank 1 was SIGKILLed."""
+    summary = ["Root Cause (first observed failure):", "[0]:", "  time      : 2026-12-04_23:01:02",
+               "  host      : h", "  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 4242) SIGKILL",
+               "  error_file: <N/A>", "  traceback : Signal 9 (SIGKILL) received by PID 4242"]
+    assert root_cause(["[default0]:ok", *summary]) == "rank 1 (local rank 1) was killed by SIGKILL"
+    summary[5] = "  exitcode  : 1 (pid: 4242)"
+    assert root_cause(summary) == "rank 1 (local rank 1) exited with code 1"
+    assert root_cause(["no summary"]) is None
 
 
 def test_output_is_streamed_line_by_line_and_failure_raises():

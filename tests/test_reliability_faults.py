@@ -1,0 +1,110 @@
+"""What the fault-injection campaign (benchmarks/faults.py) found, pinned: a full disk met by torch.save or
+safetensors (which raise no OSError) is reported with the folder and the bytes; a changed byte in a manifest
+is caught by the manifest's own hash; a cached rerun records in dvc.lock what a killed run built."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import artifacts, runner
+from stages.config import load_params
+from tests.conftest import write_params
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: int):
+    """A tmpfs of `size` bytes at `folder` (root only: the test is skipped elsewhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_torch_and_safetensors_writes_on_a_full_device_count_as_disk_full(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    with tmpfs(tmp_path / "small", 64 * 1024) as folder:
+        weights = {"w": torch.zeros(100_000)}
+        errors = []
+        for save in (lambda: torch.save(weights, folder / "a.pt"), lambda: save_file(weights, folder / "b.st")):
+            with pytest.raises(Exception) as e:
+                save()
+            assert not isinstance(e.value, OSError)  # why `is_disk_full` cannot go by errno alone
+            errors.append(e.value)
+        assert all(artifacts.is_disk_full(e, folder) for e in errors)
+        for path in folder.iterdir():
+            path.unlink()
+        assert not artifacts.is_disk_full(RuntimeError("unexpected pos 576 vs 534"), folder)  # room left: not it
+
+
+def test_full_disk_in_a_training_stage_names_the_folder_and_the_bytes(tmp_path, built_pipeline):
+    """sft's rebuild on a device with half the room its output needs: StageFailed with the folder and the bytes
+    it needed, the previous version in place, no temporary folder; with room again, the rerun finishes."""
+    params, _ = built_pipeline
+    need = artifacts.folder_bytes(Path(params.run.output_dir) / "sft")
+    with tmpfs(tmp_path / "artifacts", 1 << 30) as out:
+        shutil.copytree(params.run.output_dir, out, dirs_exist_ok=True)
+        used = shutil.disk_usage(out).used
+        subprocess.run(["mount", "-o", f"remount,size={used + need // 2}", str(out)], check=True)
+        mine = load_params(write_params(tmp_path, {"sft": {"learning_rate": 3e-3}}))
+        before = (out / "sft" / "manifest.json").read_bytes()
+        with pytest.raises(runner.StageFailed) as e:
+            runner.run_stage("sft", mine)
+        message = str(e.value)
+        assert f"while writing {out / 'sft'}: it needs at least" in message and " bytes " in message, message
+        needed = int(message.split("needs at least ")[1].split(" bytes")[0].replace(",", ""))
+        assert needed >= need, message  # at least the previous version's size
+        assert "previous output, if any, is intact" in message
+        assert (out / "sft" / "manifest.json").read_bytes() == before and artifacts.verify(out / "sft")[0]
+        assert not list(out.glob(".tmp-*"))
+        subprocess.run(["mount", "-o", "remount,size=1g", str(out)], check=True)
+        assert runner.run_stage("sft", mine)["executed"] is True
+        assert runner.inspect("sft", mine).current and not list((out / ".work").glob("sft-*"))
+
+
+def test_a_changed_byte_in_a_manifest_is_caught_by_its_own_hash(tmp_path):
+    final = tmp_path / "out"
+    with artifacts.atomic_output(final) as tmp:
+        (tmp / "a.txt").write_text("v1")
+        artifacts.write_manifest(tmp, {"fingerprint": "f", "wall_time_s": 1.25})
+    assert artifacts.verify(final, "f") == (True, "")
+    path = final / artifacts.MANIFEST
+    path.write_text(path.read_text().replace('"wall_time_s": 1.25', '"wall_time_s": 1.35'))  # still valid JSON
+    ok, why = artifacts.verify(final, "f")
+    assert not ok and f"{path} was changed since it was written" in why
+    m = json.loads(path.read_text())
+    m.pop("manifest_hash")  # a manifest written before the seal existed still verifies by its files
+    path.write_text(json.dumps(m))
+    assert artifacts.verify(final, "f") == (True, "")
+
+
+def test_dvc_lock_behind_the_outputs_is_recorded_by_a_cached_rerun(tmp_path):
+    from flows.dvc_sync import lock_behind
+
+    (tmp_path / "artifacts" / "sft").mkdir(parents=True)
+    manifest = tmp_path / "artifacts" / "sft" / artifacts.MANIFEST
+    manifest.write_text("{}")
+    assert lock_behind(tmp_path, str(tmp_path / "artifacts"))  # no dvc.lock
+    lock = tmp_path / "dvc.lock"
+    lock.write_text("schema: '2.0'\nstages: {}\n")
+    assert not lock_behind(tmp_path, str(tmp_path / "artifacts"))
+    later = time.time() + 5
+    os.utime(manifest, (later, later))  # a stage published after the last commit (that run was killed)
+    assert lock_behind(tmp_path, str(tmp_path / "artifacts"))
+    os.utime(lock, (later + 5, later + 5))
+    assert not lock_behind(tmp_path, str(tmp_path / "artifacts"))
+    lock.write_text("schema: '2.0'\nstages:\n  sft: {cmd: [")  # a commit killed while writing it
+    os.utime(lock, (later + 5, later + 5))
+    assert lock_behind(tmp_path, str(tmp_path / "artifacts"))
