@@ -146,29 +146,39 @@ def sigkill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         point = f"{kind} {stage}" + (f" +{arg}s" if kind in ("time", "dvc-commit") else "") + \
             (f" after step {arg}" if kind == "checkpoint" and arg else "")
         outcome = lib.Outcome("sigkill", point)
-        if kind == "dvc-commit":  # the last evaluate was built with other params: dvc.lock must change
-            variant = variant or dvc_variant(camp)
-            project = camp.project("dvc-commit", variant)
-            project.set_params({"evaluate": {"max_new_tokens": lib.SMALL["evaluate"]["max_new_tokens"]}})
-        else:
-            project = camp.project(f"kill-{kind}-{stage}")
-            if kind == "between-renames":
-                flip_bit(first_output(project, stage), camp.rng)
-            else:
-                project.remove(*lib.downstream(stage))
-        env = dict(project.env)
-        mark = project.repo.parent / f"{project.repo.name}.mark"
-        if kind.startswith(("manifest", "between")):
-            env.update(PYTHONPATH=f"{hook}:{project.repo}", ALIGN_FAULT_AT=f"{kind}:{stage}", ALIGN_FAULT_MARK=str(mark))
-        proc = project.start("run", env=env)
-        landed = inject(project, proc, kind, stage, arg, mark)
-        outcome.point += "" if landed else " (the run ended before the point)"
-        lib.kill(proc.pid)
-        proc.wait()
-        camp.recover(project, outcome)
-        camp.log(f"  {point}: {report(outcome)}")
+        try:
+            variant = kill_once(camp, outcome, kind, stage, arg, hook, variant)
+        except Exception as e:  # noqa: BLE001 -- recorded as a run that did not recover
+            outcome.notes.append(f"{type(e).__name__}: {e}"[:1000])
+        camp.log(f"  {outcome.point}: {report(outcome)}")
         outcomes.append(outcome)
     return outcomes
+
+
+def kill_once(camp: Campaign, outcome: lib.Outcome, kind: str, stage: str, arg: float, hook: Path,
+              variant: lib.Project | None) -> lib.Project | None:
+    """One SIGKILL at point (kind, stage, arg) of a fresh project, then the recovery; -> the dvc variant."""
+    if kind == "dvc-commit":  # the last evaluate was built with other params: dvc.lock must change
+        variant = variant or dvc_variant(camp)
+        project = camp.project("dvc-commit", variant)
+        project.set_params({"evaluate": {"max_new_tokens": lib.SMALL["evaluate"]["max_new_tokens"]}})
+    else:
+        project = camp.project(f"kill-{kind}-{stage}")
+        if kind == "between-renames":
+            flip_bit(first_output(project, stage), camp.rng)
+        else:
+            project.remove(*lib.downstream(stage))
+    env = dict(project.env)
+    mark = project.repo.parent / f"{project.repo.name}.mark"
+    if kind.startswith(("manifest", "between")):
+        env.update(PYTHONPATH=f"{hook}:{project.repo}", ALIGN_FAULT_AT=f"{kind}:{stage}", ALIGN_FAULT_MARK=str(mark))
+    proc = project.start("run", env=env)
+    landed = inject(project, proc, kind, stage, arg, mark)
+    outcome.point += "" if landed else " (the run ended before the point)"
+    lib.kill(proc.pid)
+    proc.wait()
+    camp.recover(project, outcome)
+    return variant
 
 
 def inject(project: lib.Project, proc: subprocess.Popen, kind: str, stage: str, arg: float, mark: Path) -> bool:
