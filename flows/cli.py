@@ -96,13 +96,30 @@ def run(params_file: str, overrides: list[str]) -> int:
         state, error = None, e
     logs.console_level(logging.WARNING)  # Prefect's teardown lines would come after the result's last line
     if isinstance(error, BaseException):
-        logs.report_failure(failure_line(failed_stage(error), error), error)
+        logs.report_failure(server_lost(error) or failure_line(failed_stage(error), error), error)
         return exit_code(error)
     if state is None or not state.is_completed():
         logs.report_failure(f"flow run {state.name}: {state.message}" if state else "the flow did not run")
         return 1
     print_summary(state.result())
     return 0
+
+
+def server_lost(error: BaseException) -> str | None:
+    """The cause line when `error` is the Prefect API going away mid-run (the server stopped or restarted): the
+    stages keep running in this process and publish their outputs, but the flow cannot record them."""
+    import httpx
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, httpx.TransportError):
+            url = os.environ.get("PREFECT_API_URL") or "its temporary address"
+            return (f"the Prefect server at {url} stopped answering during the run ({type(error).__name__}: "
+                    f"{error}); the stages that finished are kept in run.output_dir: start the server again "
+                    "(`align server start`) and rerun `align run`, which reuses them")
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def failed_stage(error: BaseException) -> str | None:

@@ -106,3 +106,23 @@ def test_dvc_lock_behind_the_outputs_is_recorded_by_a_cached_rerun(tmp_path):
     lock.write_text("schema: '2.0'\nstages:\n  sft: {cmd: [")  # a commit killed while writing it
     os.utime(lock, (later + 5, later + 5))
     assert lock_behind(tmp_path, str(tmp_path / "artifacts"))
+
+
+def test_a_prefect_server_gone_mid_run_is_named_in_the_last_line(monkeypatch):
+    """What the flow raises when its server dies (the campaign's server-death fault: httpx's ConnectError from the
+    task engine) becomes a line that says so and what to do; other errors keep their own line."""
+    import httpx
+
+    from flows.cli import server_lost
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    try:
+        try:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        except httpx.ConnectError as e:
+            raise RuntimeError("Task run encountered an exception") from e
+    except RuntimeError as e:
+        line = server_lost(e)
+    assert line.startswith("the Prefect server at http://127.0.0.1:4200/api stopped answering during the run "
+                           "(ConnectError: [Errno 111] Connection refused)") and "align server start" in line
+    assert server_lost(ValueError("sft.learning_rate = -1: must be > 0")) is None
