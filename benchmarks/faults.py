@@ -109,6 +109,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def server_tree(pid: int) -> set[int]:
     import psutil
 
@@ -353,7 +364,10 @@ def server_death(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
             lib.kill(p)
         psutil.wait_procs([psutil.Process(p) for p in server_tree(pid) if psutil.pid_exists(p)], timeout=10)
         time.sleep(down_s)
-        camp.start_server(camp.reference.repo, env, port)
+        lib.wait_for(lambda: port_free(port), None, 60, 0.2)
+        project.env["PREFECT_API_URL"] = camp.start_server(camp.reference.repo, env, port)
+        if project.env["PREFECT_API_URL"] != url:
+            outcome.notes.append(f"the server came back at {project.env['PREFECT_API_URL']}, not {url}")
         proc.wait(900)
         first = lib.Run(proc.returncode, Path(proc.log).read_text(), 0)
         built = [s for s in lib.downstream(stage) if project.manifest(s)]
