@@ -113,6 +113,7 @@ def port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
         try:
             s.bind(("127.0.0.1", port))
             return True

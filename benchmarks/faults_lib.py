@@ -265,8 +265,7 @@ def leftovers(project: Project, spare_pids: set[int] = frozenset()) -> list[str]
     """Temporary folders and files, checkpoints of unfinished builds, held locks (ours and DVC's) and live
     processes started in the project (other than `spare_pids`, e.g. its Prefect server): the target is []."""
     found = []
-    art = project.artifacts
-    if art.is_dir():
+    for art in sorted(p for p in project.repo.glob("artifacts*") if p.is_dir()):  # other run.output_dirs too
         for path in art.rglob("*"):
             rel = path.relative_to(project.repo).as_posix()
             if path.name.startswith((".tmp-", ".old-")) or path.name.endswith(".tmp"):

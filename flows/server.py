@@ -49,6 +49,8 @@ def find_server() -> str | None:
 def _free_port(preferred: int) -> int:
     for port in (preferred, 0):
         with socket.socket() as s:
+            # as uvicorn binds: connections of a server that just died (TIME_WAIT) must not push it to another port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
                 return s.getsockname()[1]

@@ -126,3 +126,28 @@ def test_a_prefect_server_gone_mid_run_is_named_in_the_last_line(monkeypatch):
     assert line.startswith("the Prefect server at http://127.0.0.1:4200/api stopped answering during the run "
                            "(ConnectError: [Errno 111] Connection refused)") and "align server start" in line
     assert server_lost(ValueError("sft.learning_rate = -1: must be > 0")) is None
+
+
+def test_a_server_restarted_after_a_crash_gets_its_port_back():
+    """A server that dies leaves its accepted connections in TIME_WAIT for a minute; `align server start` must
+    still take the same port (uvicorn binds with SO_REUSEADDR), or a flow run in progress keeps calling the old
+    address while the server answers at another."""
+    import socket
+
+    from flows.server import _free_port
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    client.close()
+    server.close()
+    assert _free_port(port) == port
+    with socket.socket() as busy:  # a port a live server listens on is still refused
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert _free_port(busy.getsockname()[1]) != busy.getsockname()[1]
