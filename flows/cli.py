@@ -96,7 +96,13 @@ def run(params_file: str, overrides: list[str]) -> int:
         state, error = None, e
     logs.console_level(logging.WARNING)  # Prefect's teardown lines would come after the result's last line
     if isinstance(error, BaseException):
-        logs.report_failure(server_lost(error) or failure_line(failed_stage(error), error), error)
+        lost = server_lost(error)
+        logs.report_failure(lost or failure_line(failed_stage(error), error), error)
+        if lost:  # Prefect's log and event workers would retry the dead server for minutes before exiting
+            shutdown.end_process_tree()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code(error))
         return exit_code(error)
     if state is None or not state.is_completed():
         logs.report_failure(f"flow run {state.name}: {state.message}" if state else "the flow did not run")
