@@ -47,6 +47,7 @@ class Campaign:
         self.work, self.rng, self.log, self.on_outcome = work, random.Random(seed), log, on_outcome
         self.env = lib.base_env(work)
         self.count = 0
+        self.points: str | None = None  # --points A:B
         template = lib.make_template(work / "template", self.env)
         self.server_pids: set[int] = set()
         self.api_url = self.start_server(template, self.env)
@@ -155,7 +156,11 @@ def sigkill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
     (hook / "sitecustomize.py").write_text(lib.HOOK)
     variant = None
     outcomes = []
-    for kind, stage, arg in kill_points(camp, tiny):
+    points = kill_points(camp, tiny)
+    if camp.points:
+        first, _, last = camp.points.partition(":")
+        points = points[int(first or 0):int(last) if last else None]
+    for kind, stage, arg in points:
         point = f"{kind} {stage}" + (f" +{arg}s" if kind in ("time", "dvc-commit") else "") + \
             (f" after step {arg}" if kind == "checkpoint" and arg else "")
         outcome = lib.Outcome("sigkill", point)
@@ -492,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one run of a few faults (the CI subset)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill points and the flipped bits")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault (repeatable)")
+    p.add_argument("--points", metavar="A:B", help="sigkill: only kill points A to B-1 of the seeded list (to spread "
+                   "the campaign over machines or processes; the same --seed gives the same list)")
     p.add_argument("--keep", action="store_true", help="keep the temporary projects (their path is printed)")
     p.add_argument("--json", metavar="FILE", help="also write the table and every run's outcome here")
     args = p.parse_args(argv)
@@ -511,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         camp = CURRENT = Campaign(work, args.seed, log=lambda line: print(line, flush=True), on_outcome=save)
+        camp.points = args.points
         print(f"reference align run: {camp.reference_s:.1f} s", flush=True)
         for fault in faults:
             print(f"{fault}:", flush=True)
