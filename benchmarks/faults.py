@@ -73,6 +73,13 @@ class Campaign:
         self.server_pids |= server_tree(state["pid"])
         return state["api_url"]
 
+    def slice(self, points: list) -> list:
+        """The points --points A:B selects of a fault's list."""
+        if not self.points:
+            return points
+        first, _, last = self.points.partition(":")
+        return points[int(first or 0):int(last) if last else None]
+
     def project(self, name: str, source: lib.Project | None = None) -> lib.Project:
         self.count += 1
         return lib.Project.copy_of(source or self.reference, self.work / f"{self.count:02d}-{name}", self.api_url)
@@ -156,11 +163,7 @@ def sigkill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
     (hook / "sitecustomize.py").write_text(lib.HOOK)
     variant = None
     outcomes = []
-    points = kill_points(camp, tiny)
-    if camp.points:
-        first, _, last = camp.points.partition(":")
-        points = points[int(first or 0):int(last) if last else None]
-    for kind, stage, arg in points:
+    for kind, stage, arg in camp.slice(kill_points(camp, tiny)):
         point = f"{kind} {stage}" + (f" +{arg}s" if kind in ("time", "dvc-commit") else "") + \
             (f" after step {arg}" if kind == "checkpoint" and arg else "")
         outcome = lib.Outcome("sigkill", point)
@@ -355,7 +358,9 @@ def server_death(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
     import psutil
 
     outcomes = []
-    for stage, down_s in ((("sft", 1.0),) if tiny else (("sft", 1.0), ("evaluate", 20.0))):
+    # back within Prefect's client retries (the run carries on), or not (the run fails and says so)
+    points = (("sft", 1.0),) if tiny else (("sft", 1.0), ("evaluate", 20.0), ("sft", 150.0))
+    for stage, down_s in camp.slice(points):
         outcome = lib.Outcome("server-death", f"during {stage}, down {down_s:g}s")
         env = {**camp.env, "PREFECT_HOME": str(camp.work / f"prefect-death-{stage}")}
         port = free_port()
@@ -497,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one run of a few faults (the CI subset)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill points and the flipped bits")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault (repeatable)")
-    p.add_argument("--points", metavar="A:B", help="sigkill: only kill points A to B-1 of the seeded list (to spread "
-                   "the campaign over machines or processes; the same --seed gives the same list)")
+    p.add_argument("--points", metavar="A:B", help="only points A to B-1 of each fault's list (to spread the "
+                   "campaign over processes or machines; the same --seed gives the same lists)")
     p.add_argument("--keep", action="store_true", help="keep the temporary projects (their path is printed)")
     p.add_argument("--json", metavar="FILE", help="also write the table and every run's outcome here")
     args = p.parse_args(argv)
