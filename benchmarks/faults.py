@@ -318,13 +318,16 @@ def disk_full(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
     for margin in ((0.5,) if tiny else (0.25, 0.75)):
         outcome = lib.Outcome("disk-full", f"sft save, tmpfs {margin:.0%} of the output short")
         project = camp.project("disk-full")
-        rate = project.params()["sft"]["learning_rate"]
-        project.set_params({"sft": {"learning_rate": rate * 3}})  # the previous version: other params
-        run = project.align("run")
-        if run.rc != 0:
-            raise RuntimeError(f"building the disk-full variant failed:\n{run.out[-3000:]}")
-        project.set_params({"sft": {"learning_rate": rate}})
-        before = (project.artifacts / "sft" / "manifest.json").read_bytes()
+        if tiny:  # cheaper: sft is rebuilt over a damaged previous version (one flipped bit), nothing built first
+            flip_bit(project.artifacts / "sft" / "model" / "model.safetensors", camp.rng)
+        else:  # the previous version was built with another learning rate, and is current for it
+            rate = project.params()["sft"]["learning_rate"]
+            project.set_params({"sft": {"learning_rate": rate * 3}})
+            run = project.align("run")
+            if run.rc != 0:
+                raise RuntimeError(f"building the disk-full variant failed:\n{run.out[-3000:]}")
+            project.set_params({"sft": {"learning_rate": rate}})
+        before = lib.all_bytes(project.artifacts / "sft")
         need = lib.folder_size(camp.reference.artifacts / "sft")
         with lib.tmpfs(project.artifacts, int(need * (1 - margin))) as mounted:
             if not mounted:
@@ -337,7 +340,7 @@ def disk_full(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
                                      f"{line[:300]}")
             else:
                 outcome.notes.append(f"message: {line[:400]}")
-            if (project.artifacts / "sft" / "manifest.json").read_bytes() != before:
+            if lib.all_bytes(project.artifacts / "sft") != before:
                 outcome.notes.append("the previous sft version was not kept in place")
             lib.remount(project.artifacts, 1 << 30)  # space freed: the rerun must finish
             camp.recover(project, outcome)

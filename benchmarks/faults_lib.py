@@ -416,6 +416,13 @@ def rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process | None:
     return None
 
 
+def all_bytes(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `folder`, the manifest included."""
+    from stages.artifacts import file_hashes
+
+    return file_hashes(folder, exclude=())
+
+
 def folder_size(folder: Path) -> int:
     from stages.artifacts import folder_bytes
 
