@@ -435,6 +435,7 @@ def worker_kill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         else:
             lib.kill(found.pid)
         proc.wait(300)
+        last = lib.last_complete_checkpoint(project, "sft")  # what the rerun must resume from (`after` or later)
         out = Path(proc.log).read_text()
         line = lib.Run(proc.returncode, out, 0).last_line()
         named = "rank 1" in line and ("SIGKILL" in line or "signal 9" in line.lower())
@@ -451,9 +452,10 @@ def worker_kill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         if not outcome.identical:
             diff = sorted(k for k in reference["files"] if (mine["files"] or {}).get(k) != reference["files"][k])
             outcome.notes.append(f"not the uninterrupted 2-process bytes: {diff}")
-        outcome.recovered = rerun.rc == 0 and resumed.endswith(f"checkpoint-{after}") and named
-        if rerun.rc == 0 and not resumed.endswith(f"checkpoint-{after}"):
-            outcome.notes.append(f"resumed from {resumed!r}, not checkpoint-{after}")
+        outcome.recovered = rerun.rc == 0 and last >= after and resumed.endswith(f"checkpoint-{last}") and named
+        if rerun.rc == 0 and not resumed.endswith(f"checkpoint-{last}"):
+            outcome.notes.append(f"resumed from {resumed!r}, not checkpoint-{last}, the last complete one")
+        outcome.notes.append(f"resumed from checkpoint-{last}")
         outcome.leftovers += lib.leftovers(project, camp.server_pids)
         outcome.notes.append(f"launcher: {line[:240]}")
         outcomes.append(outcome)

@@ -398,6 +398,15 @@ def complete_checkpoint_at(project: Project, stage: str, step: int) -> bool:
     return any(map(complete_checkpoint, project.artifacts.glob(f".work/{stage}-*/checkpoints/checkpoint-{step}")))
 
 
+def last_complete_checkpoint(project: Project, stage: str) -> int:
+    """The step of the last complete checkpoint a killed build of `stage` left (0: none)."""
+    from stages.pipeline.training import complete_checkpoint
+
+    steps = [int(p.name.rsplit("-", 1)[1]) for p in project.artifacts.glob(f".work/{stage}-*/checkpoints/checkpoint-*")
+             if complete_checkpoint(p)]
+    return max(steps, default=0)
+
+
 def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
     try:
         return psutil.Process(proc.pid).children(recursive=True)
