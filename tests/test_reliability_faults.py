@@ -151,3 +151,36 @@ def test_a_server_restarted_after_a_crash_gets_its_port_back():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         assert _free_port(busy.getsockname()[1]) != busy.getsockname()[1]
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_the_same_bytes(tmp_path, built_pipeline, monkeypatch):
+    """The campaign's kill in sft's manifest write: training had finished and saved checkpoint-N at max_steps = N.
+    Resumed from there, transformers trained step N+1 (its stop check follows a step): one more loss in the log
+    and the curves, and with a constant learning rate other weights. The rerun goes back one checkpoint."""
+    import stages.pipeline.training as training
+
+    params, _ = built_pipeline
+    section = {"sft": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "lr_scheduler_type": "constant"}}
+    runs = {}
+    for name in ("clean", "crashed"):
+        (tmp_path / name).mkdir()
+        runs[name] = load_params(write_params(tmp_path / name, section))
+        shutil.copytree(Path(params.run.output_dir) / "preprocess", Path(runs[name].run.output_dir) / "preprocess")
+    clean = runner.run_stage("sft", runs["clean"])
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed after the last checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(training, "save_outputs", crash)
+        with pytest.raises(RuntimeError, match="killed after the last checkpoint"):
+            runner.run_stage("sft", runs["crashed"])
+    work = Path(runs["crashed"].run.output_dir) / ".work"
+    assert sorted(p.name for p in work.glob("sft-*/checkpoints/checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = runner.run_stage("sft", runs["crashed"])
+    assert resumed["metrics"]["resumed_from"].endswith("checkpoint-2")
+    assert resumed["metrics"]["steps"] == clean["metrics"]["steps"] == 4
+    history = [json.loads((Path(r.run.output_dir) / "sft" / "log_history.json").read_text()) for r in runs.values()]
+    losses = [[(h["step"], h["loss"]) for h in hist if "loss" in h] for hist in history]
+    assert losses[0] == losses[1] and [s for s, _ in losses[1]] == [1, 2, 3, 4]
+    assert resumed["outputs"]["files"] == clean["outputs"]["files"]  # the same weights, byte for byte

@@ -106,24 +106,30 @@ def complete_checkpoint(folder: Path) -> bool:
     return folder.name == f"checkpoint-{state.get('global_step')}"
 
 
-def last_checkpoint(ctx) -> str | None:
+def last_checkpoint(ctx, max_steps: int = -1) -> str | None:
     """The last complete checkpoint a crashed attempt with the same fingerprint left behind, if any.
 
     transformers writes checkpoints in place, so a run killed while saving leaves a partial
-    `checkpoint-N`; it is removed (with a warning) and the previous complete one is used.
+    `checkpoint-N`; it is removed (with a warning) and the previous complete one is used. So is a
+    checkpoint at `max_steps` (> 0; a run killed after its last save): resumed from, transformers
+    takes one step past max_steps (its stop check follows a step), which adds a step to the log and
+    the loss curve; going back to the checkpoint before it ends in the same bytes as a run never killed.
     """
     folder = ctx.work / "checkpoints"
     while folder.is_dir() and (found := get_last_checkpoint(str(folder))):
-        if complete_checkpoint(Path(found)):
+        if not complete_checkpoint(Path(found)):
+            ctx.log.warning("removing %s: incomplete (the run was killed while saving it)", found)
+        elif 0 < max_steps <= int(Path(found).name.rsplit("-", 1)[1]):
+            ctx.log.info("removing %s: saved at the last step; resuming there would train one step more", found)
+        else:
             return found
-        ctx.log.warning("removing %s: incomplete (the run was killed while saving it)", found)
         shutil.rmtree(found)
     return None
 
 
 def train(trainer, ctx) -> tuple[Any, str | None]:
     trainer.remove_callback(PrinterCallback)  # LogToLogger already reports every log line
-    resume = last_checkpoint(ctx)
+    resume = last_checkpoint(ctx, trainer.args.max_steps)
     if resume:
         ctx.log.info("resuming from %s", resume)
     return trainer.train(resume_from_checkpoint=resume), resume
