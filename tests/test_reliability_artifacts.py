@@ -51,7 +51,7 @@ DAMAGE = [
     ("sft", "model/model.safetensors", _truncate, r"model/model\.safetensors"),
     ("preprocess", "sft_train.jsonl", _edit_row, r"sft_train\.jsonl"),
     ("sft", "model/tokenizer.json", Path.unlink, r"model/tokenizer\.json"),
-    ("reference", "manifest.json", _edit_manifest, r"pairs\.jsonl"),
+    ("reference", "manifest.json", _edit_manifest, r"manifest\.json was changed since it was written"),
     ("score", "manifest.json", lambda p: p.write_text('{"stage": "score", '), r"manifest\.json is missing or unreadable"),
 ]
 
