@@ -452,10 +452,13 @@ def worker_kill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         if not outcome.identical:
             diff = sorted(k for k in reference["files"] if (mine["files"] or {}).get(k) != reference["files"][k])
             outcome.notes.append(f"not the uninterrupted 2-process bytes: {diff}")
-        outcome.recovered = rerun.rc == 0 and last >= after and resumed.endswith(f"checkpoint-{last}") and named
-        if rerun.rc == 0 and not resumed.endswith(f"checkpoint-{last}"):
+        published = last == 0 and "executed\": false" in rerun.out  # rank 0 published before rank 1 died
+        resumed_right = resumed.endswith(f"checkpoint-{last}") if last else published
+        outcome.recovered = rerun.rc == 0 and resumed_right and named
+        if rerun.rc == 0 and not resumed_right:
             outcome.notes.append(f"resumed from {resumed!r}, not checkpoint-{last}, the last complete one")
-        outcome.notes.append(f"resumed from checkpoint-{last}")
+        outcome.notes.append("the kill landed after rank 0 published the output: nothing to resume" if published
+                             else f"resumed from checkpoint-{last}")
         outcome.leftovers += lib.leftovers(project, camp.server_pids)
         outcome.notes.append(f"launcher: {line[:240]}")
         outcomes.append(outcome)

@@ -178,9 +178,9 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_the_same_bytes(tmp_pa
     work = Path(runs["crashed"].run.output_dir) / ".work"
     assert sorted(p.name for p in work.glob("sft-*/checkpoints/checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     resumed = runner.run_stage("sft", runs["crashed"])
-    assert resumed["metrics"]["resumed_from"].endswith("checkpoint-2")
-    assert resumed["metrics"]["steps"] == clean["metrics"]["steps"] == 4
     history = [json.loads((Path(r.run.output_dir) / "sft" / "log_history.json").read_text()) for r in runs.values()]
     losses = [[(h["step"], h["loss"]) for h in hist if "loss" in h] for hist in history]
     assert losses[0] == losses[1] and [s for s, _ in losses[1]] == [1, 2, 3, 4]
     assert resumed["outputs"]["files"] == clean["outputs"]["files"]  # the same weights, byte for byte
+    assert resumed["metrics"]["steps"] == clean["metrics"]["steps"] == 4
+    assert resumed["metrics"]["resumed_from"].endswith("checkpoint-2")
