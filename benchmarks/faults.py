@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from benchmarks import faults_lib as lib
 
 # The quick faults first: the 34 SIGKILL points take the longest.
@@ -153,7 +155,7 @@ def kill_points(camp: Campaign, tiny: bool) -> list[tuple[str, str, float]]:
     save = {s: lib.SMALL[s]["save_steps"] for s in lib.TRAINING}
     points += [("checkpoint", stage, after) for stage in lib.TRAINING for after in (0, save[stage])]
     points.append(("between-renames", rng.choice(lib.STAGE_ORDER), 0))
-    points += [("dvc-commit", "evaluate", round(rng.uniform(0.3, 2.5), 2)) for _ in range(3)]
+    points += [("dvc-commit", "evaluate", round(rng.uniform(0.2, 1.2), 2)) for _ in range(3)]
     return points
 
 
@@ -217,9 +219,13 @@ def inject(project: lib.Project, proc: subprocess.Popen, kind: str, stage: str, 
         if not child:
             return False
         time.sleep(arg)
+        try:
+            landed = child.status() != psutil.STATUS_ZOMBIE  # still committing: the kill lands inside it
+        except psutil.Error:
+            landed = False
         lib.kill(child.pid)
         proc.wait(timeout)  # the flow itself carries on and ends (it logs that dvc.lock was not updated)
-        return True
+        return landed
     return bool(lib.wait_for(mark.exists, proc, timeout, 0.01))
 
 
