@@ -47,6 +47,7 @@ def test_torch_and_safetensors_writes_on_a_full_device_count_as_disk_full(tmp_pa
     assert not artifacts.is_disk_full(RuntimeError("unexpected pos 576 vs 534"), tmp_path)  # room left: not it
 
 
+@pytest.mark.slow
 def test_full_disk_in_a_training_stage_names_the_folder_and_the_bytes(tmp_path, built_pipeline):
     """sft's rebuild on a device with half the room its output needs: StageFailed with the folder and the bytes
     it needed, the previous version in place, no temporary folder; with room again, the rerun finishes."""
@@ -153,6 +154,7 @@ def test_a_server_restarted_after_a_crash_gets_its_port_back():
         assert _free_port(busy.getsockname()[1]) != busy.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_its_last_checkpoint_resumes_to_the_same_bytes(tmp_path, built_pipeline, monkeypatch):
     """The campaign's kill in sft's manifest write: training had finished and saved checkpoint-N at max_steps = N.
     Resumed from there, transformers trained step N+1 (its stop check follows a step): one more loss in the log
