@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
 from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
-from stages.config import (POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, load_params,  # noqa: E402
-                           parse_overrides)
+from stages.config import POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: E402
+from stages.params_loader import load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
 from stages.registry import STAGES  # noqa: E402
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from stages import runner  # noqa: E402
-from stages.config import load_params  # noqa: E402
+from stages.params_loader import load_params  # noqa: E402
 from stages.trainers import reference  # noqa: E402
 
 

@@ -247,7 +247,7 @@ RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
 
 
 def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
-    from stages.config import load_params
+    from stages.params_loader import load_params
 
     return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
 
@@ -361,7 +361,7 @@ def default_steps(p, method: str, data: Path | None = None) -> int:
 def main(argv=None) -> list[dict[str, Any]]:
     import torch
     import trl
-    from stages.config import parse_overrides
+    from stages.params_loader import parse_overrides
 
     import transformers
 

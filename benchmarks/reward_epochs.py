@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from reward_step import freeze_lower  # noqa: E402
 from stages.builtin.arithmetic import needs_carry  # noqa: E402
-from stages.config import load_params, parse_overrides  # noqa: E402
+from stages.params_loader import load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
 from stages.models import load_tokenizer  # noqa: E402
 from stages.pipeline import training  # noqa: E402

@@ -41,7 +41,7 @@ WARMUP = 3
 
 def load_params_with(overrides: dict):
     """params.yaml with `overrides` (dotted keys)."""
-    from stages.config import load_params
+    from stages.params_loader import load_params
 
     return load_params(ROOT / "params.yaml", overrides)
 

@@ -73,7 +73,7 @@ def measure(threads: int, path: str, steps: int, precision: str = "fp32") -> dic
 
 def builtin_model(folder: Path) -> str:
     from stages.builtin import tiny
-    from stages.config import load_params
+    from stages.params_loader import load_params
 
     b = load_params(REPO / "params.yaml").model.builtin
     return str(tiny.build(folder / "tiny", hidden_size=b.hidden_size, num_layers=b.num_layers, num_heads=b.num_heads,

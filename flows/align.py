@@ -28,7 +28,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from stages.registry import STAGES
 from stages.runner import output_dir
 from tasks.cluster import shard_runner

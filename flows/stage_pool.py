@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.launch import training_stages
 from tasks.pool import FLOW_NAME
 from tasks.stage import STAGE_TASKS

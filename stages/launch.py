@@ -38,7 +38,8 @@ import yaml
 
 from stages import artifacts, runner
 from stages.artifacts import CODE_ROOT
-from stages.config import LaunchConfig, Params, load_params
+from stages.config import LaunchConfig, Params
+from stages.params_loader import load_params
 from stages.processes import LAUNCHED_ENV, LaunchFailed, inside_launch, run_command, stage_target
 from stages.registry import STAGES, get_stage, resolve
 

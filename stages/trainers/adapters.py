@@ -56,20 +56,22 @@ def missing_targets(targets: list[str], model) -> list[str]:
 def lora_target_problems(params) -> list[tuple[str, str]]:
     """Params problems for every enabled `<section>.lora.target_modules` naming layers the model lacks,
     checked on the model's skeleton (config.json only) before anything is loaded or launched."""
-    sections = [("sft", False), ("reward", True)] + ([("policy", False)] if params.policy.method != "none" else [])
-    wanted = [(name, cls) for name, cls in sections
-              if getattr(params, name).lora.enabled and getattr(params, name).lora.target_modules != ["all-linear"]]
+    sections = {"sft": (params.sft, False), "reward": (params.reward, True)}
+    if params.policy.trained is not None:
+        sections[f"policy.{params.policy.method}"] = (params.policy.trained, False)
+    wanted = [(name, section, cls) for name, (section, cls) in sections.items()
+              if section.lora.enabled and section.lora.target_modules != ["all-linear"]]
     if not wanted:
         return []
     from stages.models import model_skeleton
 
     problems = []
-    for name, sequence_classifier in wanted:
+    for name, section, sequence_classifier in wanted:
         try:
             model = model_skeleton(params.model, sequence_classifier=sequence_classifier)
         except Exception:  # noqa: BLE001 -- model.name_or_path's own check reports an unloadable model
             return problems
-        targets = getattr(params, name).lora.target_modules
+        targets = section.lora.target_modules
         if missing := missing_targets(targets, model):
             problems.append((f"{name}.lora.target_modules", (
                 f"= {targets}: {missing} name no layer of {type(model).__name__} (model.name_or_path = "

@@ -33,13 +33,11 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.fields import raise_problems
-from stages.trainers.dpo_params import DPOParams
 from stages.trainers.objectives import objective_problems, resolve_objective
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, preference_loss, sequence_logps, tokenize_pairs,
@@ -50,17 +48,9 @@ from stages.trainers.reference import (frozen_reference, is_peft, precomputed, r
 from stages.trainers.logprobs import unwrap
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 from stages.trainers.sampling import BalancedBatchSampler, FlatSampler
+from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 BALANCE_KEY = "balance_key"  # the balance column's value per row, as a JSON string
-
-
-@dataclass
-class DPOConfig(DPOParams, TrainingArguments):
-    """TrainingArguments plus the DPO settings of `DPOParams`, checked together by `DPOParams.validate`."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("DPOConfig", self.validate() + objective_problems(self.loss_type))
 
 
 def pair_weights(rows: list[dict], task_weights: dict[str, float] | None) -> list[dict]:
@@ -102,6 +92,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
 
     def __init__(self, model, ref_model=None, *, args: DPOConfig, processing_class, train_dataset,
                  eval_dataset=None, **kwargs):
+        raise_problems("DPOConfig", objective_problems(args.loss_type))  # user objectives resolve by import
+
         def prepare(rows):
             if rows is not None:
                 rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)

@@ -65,18 +65,15 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from stages.fields import SectionsAsDicts, raise_problems
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
 from stages.rewards import build_reward_functions
-from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
@@ -85,19 +82,10 @@ from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
+from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GRPOConfig(GRPOParams, SectionsAsDicts, TrainingArguments):
-    """TrainingArguments plus the GRPO settings of `GRPOParams` (stages.trainers.grpo_params), sampling
-    included (`generation`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("GRPOConfig", self.validate())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +302,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
+        gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
                              seed=sampling_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
@@ -341,11 +329,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         batch["loss_mask"] = loss_mask
         chunked = a.use_chunked_logprobs
         if a.num_iterations > 1:  # later updates reuse these samples: weight them by the ratio to the sampler
-            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.generation.temperature,
+            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.sampling.temperature,
                                                     chunked=chunked)
         if a.beta > 0:
             with reference_model(self.model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.generation.temperature,
+                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.sampling.temperature,
                                                         chunked=chunked)
         self._tick("training_s", time.perf_counter() - start)
         self._log_generation(rewards, valid, per_function, batch)
@@ -396,19 +384,19 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
     # ---- the loss ----
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args
-        logps, entropy = per_token_logps(model, inputs, temperature=a.generation.temperature,
+        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
                                          chunked=a.use_chunked_logprobs, entropy=True)
         mask = inputs["loss_mask"]
         weights, tis = None, {}
         if "sampler_logps" in inputs:  # the policy at sampling time (old_logps, else now) over the sampler
             at_sampling = inputs["old_logps"] if inputs.get("old_logps") is not None else logps.detach()
-            cap = a.tis_cap if a.tis_cap is not None else math.inf
+            cap = a.vllm_importance_sampling_cap if a.vllm_importance_sampling_cap is not None else math.inf
             weights, tis = truncated_importance_weights(at_sampling, inputs["sampler_logps"], mask, cap=cap)
         loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                                   loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
-                                  max_completion_length=a.generation.max_new_tokens,
-                                  importance_weights=weights if a.tis_cap is not None else None)
+                                  max_completion_length=a.sampling.max_new_tokens,
+                                  importance_weights=weights if a.vllm_importance_sampling_cap is not None else None)
         metrics.update(tis)
         if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
             loss = loss * self.accelerator.num_processes  # where that denominator wants their sum

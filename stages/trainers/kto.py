@@ -25,27 +25,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.fields import raise_problems
-from stages.trainers.kto_params import KTOParams
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
+from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 KL_PREFIX = "kl_"
-
-
-@dataclass
-class KTOConfig(KTOParams, TrainingArguments):
-    """TrainingArguments plus the KTO settings of `KTOParams` (stages.trainers.kto_params), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("KTOConfig", self.validate())
 
 
 def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:

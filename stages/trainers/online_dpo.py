@@ -29,31 +29,20 @@ logps/*.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from stages.fields import SectionsAsDicts, raise_problems
+from stages.fields import raise_problems
 from stages.rewards import build_reward_functions
 from stages.trainers.objectives import objective_problems, resolve_objective
-from stages.trainers.online_dpo_params import OnlineDPOParams
 from stages.trainers.online_sampling import sample_online, sampling_seed
 from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
                                         sequence_logps)
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
-
-
-@dataclass
-class OnlineDPOConfig(OnlineDPOParams, SectionsAsDicts, TrainingArguments):
-    """TrainingArguments plus the online DPO settings of `OnlineDPOParams` (stages.trainers.online_dpo_params),
-    sampling included (`generation`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("OnlineDPOConfig", self.validate() + objective_problems(self.loss_type))
+from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
 def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
@@ -91,6 +80,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
 
     def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
                  train_dataset, **kwargs):
+        raise_problems("OnlineDPOConfig", objective_problems(args.loss_type))  # user objectives resolve by import
         rows = list(train_dataset)
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
@@ -129,7 +119,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
                              seed=sampling_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         index = gens.prompt_index

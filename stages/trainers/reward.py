@@ -36,33 +36,22 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
-from stages.fields import raise_problems
 from stages.losses import reward_loss
 from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
-from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import use_fp32_cpu_attention
 from stages.utils import pad
+from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 log = logging.getLogger("stages")
 
 HEAD_NAMES = ("score", "classifier")
-
-
-@dataclass
-class RewardConfig(RewardModelParams, TrainingArguments):
-    """TrainingArguments plus the reward model's settings of `RewardModelParams` (stages.trainers.reward_params,
-    shared with params.yaml's `reward`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("RewardConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ model

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stages import artifacts
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.benchmarks.helpers import as_sets, load_benchmark
 from tests.conftest import SMALL
 

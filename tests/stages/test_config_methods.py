@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from stages.config import RESTATED, Params, load_params
+from stages.config import RESTATED, Params
+from stages.params_loader import load_params
 from stages.trainers.dpo_params import DPOParams
 from stages.trainers.grpo_params import GRPOParams
 from stages.trainers.kto_params import KTOParams

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.pipeline.training import trainer_config
 from tests.conftest import ROOT
 
