@@ -44,7 +44,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
     if not path.exists():
         raise ParamsError(source, ["file not found; run from the project root or pass --params PATH"])
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ParamsError(source, [f"not valid YAML: {e}"]) from None
     if not isinstance(raw, dict):
@@ -76,8 +76,7 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
     """Move deprecated keys to their new names (a FutureWarning naming both); -> problems (a key set twice).
 
     Besides each section's deprecated fields, the training keys that `policy` once shared among its
-    methods (`policy.learning_rate`, `policy.lora`, ...) move into every method's section that does not
-    set them itself."""
+    methods (`policy.learning_rate`, `policy.lora`, ...) move into every method's section."""
     problems: list[str] = []
     policy = raw.get("policy")
     if isinstance(policy, dict):
@@ -87,11 +86,9 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
             value = policy.pop(key)
             for m in methods:
                 target = policy.setdefault(m, {}) if isinstance(policy.get(m, {}), dict) else {}
-                if key not in target:
-                    target[key] = value
+                target[key] = value
             warnings.warn(f"policy.{key} is deprecated and will be removed in the next release: set "
-                          f"policy.<method>.{key} (now applied to every method that does not set it)", FutureWarning,
-                          stacklevel=3)
+                          f"policy.<method>.{key} (now applied to every method)", FutureWarning, stacklevel=3)
     for dotted, node, cls in list(_sections(raw)):
         try:
             for message in move_deprecated(node, deprecations(cls), f"{dotted}."):
@@ -153,7 +150,9 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
+            hint = (f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
+                    if len(fields) <= 30 else f"`align params` lists this section's keys (every TrainingArguments "
+                    "key is one)")
             problems.append(f"{prefix}{key}: unknown key; {hint}")
     values = {}
     for name, f in fields.items():

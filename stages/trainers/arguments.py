@@ -65,6 +65,36 @@ def _transformers_fields() -> tuple[tuple[str, str, Any, str], ...]:
     return tuple(out)
 
 
+@functools.cache
+def _enum_values(module: str, name: str) -> tuple[str, ...]:
+    """The string values of enum `name` in transformers' `module`, read from its source."""
+    spec = importlib.util.find_spec("transformers")
+    source = Path(spec.submodule_search_locations[0], f"{module}.py").read_text(encoding="utf-8")
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return tuple(ast.literal_eval(n.value) for n in cls.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str))
+
+
+def _checks() -> dict[str, tuple[Any, str]]:
+    """Range checks of the common TrainingArguments keys, so params validation catches them torch-free
+    (transformers checks the rest when the stage builds its config, before any model)."""
+    schedulers = _enum_values("trainer_utils", "SchedulerType")
+    return {
+        "learning_rate": (lambda v: v > 0, "must be > 0"),
+        "num_train_epochs": (lambda v: v > 0, "must be > 0"),
+        "max_steps": (lambda v: v == -1 or v > 0, "must be -1 or > 0"),
+        "per_device_train_batch_size": (lambda v: v > 0, "must be > 0"),
+        "per_device_eval_batch_size": (lambda v: v > 0, "must be > 0"),
+        "gradient_accumulation_steps": (lambda v: v > 0, "must be > 0"),
+        "warmup_steps": (lambda v: v >= 0, "must be >= 0 (steps, or a share of all steps when < 1)"),
+        "weight_decay": (lambda v: v >= 0, "must be >= 0"),
+        "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0: no clipping)"),
+        "save_steps": (lambda v: v > 0, "must be > 0"),
+        "logging_steps": (lambda v: v > 0, "must be > 0"),
+        "lr_scheduler_type": (lambda v: v in schedulers, "must be one of " + ", ".join(schedulers)),
+    }
+
+
 def _light_type(annotation: str) -> Any:
     """A type the params loader can check for a TrainingArguments annotation (enums and classes -> str/dict)."""
     names = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "None": type(None)}
@@ -87,9 +117,10 @@ def _light_type(annotation: str) -> Any:
 
 
 def _build_light_class() -> type:
-    fields = []
+    fields, checks = [], _checks()
     for name, annotation, default, help_ in _transformers_fields():
-        meta = {"help": help_, "transformers": True}
+        check, rule = checks.get(name, (None, ""))
+        meta = {"help": help_, "transformers": True, "check": check, "rule": rule}
         f = (dataclasses.field(default_factory=list, metadata=meta) if isinstance(default, list)
              else dataclasses.field(default=default, metadata=meta))
         kind = _light_type(annotation)
