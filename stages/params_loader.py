@@ -91,7 +91,8 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
                           f"policy.<method>.{key} (now applied to every method)", FutureWarning, stacklevel=3)
     for dotted, node, cls in list(_sections(raw)):
         try:
-            for message in move_deprecated(node, deprecations(cls), f"{dotted}."):
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # a key at its default is not "set"
+            for message in move_deprecated(node, deprecations(cls), f"{dotted}.", defaults):
                 warnings.warn(message, FutureWarning, stacklevel=3)
         except ValueError as e:
             problems.append(str(e))
