@@ -63,15 +63,16 @@ def module_index(packages: tuple[str, ...] = LIBRARY, root: Path = CODE_ROOT) ->
     return out
 
 
-def statements(path: Path, name: str) -> list[Statement]:
-    """Every import statement of module `name` (file `path`) that can run, in source order."""
-    return _parse(path.read_bytes(), name, path.name == "__init__.py", str(path))[0]
+def statements(path: Path, name: str, type_checking: bool = False) -> list[Statement]:
+    """Every import statement of module `name` (file `path`) that can run, in source order (`type_checking`: those
+    under `if TYPE_CHECKING:` too, which a type checker follows)."""
+    return _parse(path.read_bytes(), name, path.name == "__init__.py", str(path), type_checking)[0]
 
 
-def imports(name: str, index: dict[str, Path]) -> list[Import]:
+def imports(name: str, index: dict[str, Path], type_checking: bool = False) -> list[Import]:
     """The imports of module `name` that name a module of `index` (from `module_index`), in source order."""
     out = []
-    for s in statements(index[name], name):
+    for s in statements(index[name], name, type_checking):
         # `from pkg import x` imports pkg and, when x is a submodule, pkg.x; `import a.b` imports a.b
         targets = [f"{s.module}.{n}" for n in s.names if f"{s.module}.{n}" in index]
         if len(targets) < len(s.names) or not s.names:
@@ -92,7 +93,8 @@ def code_files(name: str, index: dict[str, Path]) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse(source: bytes, name: str, is_package: bool, filename: str) -> tuple[list[Statement], tuple[str, ...]]:
+def _parse(source: bytes, name: str, is_package: bool, filename: str,
+           type_checking: bool = False) -> tuple[list[Statement], tuple[str, ...]]:
     """(the import statements that can run, the CODE_FILES literal) of one module's source."""
     tree = ast.parse(source, filename=filename)
     package = name if is_package else name.rpartition(".")[0]
@@ -101,6 +103,8 @@ def _parse(source: bytes, name: str, is_package: bool, filename: str) -> tuple[l
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.body if type_checking else ():
+                    visit_one(sub, True)
                 for sub in child.orelse:  # only the else branch runs
                     visit_one(sub, lazy)
             else:
@@ -170,10 +174,12 @@ def _closure(entry: str, root: Path, stats: tuple) -> tuple[str, ...]:
     return tuple(sorted(f.relative_to(root).as_posix() for f in files))
 
 
-def import_graph(packages: tuple[str, ...], root: Path = CODE_ROOT) -> dict[str, list[Import]]:
-    """module -> its imports of modules of `packages`, for every module of `packages` (TYPE_CHECKING excluded)."""
+def import_graph(packages: tuple[str, ...], root: Path = CODE_ROOT,
+                 type_checking: bool = False) -> dict[str, list[Import]]:
+    """module -> its imports of modules of `packages`, for every module of `packages` (`if TYPE_CHECKING:` imports
+    only with `type_checking`)."""
     index = module_index(packages, root)
-    return {name: imports(name, index) for name in index}
+    return {name: imports(name, index, type_checking) for name in index}
 
 
 def find_cycle(graph: dict[str, list[Import]]) -> list[Import | str] | None:

@@ -37,10 +37,9 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
-from stages.fields import raise_problems
-from stages.trainers.objectives import objective_problems, resolve_objective
+from stages.losses import preference_loss, resolve_objective
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
-                                        loss_only_prediction_step, preference_loss, sequence_logps, tokenize_pairs,
+                                        loss_only_prediction_step, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
@@ -92,8 +91,6 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
 
     def __init__(self, model, ref_model=None, *, args: DPOConfig, processing_class, train_dataset,
                  eval_dataset=None, **kwargs):
-        raise_problems("DPOConfig", objective_problems(args.loss_type))  # user objectives resolve by import
-
         def prepare(rows):
             if rows is not None:
                 rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)

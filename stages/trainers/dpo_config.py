@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from stages.fields import check_fields, param, positive
 from stages.trainers.method_fields import (beta_field, check_objectives, chunked_field, loss_type_field,
                                            num_proc_field, objective_names)
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, is_light, settle, training_arguments
 
 TrainingArguments = training_arguments()
 
@@ -46,6 +46,10 @@ class DPOConfig(TrainingArguments):
 
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, DPOConfig) + check_objectives(self.objective_names, self.loss_weights)
+        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
+            from stages.losses import objective_problems
+
+            problems += objective_problems(self.loss_type)
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))

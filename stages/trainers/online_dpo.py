@@ -33,11 +33,10 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
-from stages.fields import raise_problems
 from stages.rewards import build_reward_functions
-from stages.trainers.objectives import objective_problems, resolve_objective
+from stages.losses import preference_loss, resolve_objective
 from stages.trainers.online_sampling import sample_online, sampling_seed
-from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
+from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics,
                                         sequence_logps)
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
@@ -80,7 +79,6 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
 
     def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
                  train_dataset, **kwargs):
-        raise_problems("OnlineDPOConfig", objective_problems(args.loss_type))  # user objectives resolve by import
         rows = list(train_dataset)
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:

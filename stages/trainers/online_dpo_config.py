@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from stages.fields import check_fields, deprecated, param, positive
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, is_light, settle, training_arguments
 from stages.trainers.method_fields import (SamplingFields, beta_field, check_objectives, chunked_field,
                                            loss_type_field, objective_names, sampling_renames)
 
@@ -35,4 +35,9 @@ class OnlineDPOConfig(SamplingFields, TrainingArguments):
         return objective_names(self.loss_type)
 
     def validate(self) -> list[tuple[str, str]]:
-        return check_fields(self, OnlineDPOConfig) + check_objectives(self.objective_names, self.loss_weights)
+        problems = check_fields(self, OnlineDPOConfig) + check_objectives(self.objective_names, self.loss_weights)
+        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
+            from stages.losses import objective_problems
+
+            problems += objective_problems(self.loss_type)
+        return problems
