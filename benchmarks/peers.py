@@ -224,7 +224,7 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
     if name == "sft":
         from stages.trainers.sft import SFTConfig, SFTTrainer
 
-        cfg = SFTConfig(**a, max_seq_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
+        cfg = SFTConfig(**a, max_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
         return SFTTrainer(load(model_dir), cfg, processing_class=tokenizer, train_dataset=rows["sft"])
     if name == "dpo":
         from stages.trainers.dpo import DPOConfig, DPOTrainer
@@ -239,20 +239,18 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
             warnings.simplefilter("ignore")
             return KTOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["unpaired"])
     if name == "grpo":
-        from stages.trainers.generation_params import GenerationParams
         from stages.trainers.grpo import GRPOConfig, GRPOTrainer
 
         cfg = GRPOConfig(**a, num_generations=GENERATIONS, beta=0.0, loss_type="grpo", epsilon=0.2,
-                         scale_rewards="group", num_iterations=1,
-                         generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
+                         scale_rewards="group", num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0,
+                         generation_prompts_per_call=64)
         return GRPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
                            train_dataset=rows["prompts"])
     if name == "online_dpo":
-        from stages.trainers.generation_params import GenerationParams
         from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH,
-                              generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
+        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, max_new_tokens=NEW_TOKENS,
+                              temperature=1.0, generation_prompts_per_call=64)
         return OnlineDPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
                                 train_dataset=rows["prompts"])
     if name == "reward":
