@@ -144,7 +144,7 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
         if not loaded:
             ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
             loaded.append(load_causal_lm(sft, dtype=p.model.dtype, device=device,
-                                         trust_remote_code=p.model.trust_remote_code) if g.backend == "hf" else sft)
+                                         trust_remote_code=p.model.trust_remote_code) if g.backend != "vllm" else sft)
         # seeded per prompt (run seed, draw 0, the prompt's tokens): a shard sampled again after a crash, in
         # another process, or cut at other boundaries gives the same completions
         sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
