@@ -14,7 +14,7 @@ import pytest
 from benchmarks.__main__ import main, names
 from tests.conftest import ROOT
 
-FAST = {"generation", "gpu_check"}  # seconds; the others train or run the pipeline (tens of seconds to minutes)
+FAST = {"generation"}  # seconds; the others train, build models or run the pipeline (tens of seconds to minutes)
 SKIPPED = 77
 
 
