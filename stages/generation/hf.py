@@ -3,23 +3,14 @@
 decoder where ``decoder.why_not`` allows it, ``model.generate`` otherwise). ``Generations.backend`` says
 which ran.
 
-Prompts are rendered with the chat template (``stages.data.tokenize.render_prompt``),
-tokenised once without padding, sorted by length (less left padding per batch), cut into
-batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each
-prompt's ``n`` completions come back in the original, prompt-major order.
-
-Sampling (``do_sample`` without beams) does not use torch's global RNG: each prompt's ``n``
-rows draw their uniforms from a ``torch.Generator`` seeded with ``prompt_seed(seed, prompt
-ids)``, one per generated token, and ``row_sampling.PerRowSampler`` (the last logits processor of an
-otherwise greedy ``generate``) picks each row's token by inverse-CDF from the temperature /
-top-k / top-p filtered distribution, then leaves only that token for the argmax. So a prompt
-gets the same completions whatever its batch, its position in it, the batch size, the rank or
-the shard (up to float differences in its logits under other padding, which move a sample only
-when a uniform falls within rounding of a CDF boundary). Beam search (and beam sampling) stays
-HF's own, seeded inside ``torch.random.fork_rng``; the caller's RNG state (a trainer's dropout,
-shuffling) is left exactly as it was in every mode. Sampled completions come back with
-``Generations.logprobs``, each token's log-probability under the filtered distribution it was
-drawn from (greedy and beam search: None).
+Prompts are rendered with the chat template, tokenised once, sorted by length (less left padding), cut into
+batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each prompt's ``n``
+completions come back in the original, prompt-major order. Sampling does not use torch's global RNG: each
+prompt's rows draw their uniforms from a generator seeded with ``prompt_seed(seed, prompt ids)``, and
+``row_sampling.PerRowSampler`` picks each row's token by inverse-CDF from the filtered distribution, so a
+prompt gets the same completions whatever its batch, position, rank or shard. Beam search stays HF's own,
+inside ``torch.random.fork_rng``; the caller's RNG state is left as it was. Sampled completions come with
+``Generations.logprobs``, each token's log-probability under the distribution it was drawn from.
 """
 from __future__ import annotations
 
