@@ -73,6 +73,15 @@ def test_the_manifest_records_the_backends_that_ran(built_pipeline, tmp_path):
     manifest = runner.run_stage("score", forced)
     assert manifest["executed"] and manifest["generation"] == {"backends": ["hf"]}
     assert json.loads((copy / "score" / "manifest.json").read_text())["generation"] == {"backends": ["hf"]}
+    # computed in shards, the stage run that assembles them samples nothing and still records what the shards ran
+    decoder = load_params(_params_file(params, tmp_path), {"run.output_dir": str(copy),
+                                                           "score.generation.backend": "decoder",
+                                                           "score.generation.batch_size": 6})  # 2 prompt shards
+    assert [runner.run_shard("score", decoder, k, 2)["executed"] for k in (0, 1)] == [True, True]
+    work = runner.work_dir(decoder, "score", runner.inspect("score", decoder).fingerprint)
+    assert sorted(f.name for f in (work / "generation").iterdir()) == ["shard-0-of-2.json", "shard-1-of-2.json"]
+    manifest = runner.run_stage("score", decoder)
+    assert manifest["executed"] and manifest["generation"] == {"backends": ["decoder"]}
 
 
 def _params_file(params, folder):
