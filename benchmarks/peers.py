@@ -10,7 +10,7 @@ One process, one torch thread. For each trainer and precision the two sides alte
 rounds (ours, TRL, then TRL, ours, ...) so a load change on the shared machine hits both; each
 run builds a fresh model from the same saved folder and trains it on the same rows.
 
-The setup (what the issue compares):
+The setup (the same on both sides):
 - model: a Llama built locally like `builtin:tiny` (`stages.builtin.tiny`): hidden 256, 4 layers,
   4 heads, intermediate 768, byte-level BPE tokenizer with single-digit tokens trained on the
   built-in task's corpus (325 tokens: BPE runs out of merges there), padded with never-used added tokens
