@@ -28,7 +28,7 @@ The setup (the same on both sides):
   "grpo", beta 0 (no reference, both defaults), epsilon 0.2, one iteration, group-scaled rewards;
   the reward is the same Python function on both sides (1 when the answer ends the completion);
 - precision: fp32, and bf16 autocast (`bf16=True`); `gradient_checkpointing=False` on both sides
-  (TRL's configs default to bf16 and checkpointing even on CPU, see shared NOTES).
+  (TRL's configs default to bf16 and checkpointing even on CPU).
 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
