@@ -1,23 +1,17 @@
 """Run one pipeline stage: `python -m stages <stage> [--params params.yaml] [--set key=value ...]`.
 
-The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params
-first (exit code 2 and every problem listed, nothing written), skips the stage if its
-output folder is current, otherwise builds it atomically with a manifest. A failure ends with
-`error: <stage>: <cause>` as the last line; its traceback is in the log file named just above
-(`<run.output_dir>/logs/`).
+The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params first (exit code 2
+and every problem listed, nothing written), skips the stage if its output folder is current, otherwise builds
+it atomically with a manifest. A failure ends with `error: <stage>: <cause>` as the last line; its traceback is
+in the log file named just above (`<run.output_dir>/logs/`). Training stages with `run.launch.num_processes`
+> 1 go through `accelerate launch` (`stages.launch`); everything else runs in this process.
 
-    python -m stages preprocess
     python -m stages sft --set sft.learning_rate=1e-3
     python -m stages status          # which stages are current, and why not
     python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table and params.yaml
     python -m stages params --write  # params.yaml rendered from the schema (defaults and help)
     python -m stages score --shard 0 --num-shards 4   # one share of score's prompts, on any machine
                                                       # sharing run.output_dir; then `python -m stages score`
-
-Training stages (sft, reward, policy) with `run.launch.num_processes` > 1 (or several machines)
-go through `accelerate launch` (see `stages.launch`); everything else runs in this process.
-
-    python -m stages sft --set run.launch.num_processes=8    # 8 GPUs (DDP; FSDP/DeepSpeed: run.launch.accelerate_config)
 """
 from __future__ import annotations
 

@@ -1,22 +1,15 @@
 """Which project code a module runs, read from its import statements (nothing is imported).
 
-A stage's code is `closure(entry_module)`: the entry module, every project module it imports,
-transitively, and the package `__init__.py` files that importing them runs. All of these count:
+A stage's code is `closure(entry_module)`: the entry module, every project module it imports, transitively
+(module-level and lazy imports inside functions, absolute and relative, submodules and names), and the package
+`__init__.py` files that importing them runs. Imports under `if TYPE_CHECKING:` never run and are skipped. A
+module that loads project files by path rather than by import (`evaluate.load` of stages/metrics/bleu/bleu.py)
+names them in a module-level `CODE_FILES = ("bleu/bleu.py", ...)` (relative to its folder), read here as a
+literal. User code named in params ("mypkg.rewards:score") is the user's, and the standard library and
+third-party packages are versioned by the manifest, not hashed.
 
-    import stages.data.io                    # stages/data/io.py (and stages/data/__init__.py)
-    from stages.generation import hf         # a submodule: stages/generation/hf.py
-    from stages.data import read_jsonl       # a name: stages/data/__init__.py
-    from .common import Generations          # relative to the importing module's package
-    def f(): from stages.metrics import report   # lazy: runs when the stage calls f
-
-Imports under `if TYPE_CHECKING:` never run and are skipped. A module that loads project files
-by path rather than by import (`evaluate.load` of stages/metrics/bleu/bleu.py) names them in a
-module-level `CODE_FILES = ("bleu/bleu.py", ...)` (relative to its folder), read here as a literal.
-Imports of user code named in params ("mypkg.rewards:score") are the user's, not the project's,
-and the standard library and third-party packages are versioned by the manifest, not hashed.
-
-`tests/stages/test_imports.py` checks the analysis against what importing each stage really loads,
-and walks `import_graph` of stages/, tasks/ and flows/ for cycles.
+`tests/stages/test_imports.py` checks the analysis against what importing each stage really loads, and walks
+`import_graph` of stages/, tasks/ and flows/ for cycles.
 """
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
 """Reward functions for RL stages and scoring: built-ins, user functions by import path, weighted sums.
 
-A reward function is any callable `f(prompts, completions, **columns) -> list[float | None]`,
-one value per completion; None means "not scored" (e.g. no reference answer for that row),
-never zero. `completions` are the strings of `stages.utils.decode_and_strip_padding` (the
-reasoning block already removed); `columns` are the dataset's extra columns (`answer`, a
-reference `completion`, ...) repeated per completion, plus `completion_ids`, `reasoning` and
-`finished` from generation when available. Functions must accept (and may ignore) any column:
-end the signature with `**_`.
+A reward function is any callable `f(prompts, completions, **columns) -> list[float | None]`, one value per
+completion; None means "not scored" (e.g. no reference answer), never zero. `completions` are the strings of
+`stages.utils.decode_and_strip_padding` (the reasoning block removed); `columns` are the dataset's extra
+columns (`answer`, ...) repeated per completion, plus `completion_ids`, `reasoning` and `finished` from
+generation. Functions must accept (and may ignore) any column: end the signature with `**_`.
 
-Built-ins (`BUILTIN_REWARDS`):
-  exact_match       1.0 if the last integer of the completion equals the reference answer, else 0.0
-  reasoning_format  1.0 for a closed, non-empty reasoning block followed by a non-empty answer, else 0.0
-  length_penalty    -min(length / max, 1) in [-1, 0]: tokens when `completion_ids` is given, else characters
-  reward_model      a trained reward model (`reward_model_path`) scoring prompt + completion
-  reward_model_prob the same squashed to (0, 1), σ(r): a bounded tie-breaker beside a verifiable
-                    reward (weight w < 1: a right answer always outscores a wrong one, whatever r)
-
-Anything else is a dotted path `package.module:function` (imported, never eval'd).
-`RewardFunctions` runs several, checks every output and sums them with weights.
+Built-ins (`BUILTIN_REWARDS`): `exact_match` (the completion's last integer equals the answer),
+`reasoning_format` (a closed, non-empty reasoning block and an answer), `length_penalty` (-min(length / max,
+1)), `reward_model` (a trained reward model scoring prompt + completion) and `reward_model_prob` (σ(r), in
+(0, 1): a bounded tie-breaker beside a verifiable reward). Anything else is a dotted path
+`package.module:function` (imported, never eval'd). `RewardFunctions` runs several, checks every output and
+sums them with weights.
 """
 from __future__ import annotations
 

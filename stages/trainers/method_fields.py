@@ -63,8 +63,9 @@ class SamplingFields:
 
     MAX_TOKENS: ClassVar[str] = "max_completion_length"  # the config's field holding the generation budget
 
-    generation_backend: Literal["hf", "vllm"] = param("hf", help="hf: batched transformers generate; vllm: a vLLM "
-                                                      "server (OpenAI API) started in its own environment")
+    generation_backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+        "auto", help="auto: the CPU decoder where it can run, else HF generate; hf: HF generate; decoder: the CPU "
+        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment")
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,

@@ -248,7 +248,7 @@ def test_config_errors(tmp_path):
     assert "loss_type = 'ppo': expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'" in str(err.value)  # all problems at once
     assert "scale_rewards = 'std'" in str(err.value)
     assert "top_p = 0.0: must be in (0, 1]" in str(err.value)
-    assert "generation_backend = 'tgi': expected one of 'hf', 'vllm'" in str(err.value)
+    assert "generation_backend = 'tgi': expected one of 'auto', 'hf', 'decoder', 'vllm'" in str(err.value)
 
 
 def test_bad_trainer_inputs(setup, tmp_path):
