@@ -17,8 +17,8 @@ import typing
 from dataclasses import field
 from typing import Any, Callable, Literal
 
-# Linear warm-up as a share of the steps: params.yaml's training sections (stages.config.TrainingParams) and
-# SFTConfig, whose TrainingArguments default would be 0 (benchmarks/RESULTS-sft-seeds.md).
+# Linear warm-up as a share of the steps: the training sections' default (stages.config.STAGE_DEFAULTS) and
+# SFTConfig's, where TrainingArguments' would be 0 (docs/decisions.md).
 WARMUP_RATIO = 0.05
 
 
