@@ -113,7 +113,7 @@ def online_dpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
     from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     config = training.trainer_config(OnlineDPOConfig, ctx.params.policy.online_dpo, args)
-    return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
+    return OnlineDPOTrainer(model, reward_funcs=rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
 
