@@ -7,7 +7,9 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"KTOConfig.loss_type"). Values: why, and what to do instead. No TRL import here (torch-free).
+"KTOConfig.loss_type"); a "Class.name" we have with a narrower type than TRL's (OnlineDPOConfig.beta:
+a float, TRL also takes a list) is listed for the part we lack. Values: why, and what to do instead.
+No TRL import here (torch-free).
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ UNSUPPORTED: dict[str, str] = {
     "KTOConfig.precompute_ref_log_probs": "KTO runs the reference every step (DPOConfig has precompute_ref_log_probs)",
     "KTOConfig.precompute_ref_batch_size": "KTO runs the reference every step",
     "KTOTrainer.compute_metrics": _NO_METRICS,
+    "OnlineDPOConfig.beta": "a list of β values, one per epoch, is not built; give one float",
     "OnlineDPOConfig.reward_model_path": "give the reward model's folder in reward_funcs",
     "OnlineDPOConfig.missing_eos_penalty": "not built for online DPO (PPOConfig has missing_eos_penalty)",
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
@@ -134,8 +137,9 @@ def unsupported_trl_fields(config, given: Mapping[str, Any] | Iterable[str]) -> 
 
     config: our config class (its dataclass fields tell which keys are ours) or its name.
     given: the keys set by the user (kwargs, a params.yaml section) with their values, or the keys alone.
-    A listed name that is one of our fields (inherited from TrainingArguments, e.g. use_liger_kernel)
-    is refused only when its value differs from the field's default; one we lack is refused whenever given.
+    A listed name that is a field of ours inherited from `transformers.TrainingArguments` (e.g.
+    use_liger_kernel) is refused only when its value differs from the default; one declared by our own
+    config is ours and never refused; one we lack is refused whenever given.
     """
     name = config if isinstance(config, str) else config.__name__
     fields = {} if isinstance(config, str) else {f.name: f for f in dataclasses.fields(config)}
@@ -145,13 +149,22 @@ def unsupported_trl_fields(config, given: Mapping[str, Any] | Iterable[str]) -> 
         if unsupported_reason(name, key) is None:
             continue
         field = fields.get(key)
-        if field is not None and (value is _UNSET or value == _default(field)):
+        if field is not None and (not inherited_from_transformers(config, key) or value is _UNSET
+                                  or value == _default(field)):
             continue
         problems.append((key, unsupported_message(f"{name}.{key}", key)))
     return problems
 
 
 _UNSET = object()
+
+
+def inherited_from_transformers(config: type, field: str) -> bool:
+    """Whether `config`'s field is declared by a transformers class (TrainingArguments), not by our own."""
+    for klass in config.__mro__:
+        if field in klass.__dict__.get("__annotations__", {}):
+            return klass.__module__.startswith("transformers.")
+    return False
 
 
 def _default(field: dataclasses.Field):
