@@ -167,8 +167,8 @@ def load_reward_function(name: str, *, reward_model_path: str | None = None, dev
     if os.path.isdir(name):  # a trained reward model's folder, as TRL's reward_funcs takes one
         return RewardModelReward(name, device=device)
     if ":" not in name:
-        raise ValueError(f"{key} = {name!r}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}), a reward "
-                         "model's folder, nor an import path module:function (e.g. mypkg.rewards:score)")
+        raise ValueError(f"{key} = {name!r}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import "
+                         "path module:function (e.g. mypkg.rewards:score) nor a reward model's folder")
     module_name, _, attr = name.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(f"{key} = {name!r}: expected exactly one module:function, e.g. mypkg.rewards:score")
