@@ -51,10 +51,10 @@ def model_init_kwargs(args) -> dict[str, Any]:
     return kwargs
 
 
-def load_model(model, args, quantization_config=None, *, reward: bool = False, tokenizer=None):
+def load_model(model, args, quantization_config=None, *, load=None):
     """`model` itself when it is a module, else loaded from its id or folder with `model_init_kwargs(args)`:
-    a causal LM (`AutoModelForCausalLM`), or with `reward` a one-output sequence classifier
-    (`stages.trainers.reward.load_reward_model`: a causal LM folder gets a fresh `score` head).
+    a causal LM (`AutoModelForCausalLM`), or with `load(path, dtype=..., trust_remote_code=...,
+    quantization_config=...)` the trainer's own loader (the reward trainer's one-output classifier).
     `quantization_config` (a transformers `BitsAndBytesConfig`) applies to loading from a folder only."""
     from torch import nn
 
@@ -76,15 +76,13 @@ def load_model(model, args, quantization_config=None, *, reward: bool = False, t
 
         stored = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False)).dtype
         kwargs["dtype"] = str(stored or "float32").removeprefix("torch.")
-    if reward:
-        from stages.trainers.reward import load_reward_model
-
-        extra = sorted(set(kwargs) - {"dtype", "trust_remote_code"})
-        if extra:
-            raise ValueError(f"args.model_init_kwargs: {extra} are not used when loading a reward model; it takes "
-                             "dtype and trust_remote_code (load the model yourself for other settings)")
-        return load_reward_model(path, tokenizer, quantization_config=quantization_config, **kwargs)
-    return _causal_lm(path, quantization_config=quantization_config, **kwargs)
+    if load is None:
+        return _causal_lm(path, quantization_config=quantization_config, **kwargs)
+    extra = sorted(set(kwargs) - {"dtype", "trust_remote_code"})
+    if extra:
+        raise ValueError(f"args.model_init_kwargs: {extra} are not used by this trainer's loader; it takes dtype and "
+                         "trust_remote_code (load the model yourself for other settings)")
+    return load(path, quantization_config=quantization_config, **kwargs)
 
 
 def _causal_lm(path: str, *, dtype: str, quantization_config=None, **kwargs):

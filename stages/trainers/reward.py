@@ -274,7 +274,8 @@ class RewardTrainer(Trainer):
         train_dataset = check_dataset(train_dataset, "train_dataset")
         eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
         processing_class = load_processing_class(model, processing_class, args)
-        model = load_model(model, args, quantization_config, reward=True, tokenizer=processing_class)
+        model = load_model(model, args, quantization_config,
+                           load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
         model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
 
         def prepare(rows):
