@@ -12,7 +12,9 @@ function here; every trainer in `stages.trainers` calls them in this order:
     model = apply_peft(load_model(model, args, quantization_config), peft_config)
 
 Plus `renamed_kwarg` (an old keyword kept for one release with a FutureWarning naming the new
-one) and `refuse` (a TRL argument we accept by name only to say it is not supported yet).
+one: a FutureWarning, not a DeprecationWarning, because Python shows it to the user by default, as
+transformers does for its renamed arguments) and `refuse` (a TRL argument we accept by name only to
+say it is not supported yet).
 """
 from __future__ import annotations
 
