@@ -250,7 +250,7 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
 
         cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, max_new_tokens=NEW_TOKENS,
                               temperature=1.0, generation_prompts_per_call=64)
-        return OnlineDPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
+        return OnlineDPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
                                 train_dataset=rows["prompts"])
     if name == "reward":
         from stages.trainers.reward import RewardConfig, RewardTrainer

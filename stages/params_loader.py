@@ -152,7 +152,7 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
             hint = (f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
-                    if len(fields) <= 30 else f"`align params` lists this section's keys (every TrainingArguments "
+                    if len(fields) <= 30 else "`align params` lists this section's keys (every TrainingArguments "
                     "key is one)")
             problems.append(f"{prefix}{key}: unknown key; {hint}")
     values = {}

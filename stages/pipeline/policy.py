@@ -107,7 +107,7 @@ def kto_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
 def online_dpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
     from stages.trainers.online_dpo import OnlineDPOTrainer
 
-    return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
+    return OnlineDPOTrainer(model, reward_funcs=rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
 

@@ -1,7 +1,8 @@
 """Trainers built on `transformers.Trainer`, TRL's names and shapes, one method per module pair:
 `<method>_config.py` (the method's config: a TrainingArguments subclass with its settings, defaults and
 checks, also read torch-free as params.yaml's section) and `<method>.py` (a thin trainer calling
-`stages.losses`). Shared mechanics: `preference.py` (pair tokenisation, collation, sequence log-probs),
+`stages.losses`). Shared mechanics: `inputs.py` (TRL-shaped arguments: a model id or folder, the tokenizer,
+`peft_config`, datasets), `preference.py` (pair tokenisation, collation, sequence log-probs),
 `reference.py` (the reference model), `online_sampling.py` (sampling and seeds), `rollout.py`, `logprobs.py`.
 
     from stages.trainers import DPOConfig, DPOTrainer     # as `from trl import ...`

@@ -16,7 +16,7 @@ reach the reward functions repeated once per completion. Every optimizer step:
     args = GRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=128,
                       generation=GenerationParams(max_new_tokens=32), learning_rate=1.5e-4,
                       lr_scheduler_type="cosine")
-    GRPOTrainer(model, ["exact_match"], args=args, processing_class=tokenizer, train_dataset=rows).train()
+    GRPOTrainer("path/to/sft", reward_funcs=["exact_match"], args=args, train_dataset=rows).train()
 
 `per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
 per_device_train_batch_size / num_generations prompts, G completions each.
@@ -74,6 +74,8 @@ from transformers import Trainer
 
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
 from stages.rewards import build_reward_functions
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    no_unknown_kwargs, refuse, renamed_kwarg)
 from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
@@ -202,23 +204,37 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         # step's loss; the others are means over a micro-batch, which Trainer divides by the accumulation steps.
         return self.args.loss_type == "dapo" and getattr(self, "_loss_tokens", None) is not None
 
-    def __init__(self, model, reward_functions=None, *, args: GRPOConfig, processing_class, train_dataset,
-                 ref_model=None, preference_dataset=None, reward_head: RewardHead | None = None, **kwargs):
-        rows = list(train_dataset)
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, *, ref_model=None, preference_dataset=None,
+                 reward_head: RewardHead | None = None, data_collator=None, **deprecated):
+        refuse("GRPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
+               tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
+        reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
+                                     trainer="GRPOTrainer")
+        no_unknown_kwargs("GRPOTrainer", deprecated)
+        args = args or default_args(GRPOConfig, model, "GRPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
             where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
             raise ValueError(f"train_dataset: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} "
                              f"rows lack it{where}")
-        if reward_functions is None and args.reward_head != "shared":
-            raise ValueError("reward_functions is None: GRPO needs at least one reward function (e.g. "
+        if reward_funcs is None and args.reward_head != "shared":
+            raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
                              "['exact_match']) or reward_head = 'shared' with a preference_dataset")
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", rows_collator)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
-        self.reward_functions = build_reward_functions(reward_functions, args.reward_weights) \
-            if reward_functions is not None else None
+        super().__init__(model=model, args=args, data_collator=data_collator or rows_collator,
+                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+            if reward_funcs is not None else None
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
 
         self.reward_head, self.preference_rows = None, None

@@ -55,6 +55,7 @@ from stages.data.tokenize import tokenize_sft
 from stages.losses import (explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss,
                            truncated_importance_weights)
 from stages.rewards import build_reward_functions
+from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
 from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
@@ -113,14 +114,25 @@ class PPOTrainer(OffPolicyWarning, Trainer):
     LM; none needed under PEFT). reward_funcs: see `stages.rewards.build_reward_functions`; None means offline.
     """
 
-    def __init__(self, model, ref_model=None, *, args: PPOConfig, processing_class, train_dataset,
-                 reward_funcs=None, **kwargs):
+    def __init__(self, model, ref_model=None, *, args: PPOConfig | None = None, processing_class=None,
+                 train_dataset=None, reward_funcs=None, data_collator=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None):
         import datasets
 
-        rows = list(train_dataset)
+        args = args or default_args(PPOConfig, model, "PPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
         self.online = reward_funcs is not None
         check_rows(rows, online=self.online)
-        self.reward_fn = build_reward_functions(reward_funcs, args.reward_weights) if self.online else None
+        self.reward_fn = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+            if self.online else None
+        processing_class = load_processing_class(model, processing_class, args)
+        if not isinstance(model, PreTrainedModelWrapper):
+            model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        elif peft_config is not None:
+            raise ValueError("peft_config given with a model that already has its value head; pass the causal LM "
+                             "(or its folder) with peft_config, and PPOTrainer adds the head")
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         if not isinstance(model, PreTrainedModelWrapper):
             model = AutoModelForCausalLMWithValueHead(model)
         if args.disable_dropout:
@@ -132,10 +144,10 @@ class PPOTrainer(OffPolicyWarning, Trainer):
             # every trainable weight gets a gradient; DDP's search for unused ones would mark the LM head
             # "unused" (chunked log-probs read it outside the forward) and then fail when its gradient arrives
             args.ddp_find_unused_parameters = False
-        kwargs.setdefault("data_collator", _keep_rows)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=datasets.Dataset.from_list(rows), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or _keep_rows,
+                         processing_class=processing_class, train_dataset=datasets.Dataset.from_list(rows),
+                         callbacks=callbacks, optimizers=optimizers)
         from stages.generation.common import eos_token_ids
 
         self.eos_ids = eos_token_ids(processing_class, model.pretrained_model)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from transformers import Trainer
 
+from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
 from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
@@ -31,8 +32,11 @@ REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed referenc
 def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = ()) -> list[dict]:
     """Each prompt/chosen/rejected row -> chosen_* and rejected_* input_ids and completion_mask.
 
-    The columns REF_COLUMNS, "weight" and `keep` are carried over when present.
+    The columns REF_COLUMNS, "weight" and `keep` are carried over when present. Rows without a
+    "prompt" (TRL's implicit-prompt shape: whole conversations as chosen and rejected) get the part
+    both sides share as their prompt (`stages.data.templates.maybe_extract_prompt`; none shared: empty).
     """
+    rows = [r if "prompt" in r else _with_prompt(maybe_extract_prompt(r)) for r in rows]
     identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
     if identical:
         raise ValueError(f"{len(identical)} preference row(s) have identical chosen and rejected (first: row "
@@ -50,6 +54,12 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str
                 out.append({k: v for k, v in rows[i].items() if k in carry})
             out[i].update({f"{side}_input_ids": t["input_ids"], f"{side}_completion_mask": t["completion_mask"]})
     return out
+
+
+def _with_prompt(row: dict) -> dict:
+    if "prompt" in row:
+        return row
+    return {**row, "prompt": "" if isinstance(row["chosen"], str) else []}
 
 
 @dataclass

@@ -23,6 +23,8 @@ from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    map_eval, refuse)
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
 from stages.trainers.precision import use_fp32_cpu_attention
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -32,21 +34,33 @@ class SFTTrainer(Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: SFTConfig, *, processing_class, train_dataset, eval_dataset=None,
-                 formatting_func=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None):
+        refuse("SFTTrainer", compute_loss_func=compute_loss_func)
+        args = args or default_args(SFTConfig, model, "SFT")
+        train_dataset = check_dataset(train_dataset, "train_dataset")
+        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
         # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
         # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
         attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
-        kwargs.setdefault("data_collator", CompletionCollator(
+        data_collator = data_collator or CompletionCollator(
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss,
-            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length))
+            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
-                         eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, processing_class=processing_class,
+            train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
+            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(rows, processing_class, args, False)),
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 

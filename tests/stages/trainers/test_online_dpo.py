@@ -34,7 +34,7 @@ def test_online_dpo_trains(tmp_path):
                            learning_rate=1e-2, beta=0.5, max_new_tokens=8,
                            logging_steps=1, report_to="none",
                            use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
-    trainer = OnlineDPOTrainer(model, digits, args=args, processing_class=tok, train_dataset=rows)
+    trainer = OnlineDPOTrainer(model, reward_funcs=digits, args=args, processing_class=tok, train_dataset=rows)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the first step

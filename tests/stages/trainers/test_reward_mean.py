@@ -80,7 +80,7 @@ def test_online_dpo_keeps_the_same_running_mean(setup, tmp_path):
     def lengths(prompts, completions, completion_ids, **_):  # varied scores, few ties
         return [float(len(ids)) + ids[0] % 7 for ids in completion_ids]
 
-    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), lengths, args=args, processing_class=tok,
+    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), reward_funcs=lengths, args=args, processing_class=tok,
                                train_dataset=builtin_rows("prompts", "prompt_only"))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]
