@@ -154,7 +154,11 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             hint = (f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
                     if len(fields) <= 30 else "`align params` lists this section's keys (every TrainingArguments "
                     "key is one)")
-            problems.append(f"{prefix}{key}: unknown key; {hint}")
+            trl = _trl_problem(cls, prefix, key)
+            problems.append(trl or f"{prefix}{key}: unknown key; {hint}")
+    if hasattr(cls, "CONFIG"):  # a training section: TrainingArguments keys TRL users set that we do not support
+        problems += [p for key in raw if key in fields and raw[key] != fields[key].default
+                     and (p := _trl_problem(cls, prefix, key))]
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -178,6 +182,16 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
     if validate is not None and not problems:
         problems += [f"{prefix}{k} {msg}" for k, msg in validate()]
     return obj, problems
+
+
+def _trl_problem(cls: type, prefix: str, key: str) -> str | None:
+    """The error for a TRL 1.16 field of a training section's config that we do not support, or None."""
+    from stages.trainers.trl_compat import unsupported_message, unsupported_reason
+
+    name = getattr(cls, "CONFIG", ":").partition(":")[2]
+    if not name or unsupported_reason(name, key) is None:
+        return None
+    return unsupported_message(f"{prefix}{key}", key)
 
 
 def coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
