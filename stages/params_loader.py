@@ -76,19 +76,19 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
     """Move deprecated keys to their new names (a FutureWarning naming both); -> problems (a key set twice).
 
     Besides each section's deprecated fields, the training keys that `policy` once shared among its
-    methods (`policy.learning_rate`, `policy.lora`, ...) move into every method's section."""
+    methods (`policy.learning_rate`, `policy.lora`, ...) move into the section of `policy.method`, the one
+    method they reached."""
     problems: list[str] = []
     policy = raw.get("policy")
     if isinstance(policy, dict):
         own = {f.name for f in dataclasses.fields(PolicyParams)}
-        methods = [m for m in own if m in ("dpo", "kto", "online_dpo", "grpo", "ppo")]
+        method = policy.get("method", PolicyParams.method)
         for key in [k for k in policy if k not in own and k in TRAINING_SECTIONS["policy.dpo"].__dataclass_fields__]:
             value = policy.pop(key)
-            for m in methods:
-                target = policy.setdefault(m, {}) if isinstance(policy.get(m, {}), dict) else {}
-                target[key] = value
+            if method in own and isinstance(policy.setdefault(method, {}), dict):
+                policy[method][key] = value
             warnings.warn(f"policy.{key} is deprecated and will be removed in the next release: set "
-                          f"policy.<method>.{key} (now applied to every method)", FutureWarning, stacklevel=3)
+                          f"policy.{method}.{key} (applied there)", FutureWarning, stacklevel=3)
     for dotted, node, cls in list(_sections(raw)):
         try:
             defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # a key at its default is not "set"

@@ -102,7 +102,7 @@ def test_one_check_from_params_yaml_and_from_python(tmp_path, key, value, messag
                                              ("policy.online_dpo.generation.max_new_tokens",
                                               "policy.online_dpo.max_new_tokens", 9),
                                              ("sft.warmup_ratio", "sft.warmup_steps", 0.1),
-                                             ("policy.learning_rate", "policy.kto.learning_rate", 0.02)])
+                                             ("policy.learning_rate", "policy.dpo.learning_rate", 0.02)])
 def test_a_deprecated_key_still_works_with_a_warning_naming_the_new_key(old, new, value):
     with pytest.warns(FutureWarning, match=rf"{old.rsplit('.', 1)[0] if 'generation' in old else old}"):
         p = load_params(ROOT / "params.yaml", {old: value})
