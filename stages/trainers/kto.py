@@ -1,22 +1,9 @@
-"""Kahneman-Tversky optimisation: `KTOConfig` + `KTOTrainer` (a `transformers.Trainer`).
+"""Kahneman-Tversky optimisation: `KTOTrainer` (a `transformers.Trainer`; config: `kto_config.py`).
 
-Rows are unpaired prompt/completion/label (label True: a desirable completion). Each row's
-summed completion log-prob under the policy and the reference gives r = policy - reference;
-`stages.losses.kto_loss` compares r with a reference point z, an estimate of KL(policy ||
-reference). z comes from mismatched pairs: each row's prompt with the completion of the next
-row of the dataset (the last with the first; fixed at tokenisation, so a row's pair does not
-depend on the batch it lands in), whose mean log-ratio over the whole optimizer step's batch
-(every micro-batch of the accumulation window, on every process) is a sample of the KL
-(detached, and clamped at 0 in kto_loss). It is computed once per optimizer step, before the
-window's first micro-batch (`get_batch_samples`), so 2 processes x B/2 rows, 1 row x B
-accumulation steps and B rows x 1 all use the same z.
-
-The reference is every method's (`stages.trainers.reference`): a frozen copy, or with a PEFT
-model the base weights with the adapter disabled.
-
-The KTO paper (Ethayarajh et al. 2024) recommends weights with
-desirable_weight·n_desirable / (undesirable_weight·n_undesirable) in [1, 4/3]; the trainer
-warns, with weights that satisfy it, when the data's class balance puts them outside.
+Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
+under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
+the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
+docs/trainers.md.
 """
 from __future__ import annotations
 
