@@ -210,6 +210,16 @@ def check(config: Any) -> None:
         raise_problems(type(config).__name__, config.validate() + refused)
 
 
+class MethodConfig:
+    """Mixin of every method config, before TrainingArguments in its bases: deprecated names moved (`settle`),
+    then transformers' own checks, then the method's (`check`)."""
+
+    def __post_init__(self):
+        settle(self)
+        super().__post_init__()
+        check(self)
+
+
 def refuses_trl_fields(cls: type) -> type:
     """Class decorator of a method config: a TRL 1.16 field we do not support (`stages.trainers.trl_compat`)
     given as a keyword is refused with why, instead of dataclasses' bare TypeError; one we inherit from
