@@ -19,8 +19,7 @@ import torch
 from transformers import Trainer
 
 from stages.losses import preference_loss, resolve_objective
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
@@ -76,10 +75,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
         refuse("DPOTrainer", compute_metrics=compute_metrics)
-        args = args or default_args(DPOConfig, model, "DPO")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            DPOConfig, "DPO", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)

@@ -26,8 +26,7 @@ from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.losses import reward_loss
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
 from stages.trainers.logprobs import unwrap
@@ -243,10 +242,8 @@ class RewardTrainer(Trainer):
                  quantization_config=None, peft_config=None):
         refuse("RewardTrainer", compute_metrics=compute_metrics,
                preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        args = args or default_args(RewardConfig, model, "Reward")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            RewardConfig, "Reward", model, args, train_dataset, eval_dataset, processing_class)
         model = load_model(model, args, quantization_config,
                            load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
         model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
