@@ -203,8 +203,8 @@ class TrainingParams(PrecisionParams):
         "cosine", help="learning-rate schedule")
     save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
     logging_steps: int = positive(20, "log every N optimizer steps")
-    report_to: list[str] = param(default_factory=lambda: ["tensorboard"],
-                                 help="trackers: tensorboard, wandb, mlflow ([] for none)")
+    report_to: str | list[str] | None = param(None, help="trackers (stages/trackers.py): tensorboard, wandb, mlflow, "
+                                              "trackio, dvclive, comet_ml, clearml, none, or a list; null: run.report_to")
     lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
 
 
@@ -571,6 +571,9 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     seed: int = param(0, help="global seed for training and sampling")
+    report_to: str | list[str] = param(default_factory=lambda: ["tensorboard"], help="trackers of every training "
+                                       "stage whose report_to is null (stages/trackers.py): tensorboard, wandb, "
+                                       "mlflow, trackio, dvclive, comet_ml, clearml, none, or a list")
     output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
     threads: int | Literal["auto"] = param(1, help="torch's intra-op CPU threads in every stage, shard and launched "
@@ -615,6 +618,9 @@ class Params:
         from stages.data.sources import needs, peek
 
         problems = list(needs(self, peek(self.data)))
+        from stages.trackers import problems as tracker_problems
+
+        problems += tracker_problems(self)  # a tracker that is not installed: the pip command
         if self.score.enabled and self.score.source == "dataset" and self.score.dataset and \
                 not Path(self.score.dataset).expanduser().exists():
             problems.append(("score.dataset", f"= {self.score.dataset!r}: no such file (relative paths are from "

@@ -13,7 +13,7 @@ Production's value is its recorded one when it was measured on the same evaluati
 (`eval_key`: the eval data and evaluate settings); otherwise production is re-evaluated on
 the current eval set first. A candidate identical to production (same content hash) is a
 no-op, so an unchanged nightly run promotes nothing. With `promote.hub.model_id` set and
-HF_TOKEN in the environment, the promoted model is pushed with transformers' `push_to_hub`;
+HF_TOKEN in the environment, the promoted folder (model card and lineage.json included) is uploaded;
 the token is read from the environment only and never written anywhere.
 """
 from __future__ import annotations
@@ -124,6 +124,9 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         tmp = releases / f".{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
+        from stages import model_card
+
+        model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version)  # README.md, lineage.json
         os.replace(tmp, final)
     link_tmp = models_dir / f".{POINTER}.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
@@ -140,7 +143,8 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
 
 def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = True, env=os.environ
                 ) -> dict[str, Any]:
-    """Push the model and tokenizer with transformers' push_to_hub when configured; else say why not.
+    """Push the promoted folder as it is (weights, tokenizer, model card README.md, lineage.json) with
+    huggingface_hub's upload_folder when configured; else say why not.
 
     The token comes from `env[HF_TOKEN]` and is passed to the call only (never logged or recorded).
     """
@@ -149,12 +153,12 @@ def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = 
     token = env.get(TOKEN_ENV)
     if not token:
         return {"pushed": False, "reason": f"{TOKEN_ENV} is not in the environment; set it to push to {model_id}"}
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from huggingface_hub import HfApi
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model.push_to_hub(model_id, token=token, private=private)
-    tokenizer.push_to_hub(model_id, token=token, private=private)
+    api = HfApi(token=token)
+    api.create_repo(model_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(Path(model_dir).resolve()), repo_id=model_id,
+                      commit_message=f"align: promote {Path(model_dir).resolve().name}")
     return {"pushed": True, "model_id": model_id}
 
 
