@@ -60,7 +60,7 @@ SUMMARY = {
     "sft": "Supervised fine-tuning of the base model on demonstrations.",
     "reward": "A reward model (sequence classifier) trained on preference pairs, from the SFT model.",
     "policy": "The policy, optimised from the SFT model with {method}.",
-    "merge": "The {source} stage's model as one full model to serve (merge method: {method}).",
+    "merge": "The {source} stage's model ({method}) as one full model to serve (merge method: {merge_method}).",
     "promoted": "The merged model, promoted to production as release {version} after evaluation.",
 }
 
@@ -77,10 +77,15 @@ def last_eval(log_history: list[dict[str, Any]]) -> dict[str, float]:
 def write_stage_card(ctx, folder: Path, *, eval_metrics: dict[str, float] | None = None,
                      extra: dict[str, Any] | None = None) -> Path:
     """The card of stage `ctx.stage`'s model in `folder` (sft, reward, policy, merge)."""
-    params = ctx.params
-    method = params.policy.method if ctx.stage == "policy" else (extra or {}).get("method")
-    align = {"stage": ctx.stage, "method": method or ctx.stage, "params": key_params(params, ctx.stage),
-             "lineage": lineage(ctx), "data": data_sources(params), **(extra or {})}
+    params, stage = ctx.params, ctx.stage
+    knobs = key_params(params.select((stage,))[stage], stage)
+    method = params.policy.method if stage == "policy" else stage
+    if stage == "merge":  # the method that trained the merged model: the policy's (or SFT's), from its manifest
+        policy = (_manifest(params, "policy").get("params") or {}).get("policy") or {}
+        method = policy.get("method") if policy.get("method") not in (None, "none") else "sft"
+        knobs = {**(key_params(policy, "policy") if method != "sft" else {}), **knobs}
+    align = {"stage": stage, "method": method, "params": knobs, "lineage": lineage(ctx),
+             "data": data_sources(params), **(extra or {})}
     results = [{"split": "validation", "metric": k.removeprefix("eval_"), "value": v}
                for k, v in sorted((eval_metrics or {}).items())]
     return write(folder, base_model=base_model(params), align=align, results=results)
@@ -105,7 +110,7 @@ def write(folder: Path, *, base_model: str, align: dict[str, Any], results: list
         data, template_str=TEMPLATE, model_name=name,
         summary=SUMMARY.get(stage, "A model of the align pipeline.").format(**align),
         method_table=table(["param", "value"], [["stage", stage], ["method", method],
-                                               *([k, _cell(v)] for k, v in align["params"].items())]),
+                                               *([f"`{k}`", _cell(v)] for k, v in align["params"].items())]),
         eval_table=table(["split", "metric", "value"], [[r["split"], r["metric"], _cell(r["value"])]
                                                         for r in results]) if results else "",
         data_table=table(["params key", "source (id, or file and content hash)"],
@@ -190,21 +195,19 @@ def _manifest(params, stage: str) -> dict[str, Any]:
     return artifacts.read_manifest(Path(params.run.output_dir) / stage) or {}
 
 
-def key_params(params, stage: str) -> dict[str, Any]:
-    """The stage's knobs a reader of the card wants: KEY_PARAMS of its section; the policy's method section
-    whole; merge's section whole."""
+def key_params(section: dict[str, Any], stage: str) -> dict[str, Any]:
+    """The knobs of a stage's params `section` (as params.yaml nests it) a reader of the card wants: KEY_PARAMS
+    of a training section, the policy's method subsection whole, merge's section whole."""
     from stages.trackers import flat
 
-    if stage not in ("sft", "reward", "policy", "merge"):
-        return {}
-    section = flat(params.select((stage,))[stage])
+    values = flat(section)
     if stage == "merge":
-        return {k: v for k, v in section.items() if k != "adapters"}
-    out = {k: section[k] for k in KEY_PARAMS if k in section}
+        return {f"merge.{k}": v for k, v in values.items() if k != "adapters"}
+    out = {f"{stage}.{k}": values[k] for k in KEY_PARAMS if k in values}
     if stage == "policy":
-        out.update({f"{params.policy.method}.{k}": v for k, v in
-                    flat(params.select((f"policy.{params.policy.method}",))[f"policy.{params.policy.method}"]).items()
-                    if v is not None})
+        method = section.get("method")
+        out[f"{stage}.method"] = method
+        out.update({f"policy.{k}": v for k, v in values.items() if k.startswith(f"{method}.") and v is not None})
     return out
 
 

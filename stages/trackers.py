@@ -225,6 +225,11 @@ def _dvclive_callback(folder: Path):
                 self.live = Live(dir=str(folder), save_dvc_exp=False, dvcyaml=None, report=None)
             super().setup(args, state, model)
 
+        def on_log(self, args, state, control, model=None, logs=None, **kwargs):
+            if self.live is not None:
+                self.live.step = state.global_step  # the trainer's step on the x-axis, not a count of log calls
+            super().on_log(args, state, control, model=model, logs=logs, **kwargs)
+
         def on_train_end(self, args, state, control, **kwargs):
             pass  # finish_stage ends it, after the final evaluation's log line
 

@@ -74,7 +74,7 @@ def run(ctx) -> dict[str, Any]:
 def write_card(ctx, out: Path, report: dict[str, Any], source: str) -> None:
     """The merged model's card (stages.model_card), before the lineage hashes the folder: the eval table comes
     with promotion, after stage evaluate."""
-    model_card.write_stage_card(ctx, out, extra={"method": report["method"], "source": source})
+    model_card.write_stage_card(ctx, out, extra={"merge_method": report["method"], "source": source})
 
 
 def relative_paths(lineage: dict[str, Any], root: Path) -> dict[str, Any]:
