@@ -15,7 +15,7 @@ OVERRIDES = [
     ("unknown_nested_key", ["sft.learnin_rate=1e-4"], "sft", [r"sft\.learnin_rate: unknown key.*learning_rate"]),
     ("wrong_type_int", ["sft.max_steps=ten"], "sft", [r"sft\.max_steps = 'ten': expected an integer"]),
     ("wrong_type_bool", ["sft.packing=maybe"], "sft", [r"sft\.packing = 'maybe': expected true or false"]),
-    ("wrong_type_list", ["sft.report_to=tensorboard"], "sft", [r"sft\.report_to = 'tensorboard': expected a list"]),
+    ("wrong_type_list", ["merge.adapters=somepath"], "merge", [r"merge\.adapters = 'somepath': expected a list"]),
     ("wrong_type_string", ["data.source=[a, b]"], "preprocess", [r"data\.source = \['a', 'b'\]: expected a string"]),
     ("out_of_range", ["sft.learning_rate=-1"], "sft", [r"sft\.learning_rate = -1: must be > 0"]),
     ("unknown_choice", ["run.device=tpu"], "preprocess", [r"run\.device = 'tpu': expected one of 'auto'"]),
