@@ -17,6 +17,7 @@ stages/promotion.py (the promoted model, with the evaluate row and lineage.json)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def write_stage_card(ctx, folder: Path, *, eval_metrics: dict[str, float] | None
                      extra: dict[str, Any] | None = None) -> Path:
     """The card of stage `ctx.stage`'s model in `folder` (sft, reward, policy, merge)."""
     params, stage = ctx.params, ctx.stage
-    knobs = key_params(params.select((stage,))[stage], stage)
+    knobs = key_params(dataclasses.asdict(getattr(params, stage)), stage)  # this section only: what the stage reads
     method = params.policy.method if stage == "policy" else stage
     if stage == "merge":  # the method that trained the merged model: the policy's (or SFT's), from its manifest
         policy = (_manifest(params, "policy").get("params") or {}).get("policy") or {}

@@ -28,6 +28,7 @@ What each tracker gets:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -193,7 +194,7 @@ def _mlflow_callback(params, stage: str):
                 self._stage_run = mlflow.start_run(
                     experiment_id=experiment, run_name=args.run_name, nested=True, parent_run_id=parent,
                     tags={"align.pipeline_run": pipeline_run(params), "align.stage": stage, "align.role": "stage"})
-                log_params(self._stage_run.info.run_id, flat(params.select((stage,))))  # dotted: sft.lora.r
+                log_params(self._stage_run.info.run_id, flat({stage: dataclasses.asdict(getattr(params, stage))}))
             super().setup(args, state, model)
 
         def on_train_end(self, args, state, control, **kwargs):
