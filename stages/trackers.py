@@ -190,6 +190,9 @@ def _mlflow_callback(params, stage: str):
             if state.is_world_process_zero and not self._initialized:
                 import mlflow
 
+                active = mlflow.active_run()
+                if active is not None and active.data.tags.get("align.role") == "stage":
+                    mlflow.end_run("FAILED")  # this thread's previous stage raised before finish_stage
                 experiment, parent = mlflow_parent(params)
                 self._stage_run = mlflow.start_run(
                     experiment_id=experiment, run_name=args.run_name, nested=True, parent_run_id=parent,

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 
+import pytest
 from huggingface_hub import ModelCard
 
 from stages import artifacts, promotion, runner
@@ -28,6 +29,8 @@ def test_every_stage_model_has_a_card(built_pipeline):
         assert c.data.library_name == "transformers" and "align" in c.data.tags
     assert sft.data.pipeline_tag == policy.data.pipeline_tag == merged.data.pipeline_tag == "text-generation"
     assert reward.data.pipeline_tag == "text-classification"  # a sequence classifier
+    held_out = {r.metric_type: r.metric_value for r in reward.data.eval_results}  # the quality gate's figures
+    assert held_out["accuracy"] == pytest.approx(manifests["reward"]["metrics"]["accuracy"], abs=1e-4)
     assert sft.data.align["params"]["sft.learning_rate"] == params.sft.learning_rate
     # the final evaluation on the validation rows: the eval table and model-index
     loss = {r.metric_type: r.metric_value for r in sft.data.eval_results}["loss"]
