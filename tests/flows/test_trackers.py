@@ -1,11 +1,17 @@
-"""Trackers of a pipeline run (stages/trackers.py) against a real MLflow tracking server on 127.0.0.1.
+"""Trackers of a pipeline run (stages/trackers.py) against a real MLflow tracking server on 127.0.0.1, and W&B
+in offline mode.
 
-The flow runs the small pipeline with `run.report_to: [tensorboard, mlflow]`; the runs are read
+The flow runs the small pipeline with `run.report_to: [tensorboard, mlflow, wandb]`; the runs are read
 back through MLflow's own client: one parent run named after the flow run, holding the resolved
-params and the score/evaluate metrics, and one nested run per training stage with its curves.
+params and the score/evaluate metrics, and one nested run per training stage with its curves. W&B's
+offline run files are read back record by record: a run per training stage and one for the
+score/evaluate metrics, all in the group of the flow run.
 """
+import importlib.util
 import json
+import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -20,6 +26,7 @@ from tests.conftest import write_params
 
 pytestmark = pytest.mark.slow
 mlflow = pytest.importorskip("mlflow", reason="pip install -e '.[trackers]'")
+WANDB = importlib.util.find_spec("wandb") is not None
 
 
 @pytest.fixture
@@ -50,6 +57,41 @@ def mlflow_server(tmp_path):
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+def wandb_runs(folder: Path) -> dict[str, dict]:
+    """{run name: {"group", "project", "history": {key: [values]}, "summary": {key: value}}} of the offline runs
+    W&B wrote under `folder`, read from their `.wandb` files: W&B's record log (a ":W&B" file header, then
+    32 KiB blocks of chunks, each with a <crc32, length, type> header) of `wandb_internal_pb2.Record`s."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = {}
+    for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, chunk, run = path.read_bytes(), 7, b"", None
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            if left < 7 or (length, kind) == (0, 0):  # the rest of a block is padding
+                pos += left
+                continue
+            body, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            chunk = body if kind in (1, 2) else chunk + body  # FULL, FIRST | MIDDLE, LAST
+            if kind not in (1, 4):
+                continue
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            which = record.WhichOneof("record_type")
+            if which == "run":
+                run = runs.setdefault(record.run.display_name, {"group": record.run.run_group,
+                                                                "project": record.run.project,
+                                                                "history": {}, "summary": {}})
+            elif which == "history" and run is not None:
+                for item in record.history.item:
+                    run["history"].setdefault(item.key, []).append(json.loads(item.value_json))
+            elif which == "summary" and run is not None:
+                run["summary"].update({i.key: json.loads(i.value_json) for i in record.summary.update})
+    return runs
 
 
 def run_tree(client, experiment_id: str) -> str:
@@ -85,13 +127,15 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "align-test")
     monkeypatch.delenv(RUN_ENV, raising=False)
-    params_file = write_params(tmp_path, {"run": {"report_to": ["tensorboard", "mlflow"]}})
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    report_to = ["tensorboard", "mlflow", *(["wandb"] if WANDB else [])]
+    params_file = write_params(tmp_path, {"run": {"report_to": report_to}})
     state = align(params_file=str(params_file), return_state=True)
     assert state.is_completed(), state.message
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(state.state_details.flow_run_id).name
-    import os
-
     assert RUN_ENV not in os.environ  # the flow's name for its stages does not outlive it
 
     client = MlflowClient(mlflow_server)
@@ -106,7 +150,7 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
     # the resolved params, as dotted keys
     assert parent.data.params["sft.learning_rate"] == str(params.sft.learning_rate)
     assert parent.data.params["policy.method"] == "dpo"
-    assert json.loads(parent.data.params["run.report_to"]) == ["tensorboard", "mlflow"]
+    assert json.loads(parent.data.params["run.report_to"]) == report_to
     # score's and evaluate's metrics, equal to what the stages recorded
     evaluate = json.loads((output_dir(params, "evaluate") / "manifest.json").read_text())["metrics"]
     score = json.loads((output_dir(params, "score") / "manifest.json").read_text())["metrics"]
@@ -129,3 +173,16 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
         logged = [h["loss"] for h in history if "loss" in h]
         assert [m.value for m in losses] == pytest.approx(logged), stage  # the curve the stage trained
     assert "eval_loss" in children["sft"].data.metrics  # the final evaluation after training: the same run
+
+    if not WANDB:
+        return
+    runs = wandb_runs(tmp_path)
+    print("\n".join(f"wandb {name} (group {r['group']}): loss {r['history'].get('train/loss')}" for name, r in runs.items()))
+    assert set(runs) == {f"align-{flow_run}/{s}" for s in ("sft", "reward", "policy", "score", "evaluate")}
+    assert {(r["group"], r["project"]) for r in runs.values()} == {(f"align-{flow_run}", "align")}
+    for stage in ("sft", "reward", "policy"):
+        history = json.loads((output_dir(params, stage) / "log_history.json").read_text())
+        logged = [h["loss"] for h in history if "loss" in h]
+        assert runs[f"align-{flow_run}/{stage}"]["history"]["train/loss"] == pytest.approx(logged), stage
+    assert runs[f"align-{flow_run}/evaluate"]["summary"]["evaluate.accuracy"] == pytest.approx(evaluate["accuracy"])
+    assert runs[f"align-{flow_run}/score"]["summary"]["score.pairs"] == score["pairs"]
