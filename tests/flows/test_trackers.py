@@ -88,9 +88,11 @@ def wandb_runs(folder: Path) -> dict[str, dict]:
                                                                 "history": {}, "summary": {}})
             elif which == "history" and run is not None:
                 for item in record.history.item:
-                    run["history"].setdefault(item.key, []).append(json.loads(item.value_json))
+                    key = item.key or "/".join(item.nested_key)
+                    run["history"].setdefault(key, []).append(json.loads(item.value_json))
             elif which == "summary" and run is not None:
-                run["summary"].update({i.key: json.loads(i.value_json) for i in record.summary.update})
+                run["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                       for i in record.summary.update})
     return runs
 
 
