@@ -125,19 +125,21 @@ def write(folder: Path, *, base_model: str, align: dict[str, Any], results: list
     return path
 
 
-def promoted(folder: Path, *, row: dict[str, Any], lineage_record: dict[str, Any] | None, version: str) -> Path:
+def promoted(folder: Path, *, row: dict[str, Any], lineage_record: dict[str, Any] | None, version: str,
+             stages: dict[str, dict[str, str]] | None = None) -> Path:
     """Rewrite the card of a promoted copy in `folder`: the merged model's card (if it has one) with the
-    evaluate table's row as its eval results, and its lineage.json (the merge lineage) beside it."""
+    evaluate table's row as its eval results, `stages` ({stage: {"fingerprint", "outputs_hash"}}: merge and
+    evaluate) added to its lineage, and its lineage.json (the merge lineage) beside it."""
     from huggingface_hub import ModelCard
 
     old = Path(folder) / CARD
     meta = ModelCard.load(old).data.to_dict() if old.is_file() else {}
     align = dict(meta.get("align") or {"stage": "merge", "method": "unknown", "params": {}, "lineage": {},
                                        "data": {}})
-    align.update(stage="promoted", version=version, merged=align.get("stage"))
+    align.update(stage="promoted", version=version, lineage={**align.get("lineage", {}), **(stages or {})})
     split = row.get("split", "eval")
-    results = [{"split": split, "metric": k, "value": v} for k, v in row.items()
-               if k not in ("model", "split") and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    results = [{"split": split, "metric": k, "value": v} for k, v in row.items()  # n: the row count, no metric
+               if k not in ("model", "split", "n") and isinstance(v, (int, float)) and not isinstance(v, bool)]
     if lineage_record is not None:
         (Path(folder) / "lineage.json").write_text(json.dumps(lineage_record, indent=2))
     return write(folder, base_model=meta.get("base_model") or "unknown", align=align, results=results)

@@ -70,6 +70,7 @@ def current(models_dir: str | Path) -> dict[str, Any] | None:
 
 def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_dir: str | Path, *, metric: str,
          min_improvement: float, eval_key: str, lineage: dict[str, Any] | None = None,
+         stages: dict[str, dict[str, str]] | None = None,
          evaluate_production: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Decide, promote if better, record the decision in history.jsonl; returns the decision and production.
 
@@ -104,7 +105,8 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     event = {"at": now, "event": "promoted" if decision.promote else "kept", **asdict(decision),
              "candidate_hash": identity, "production_version": prod["version"] if prod else None}
     if decision.promote:
-        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, eval_key=eval_key,
+        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, stages=stages,
+                         eval_key=eval_key,
                          identity=identity, at=now)
         event.update(version=record["version"], previous=prod)
         prod = record
@@ -114,6 +116,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
 
 
 def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
+            stages: dict[str, dict[str, str]] | None = None,
             eval_key: str, identity: str, at: str) -> dict[str, Any]:
     """Copy the model to releases/<version>, repoint `production` at it, rewrite production.json (atomically)."""
     version = f"{at[:19].replace(':', '').replace('-', '')}-{identity.split(':')[-1][:12]}"
@@ -126,7 +129,8 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
         from stages import model_card
 
-        model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version)  # README.md, lineage.json
+        model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version,  # README.md, lineage.json
+                            stages=stages)
         os.replace(tmp, final)
     link_tmp = models_dir / f".{POINTER}.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
@@ -202,7 +206,10 @@ def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     lineage_file = output_dir(params, "merge") / "lineage.json"
     lineage = json.loads(lineage_file.read_text()) if pr.candidate == "merged" and lineage_file.is_file() else None
     result = gate(folder, table[pr.candidate], pr.models_dir, metric=pr.metric, min_improvement=pr.min_improvement,
-                  eval_key=eval_key(manifest), lineage=lineage,
+                  eval_key=eval_key(manifest), lineage=lineage, stages={
+                      s: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
+                      for s, m in (("merge", artifacts.read_manifest(output_dir(params, "merge")) or {}),
+                                   ("evaluate", manifest)) if m},
                   evaluate_production=lambda path: evaluate_production(params, path))
     result["hub"] = (push_to_hub(Path(pr.models_dir) / POINTER, pr.hub.model_id, private=pr.hub.private, env=env)
                      if result["event"] == "promoted" else {"pushed": False, "reason": "nothing promoted"})

@@ -57,7 +57,8 @@ def test_promoted_model_carries_the_eval_table_and_lineage(built_pipeline, tmp_p
     assert results["accuracy"] == row["accuracy"] and results["bleu"] == row["bleu"]
     assert {r.dataset_split for r in promoted.data.eval_results} == {"eval"}
     assert promoted.data.align["stage"] == "promoted" and promoted.data.align["method"] == "dpo"
-    assert promoted.data.align["lineage"] == card(params, "merge").data.align["lineage"]
+    assert promoted.data.align["lineage"] == {**card(params, "merge").data.align["lineage"],
+                                              **fingerprints(params, "merge", "evaluate")}
     merge_lineage = json.loads((runner.output_dir(params, "merge") / "lineage.json").read_text())
     assert json.loads((production / "lineage.json").read_text()) == merge_lineage
     assert "## Evaluation" in promoted.text and "| eval | accuracy |" in promoted.text
