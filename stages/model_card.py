@@ -199,18 +199,21 @@ def _manifest(params, stage: str) -> dict[str, Any]:
 
 
 def key_params(section: dict[str, Any], stage: str) -> dict[str, Any]:
-    """The knobs of a stage's params `section` (as params.yaml nests it) a reader of the card wants: KEY_PARAMS
-    of a training section, the policy's method subsection whole, merge's section whole."""
+    """The knobs of a stage's params `section` (as params.yaml nests it) a reader of the card wants: of a training
+    section, KEY_PARAMS and the method's own keys (those TrainingArguments has not; the policy's: its method
+    section's); merge's section whole. Unset (null) keys are left out."""
     from stages.trackers import flat
+    from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 
-    values = flat(section)
     if stage == "merge":
-        return {f"merge.{k}": v for k, v in values.items() if k != "adapters"}
-    out = {f"{stage}.{k}": values[k] for k in KEY_PARAMS if k in values}
+        return {f"merge.{k}": v for k, v in flat(section).items() if k != "adapters"}
+    prefix, out = stage, {}
     if stage == "policy":
         method = section.get("method")
-        out[f"{stage}.method"] = method
-        out.update({f"policy.{k}": v for k, v in values.items() if k.startswith(f"{method}.") and v is not None})
+        prefix, section, out = f"policy.{method}", section.get(method) or {}, {"policy.method": method}
+    for key, value in flat(section).items():
+        if value is not None and (key in KEY_PARAMS or key.split(".")[0] not in TRAINING_ARGUMENT_NAMES):
+            out[f"{prefix}.{key}"] = value
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from stages import imports
 from stages.artifacts import CODE_ROOT
+from stages.config import POLICY_METHODS
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an up
 # outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).
 RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads",
                 # where a run reports (score and evaluate log to the training stages' trackers: stages.trackers)
-                "run.report_to", "sft.report_to", "reward.report_to", "policy.report_to")
+                "run.report_to", "sft.report_to", "reward.report_to",
+                *(f"policy.{m}.report_to" for m in POLICY_METHODS if m != "none"))
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -102,7 +104,7 @@ STAGES: dict[str, StageSpec] = {
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
                     "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
                     # the policy's numerics, which its reference log-probs must share
-                    "policy.mixed_precision", "policy.lora.enabled", "policy.lora.quantization"),
+                    "policy.dpo.mixed_precision", "policy.dpo.lora.enabled", "policy.dpo.lora.quantization"),
         ),
         StageSpec(
             name="policy",

@@ -48,7 +48,6 @@ TRACKERS = {
 }
 EXTRA = {"mlflow", "dvclive"}  # in the project's `trackers` extra
 BUILT_HERE = ("tensorboard", "mlflow", "dvclive", "wandb")  # callbacks made by `callbacks`; the rest by transformers
-TRAINING_SECTIONS = ("sft", "reward", "policy")  # sections with a report_to (StageSpec.trains)
 RUN_ENV = "ALIGN_PIPELINE_RUN"
 PROJECT = "align"  # MLflow experiment, W&B and Trackio project unless their own variables say otherwise
 
@@ -70,19 +69,34 @@ def resolve(section_value: str | list[str] | None, run_value: str | list[str] | 
     return own if own is not None else (normalise(run_value) or [])
 
 
+def sections(params) -> dict[str, tuple[str, Any]]:
+    """{training stage: (its params key, its section)} of the stages this run trains: sft, reward and the
+    policy's method section (policy.<method>; none with policy.method none)."""
+    out = {"sft": ("sft", params.sft), "reward": ("reward", params.reward)}
+    if params.policy.method != "none":
+        out["policy"] = (f"policy.{params.policy.method}", params.policy.trained)
+    return out
+
+
 def stage_trackers(params, stage: str) -> list[str]:
-    return resolve(getattr(params, stage).report_to, params.run.report_to)
+    found = sections(params).get(stage)
+    return [] if found is None else resolve(found[1].report_to, params.run.report_to)
 
 
 def pipeline_trackers(params) -> list[str]:
-    """Every tracker a training stage of this run reports to (where score/evaluate metrics go too)."""
-    return sorted({name for s in TRAINING_SECTIONS for name in stage_trackers(params, s)})
+    """Every tracker the training sections of this run report to (where score/evaluate metrics go too). Every
+    policy.<method> section counts, so these stages read report_to keys only (registry.RUNTIME_KEYS), not
+    policy.method."""
+    policy = [getattr(params.policy, f.name) for f in dataclasses.fields(params.policy)  # the method sections
+              if f.default_factory is not dataclasses.MISSING]
+    found = [params.sft, params.reward, *(s for s in policy if hasattr(s, "report_to"))]
+    return sorted({name for s in found for name in resolve(s.report_to, params.run.report_to)})
 
 
 def problems(params) -> list[tuple[str, str]]:
     """(dotted key, message) for every report_to naming an unknown tracker or one whose package is missing."""
     keys = [("run.report_to", params.run.report_to),
-            *((f"{s}.report_to", getattr(params, s).report_to) for s in TRAINING_SECTIONS)]
+            *((f"{key}.report_to", section.report_to) for key, section in sections(params).values())]
     return [found for key, value in keys for found in problems_of(value, key)]
 
 
@@ -111,8 +125,9 @@ def pipeline_run(params) -> str:
         return f"align-{os.environ['DVC_EXP_NAME']}"
     resolved = params.to_dict()
     resolved["run"] = {"seed": params.run.seed}  # the rest of run says where and how it runs, not what it computes
-    for section in TRAINING_SECTIONS:
-        resolved[section].pop("report_to", None)
+    for section in (resolved["sft"], resolved["reward"], *resolved["policy"].values()):
+        if isinstance(section, dict):  # policy.<method>
+            section.pop("report_to", None)
     digest = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()
     return f"align-p{digest[:8]}"
 
@@ -127,7 +142,8 @@ def tracker_args(ctx, section_name: str, report_to: str | list[str] | None) -> d
     names = resolve(report_to, ctx.params.run.report_to)
     args: dict[str, Any] = {"report_to": [n for n in names if n not in BUILT_HERE] or "none"}
     if set(names) - {"tensorboard", "dvclive"}:  # trackers with named runs (the name reads every param)
-        args.update(run_name=run_name(ctx.params, section_name), project=os.environ.get("TRACKIO_PROJECT", PROJECT))
+        stage = ctx.stage or section_name.partition(".")[0]  # policy.dpo: stage policy
+        args.update(run_name=run_name(ctx.params, stage), project=os.environ.get("TRACKIO_PROJECT", PROJECT))
     return args
 
 
@@ -197,7 +213,8 @@ def _mlflow_callback(params, stage: str):
                 self._stage_run = mlflow.start_run(
                     experiment_id=experiment, run_name=args.run_name, nested=True, parent_run_id=parent,
                     tags={"align.pipeline_run": pipeline_run(params), "align.stage": stage, "align.role": "stage"})
-                log_params(self._stage_run.info.run_id, flat({stage: dataclasses.asdict(getattr(params, stage))}))
+                key, section = sections(params)[stage]
+                log_params(self._stage_run.info.run_id, flat({key: dataclasses.asdict(section)}))  # policy.dpo.beta
             super().setup(args, state, model)
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.bad_inputs.conftest import assert_rejected, escape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

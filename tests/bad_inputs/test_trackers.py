@@ -27,6 +27,6 @@ def test_tracker_not_installed(capsys, params_for, sets, key):
 
 def test_unknown_tracker_lists_the_supported_ones(capsys, params_for):
     params = params_for()
-    assert_rejected(capsys, params, "sft", r"policy\.report_to = \['tensorbord'\]: unknown tracker 'tensorbord'; "
+    assert_rejected(capsys, params, "sft", r"policy\.dpo\.report_to = \['tensorbord'\]: unknown tracker 'tensorbord'; "
                     r"supported: tensorboard, wandb, mlflow, trackio, dvclive, comet_ml, clearml, none",
-                    sets=("policy.report_to=[tensorbord]",), code=2)
+                    sets=("policy.dpo.report_to=[tensorbord]",), code=2)

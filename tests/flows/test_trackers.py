@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.runner import output_dir
 from tests.conftest import write_params
 

@@ -6,7 +6,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from stages import artifacts, promotion, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 from tests.pipelines import run_pipeline
 

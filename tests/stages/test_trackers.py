@@ -7,14 +7,14 @@ import sys
 import pytest
 
 from stages import trackers
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.runner import StageContext
 from tests.conftest import ROOT, write_params
 
 
 def test_sections_inherit_run_report_to(tmp_path):
     p = load_params(write_params(tmp_path), ["run.report_to=[tensorboard, mlflow]", "reward.report_to=none",
-                                             "policy.report_to=dvclive"])
+                                             "policy.dpo.report_to=dvclive"])
     assert trackers.stage_trackers(p, "sft") == ["tensorboard", "mlflow"]  # null: run's
     assert trackers.stage_trackers(p, "reward") == []
     assert trackers.stage_trackers(p, "policy") == ["dvclive"]
@@ -56,7 +56,7 @@ def test_pipeline_run_name(tmp_path, monkeypatch):
 def test_pipeline_run_is_the_same_in_every_stage_process(tmp_path):
     """`python -m stages` runs and `dvc repro`: a fresh process per stage finds the same name."""
     params = write_params(tmp_path)
-    code = ("import sys; from stages.config import load_params; from stages.trackers import pipeline_run; "
+    code = ("import sys; from stages.params_loader import load_params; from stages.trackers import pipeline_run; "
             "print(pipeline_run(load_params(sys.argv[1])))")
     env = {k: v for k, v in os.environ.items() if k not in (trackers.RUN_ENV, "DVC_EXP_NAME")}
     env["PYTHONPATH"] = str(ROOT)
