@@ -112,7 +112,8 @@ def run_tree(client, experiment_id: str) -> str:
                          f"loss at steps {[m.step for m in loss]}]")
             stage = child.data.tags["align.stage"]
             lines += [f"       param {k} = {child.data.params[k]}" for k in
-                      ("learning_rate", "logging_steps", "run_name", f"{stage}.learning_rate") if k in child.data.params]
+                      ("learning_rate", "logging_steps", "run_name", f"{stage}.learning_rate", "policy.dpo.learning_rate")
+                      if k in child.data.params]
             lines += [f"       metric {k} = {v:.4g}" for k, v in sorted(child.data.metrics.items())
                       if k in ("loss", "train_loss", "eval_loss", "rewards/accuracies", "accuracy")]
     return "\n".join(lines)
@@ -124,7 +125,7 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
     from prefect.client.orchestration import get_client
 
     from flows.align import align
-    from stages.trackers import RUN_ENV
+    from stages.trackers import RUN_ENV, sections
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "align-test")
@@ -166,11 +167,11 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
     assert set(children) == {"sft", "reward", "policy"}
     for stage, child in children.items():
         assert child.info.run_name == f"align-{flow_run}/{stage}" and child.info.status == "FINISHED"
-        section = getattr(params, stage)
-        assert child.data.params["logging_steps"] == str(section.logging_steps)  # TrainingArguments
-        assert child.data.params[f"{stage}.max_steps"] == str(section.max_steps)  # the stage's params section
+        key, section = sections(params)[stage]  # policy: policy.dpo
+        assert float(child.data.params["logging_steps"]) == section.logging_steps  # TrainingArguments
+        assert float(child.data.params[f"{key}.max_steps"]) == section.max_steps  # the stage's params section
         losses = client.get_metric_history(child.info.run_id, "loss")
-        assert [m.step for m in losses] == list(range(1, section.max_steps + 1)), stage
+        assert [m.step for m in losses] == list(range(1, int(section.max_steps) + 1)), stage
         history = json.loads((output_dir(params, stage) / "log_history.json").read_text())
         logged = [h["loss"] for h in history if "loss" in h]
         assert [m.value for m in losses] == pytest.approx(logged), stage  # the curve the stage trained
