@@ -14,6 +14,8 @@ through the deployments (`align serve`, then `prefect deployment run align/full`
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -26,6 +28,7 @@ from stages.config import Params
 from stages.params_loader import load_params
 from stages.registry import STAGES
 from stages.runner import output_dir
+from stages.trackers import RUN_ENV
 from tasks.cluster import shard_runner
 from tasks.shards import fan_out
 from tasks.stage import STAGE_TASKS
@@ -38,7 +41,27 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
     promotion gate (stages/promotion.py)."""
     params = load_params(params_file, overrides or [])  # every params problem, before any compute
+    with pipeline_run_name():
+        return _run(params, params_file, overrides, promote)
 
+
+@contextmanager
+def pipeline_run_name():
+    """Name this pipeline run for the trackers (`align-<flow run>`, stages/trackers.py) while the flow runs:
+    its stages, in threads of this process or in subprocesses (accelerate launch, shards), read it from the
+    environment. A name already set by the caller is kept."""
+    from prefect.runtime import flow_run
+
+    previous = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = previous or f"align-{flow_run.name}"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ENV, None)
+
+
+def _run(params: Params, params_file: str, overrides: list[str] | None, promote: bool) -> dict[str, Any]:
     runs = {}
 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here

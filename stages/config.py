@@ -224,9 +224,9 @@ PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed"
                  "disable_tqdm": "(progress is logged with an ETA)", "save_strategy": "<section>.save_steps",
                  "logging_nan_inf_filter": "(the NaN/Inf guard needs every value)"}
 # The defaults every training section starts from where they differ from TrainingArguments' (the pipeline saves
-# and logs more often, keeps 2 checkpoints, warms up, and logs to TensorBoard).
+# and logs more often, keeps 2 checkpoints, warms up, and reports to run.report_to: stages/trackers.py).
 STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,
-                  "save_total_limit": 2, "logging_steps": 20, "report_to": ["tensorboard"],
+                  "save_total_limit": 2, "logging_steps": 20, "report_to": None,
                   "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "num_train_epochs": 1.0}
 
 
@@ -486,6 +486,9 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     seed: int = param(0, help="global seed for training and sampling")
+    report_to: str | list[str] = param(default_factory=lambda: ["tensorboard"], help="trackers of every training "
+                                       "stage whose report_to is null (stages/trackers.py): tensorboard, wandb, "
+                                       "mlflow, trackio, dvclive, comet_ml, clearml, none, or a list")
     output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
     threads: int | Literal["auto"] = param(1, help="torch's intra-op CPU threads in every stage, shard and launched "
@@ -527,7 +530,9 @@ class Params:
 
     def validate(self) -> list[tuple[str, str]]:
         """Rules across sections (what the user's files hold: `stages.preflight`)."""
-        problems = []
+        from stages.trackers import problems as tracker_problems
+
+        problems = tracker_problems(self)  # a tracker that is not installed: the pip command
         if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))

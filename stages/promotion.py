@@ -13,7 +13,7 @@ Production's value is its recorded one when it was measured on the same evaluati
 (`eval_key`: the eval data and evaluate settings); otherwise production is re-evaluated on
 the current eval set first. A candidate identical to production (same content hash) is a
 no-op, so an unchanged nightly run promotes nothing. With `promote.hub.model_id` set and
-HF_TOKEN in the environment, the promoted model is pushed with transformers' `push_to_hub`;
+HF_TOKEN in the environment, the promoted folder (model card and lineage.json included) is uploaded;
 the token is read from the environment only and never written anywhere.
 """
 from __future__ import annotations
@@ -70,6 +70,7 @@ def current(models_dir: str | Path) -> dict[str, Any] | None:
 
 def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_dir: str | Path, *, metric: str,
          min_improvement: float, eval_key: str, lineage: dict[str, Any] | None = None,
+         stages: dict[str, dict[str, str]] | None = None,
          evaluate_production: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Decide, promote if better, record the decision in history.jsonl; returns the decision and production.
 
@@ -104,7 +105,8 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     event = {"at": now, "event": "promoted" if decision.promote else "kept", **asdict(decision),
              "candidate_hash": identity, "production_version": prod["version"] if prod else None}
     if decision.promote:
-        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, eval_key=eval_key,
+        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, stages=stages,
+                         eval_key=eval_key,
                          identity=identity, at=now)
         event.update(version=record["version"], previous=prod)
         prod = record
@@ -114,6 +116,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
 
 
 def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
+            stages: dict[str, dict[str, str]] | None = None,
             eval_key: str, identity: str, at: str) -> dict[str, Any]:
     """Copy the model to releases/<version>, repoint `production` at it, rewrite production.json (atomically)."""
     version = f"{at[:19].replace(':', '').replace('-', '')}-{identity.split(':')[-1][:12]}"
@@ -124,6 +127,10 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         tmp = releases / f".{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
+        from stages import model_card
+
+        model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version,  # README.md, lineage.json
+                            stages=stages)
         os.replace(tmp, final)
     link_tmp = models_dir / f".{POINTER}.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
@@ -140,7 +147,8 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
 
 def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = True, env=os.environ
                 ) -> dict[str, Any]:
-    """Push the model and tokenizer with transformers' push_to_hub when configured; else say why not.
+    """Push the promoted folder as it is (weights, tokenizer, model card README.md, lineage.json) with
+    huggingface_hub's upload_folder when configured; else say why not.
 
     The token comes from `env[HF_TOKEN]` and is passed to the call only (never logged or recorded).
     """
@@ -149,12 +157,12 @@ def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = 
     token = env.get(TOKEN_ENV)
     if not token:
         return {"pushed": False, "reason": f"{TOKEN_ENV} is not in the environment; set it to push to {model_id}"}
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from huggingface_hub import HfApi
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model.push_to_hub(model_id, token=token, private=private)
-    tokenizer.push_to_hub(model_id, token=token, private=private)
+    api = HfApi(token=token)
+    api.create_repo(model_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(Path(model_dir).resolve()), repo_id=model_id,
+                      commit_message=f"align: promote {Path(model_dir).resolve().name}")
     return {"pushed": True, "model_id": model_id}
 
 
@@ -198,7 +206,10 @@ def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     lineage_file = output_dir(params, "merge") / "lineage.json"
     lineage = json.loads(lineage_file.read_text()) if pr.candidate == "merged" and lineage_file.is_file() else None
     result = gate(folder, table[pr.candidate], pr.models_dir, metric=pr.metric, min_improvement=pr.min_improvement,
-                  eval_key=eval_key(manifest), lineage=lineage,
+                  eval_key=eval_key(manifest), lineage=lineage, stages={
+                      s: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
+                      for s, m in (("merge", artifacts.read_manifest(output_dir(params, "merge")) or {}),
+                                   ("evaluate", manifest)) if m},
                   evaluate_production=lambda path: evaluate_production(params, path))
     result["hub"] = (push_to_hub(Path(pr.models_dir) / POINTER, pr.hub.model_id, private=pr.hub.private, env=env)
                      if result["event"] == "promoted" else {"pushed": False, "reason": "nothing promoted"})

@@ -59,6 +59,7 @@ class StageContext:
     inputs: dict[str, Path]  # upstream stage name -> its (verified) output folder
     log: logging.Logger
     work: Path  # persists across crashed attempts of this fingerprint (checkpoints); removed on success
+    stage: str = ""  # the stage's name (its trackers' run name, its model card)
 
 
 @dataclass
@@ -184,7 +185,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     code = spec.code()
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{name}"), work=work)
+                           log=logging.getLogger(f"stages.{name}"), work=work, stage=name)
         seeding.prepare(params.run)  # before the stage draws anything (a fresh head, LoRA, dropout)
         _generation_backends()  # forget what ran before this stage in the process
         metrics = fn(ctx) or {}
@@ -235,7 +236,7 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     log.info("%s: computing shard %d of %d into %s", name, shard, num_shards, work)
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{name}"), work=work)
+                           log=logging.getLogger(f"stages.{name}"), work=work, stage=name)
         seeding.prepare(params.run, sharing=num_shards)
         _generation_backends()
         summary = fn(ctx, shard, num_shards) or {}
@@ -292,7 +293,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{spec.name}"), work=work)
+                           log=logging.getLogger(f"stages.{spec.name}"), work=work, stage=spec.name)
         seeding.prepare(params.run)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}

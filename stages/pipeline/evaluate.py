@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stages import generation
+from stages import generation, trackers
 from stages.artifacts import write_json_atomic
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
@@ -74,10 +74,12 @@ def run(ctx) -> dict[str, Any]:
     (ctx.out / "report.md").write_text(markdown_report(table, plots, notes=notes))
     by_model = {r["model"]: r for r in table}
     final = by_model.get("merged", by_model.get("policy", by_model["sft"]))
-    return {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
-            "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
-            "n": len(rows), "split": e.split, "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table},
-            "table": table}
+    metrics = {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
+               "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
+               "n": len(rows), "split": e.split,
+               "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table}, "table": table}
+    trackers.log_stage_metrics(p, "evaluate", metrics)  # into the pipeline run of the training stages' trackers
+    return metrics
 
 
 # --------------------------------------------------------------------------- models

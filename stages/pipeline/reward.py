@@ -52,6 +52,7 @@ def run(ctx) -> dict[str, Any]:
                                     max_length=r.max_length, bins=r.calibration_bins)
     ctx.log.info("reward: held-out pair accuracy %.3f (gate %.2f), ECE %.3f", quality["accuracy"], r.min_accuracy,
                  quality["ece"])
+    trainer.log({f"eval_{k}": quality[k] for k in ("accuracy", "mean_margin", "ece")})  # trackers, log, model card
     if quality["accuracy"] < r.min_accuracy:
         raise QualityGateFailed(
             f"reward: held-out pair accuracy {quality['accuracy']:.3f} on {len(held_out)} pairs is below "

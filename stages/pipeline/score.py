@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stages import trackers
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
 from stages.generation import Generations, SamplingParams, generate
@@ -68,7 +69,7 @@ def run(ctx) -> dict[str, Any]:
         ctx.log.info("score: chosen answer correct in %.3f of pairs, rejected in %.3f", quality["chosen_correct"],
                      quality["rejected_correct"])
     scored_values = [t for t in totals if t is not None]
-    return {
+    metrics = {
         "prompts": len(rows),
         "completions": len(totals),
         "unscored": sum(t is None for t in totals),
@@ -84,6 +85,8 @@ def run(ctx) -> dict[str, Any]:
            if quality else {}),
         "histogram": hist,
     }
+    trackers.log_stage_metrics(ctx.params, "score", metrics)  # into the pipeline run of the training stages' trackers
+    return metrics
 
 
 def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:

@@ -5,7 +5,6 @@ helpers keep checkpoints, crash-resume, TensorBoard and the saved outputs identi
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -14,13 +13,14 @@ from typing import Any
 from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from stages import model_card, trackers
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
-from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
+from stages.trainers.callbacks import LogToLogger, NumericGuard
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import mixed_precision, trainer_precision
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKERS = trackers.TRACKERS  # report_to names (stages/trackers.py)
 
 
 def load_trainable_model(path: str, p, s, *, device: str, section: str, load=load_causal_lm,
@@ -56,13 +56,12 @@ def trainer_config(ctx, s, *, device: str, section: str, **pipeline: Any):
     config_cls = getattr(importlib.import_module(module), name)
     check_trackers(s.report_to, section)
     precision = mixed_precision(s.mixed_precision, device, section)
-    report_to = [s.report_to] if isinstance(s.report_to, str) else list(s.report_to or [])
     kwargs = {**real_kwargs(s, config_cls),
               "output_dir": str(ctx.work / "checkpoints"), "seed": ctx.params.run.seed,
               "data_seed": ctx.params.run.seed, "use_cpu": device == "cpu",
               "logging_nan_inf_filter": False,  # transformers would log the running mean: NumericGuard must see a NaN
               "save_strategy": "steps", "disable_tqdm": True,  # LogToLogger reports progress with an ETA
-              "report_to": [r for r in report_to if r not in ("tensorboard", "none")] or "none",
+              **trackers.tracker_args(ctx, section, s.report_to),  # report_to (those transformers builds), run_name
               # load_trainable_model checkpoints every gradient_checkpointing_every-th block, not the Trainer
               "gradient_checkpointing": None, "activation_checkpointing": None,
               # accelerate wraps the forward in torch.autocast and casts its outputs back to fp32
@@ -93,11 +92,11 @@ def precision_report(trainer) -> dict[str, Any]:
             "trained_weights_dtype": ",".join(sorted(trained))}
 
 
-def callbacks(ctx, report_to: list[str]) -> tuple[LogToLogger, list]:
-    """(the log forwarder, every callback of a training stage): logs, the NaN/Inf guard, TensorBoard."""
+def callbacks(ctx, report_to: list[str] | str | None) -> tuple[LogToLogger, list]:
+    """(the log forwarder, every callback of a training stage): logs, the NaN/Inf guard, the trackers of
+    `report_to` (null: run.report_to) that stages.trackers makes (TensorBoard, MLflow, DVCLive, W&B)."""
     logger = LogToLogger(ctx.log)
-    extra = [tensorboard_callback(ctx.work / "tensorboard")] if "tensorboard" in (report_to or []) else []
-    return logger, [logger, NumericGuard(), *extra]
+    return logger, [logger, NumericGuard(), *trackers.callbacks(ctx, ctx.stage, report_to)]
 
 
 def complete_checkpoint(folder: Path) -> bool:
@@ -138,8 +137,10 @@ def train(trainer, ctx) -> tuple[Any, str | None]:
 
 
 def save_outputs(trainer, tokenizer, ctx) -> None:
-    """model/ (full model or adapter, with tokenizer and chat template), log_history.json, tensorboard/."""
+    """model/ (full model or adapter, with tokenizer, chat template and model card), log_history.json,
+    tensorboard/; ends the stage's tracker runs."""
     trainer.save_model(str(ctx.out / "model"))  # on every rank: FSDP / ZeRO-3 gather the weights; rank 0 writes
+    trackers.finish(trainer)
     if not trainer.is_world_process_zero():
         return
     # a pickle of the TrainingArguments that nothing reads (the manifest has the params): no pickles in artifacts
@@ -148,14 +149,11 @@ def save_outputs(trainer, tokenizer, ctx) -> None:
     (ctx.out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
     if (ctx.work / "tensorboard").is_dir():
         shutil.copytree(ctx.work / "tensorboard", ctx.out / "tensorboard")
+    model_card.write_stage_card(ctx, ctx.out / "model", eval_metrics=model_card.last_eval(trainer.state.log_history))
 
 
 def check_trackers(report_to: list[str] | str | None, section: str) -> None:
-    for name in [report_to] if isinstance(report_to, str) else report_to or []:
-        if name == "none":
-            continue
-        if name not in TRACKERS:
-            raise ValueError(f"{section}.report_to: unknown tracker {name!r}; supported: {', '.join(TRACKERS)}")
-        if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"{section}.report_to includes {name!r} but the {TRACKERS[name]} package is not "
-                             f"installed: pip install {TRACKERS[name]}, or remove it from {section}.report_to")
+    """Params validation refuses these first (stages.trackers.problems); a stage called with other params too."""
+    found = [msg for _, msg in trackers.problems_of(report_to, f"{section}.report_to")]
+    if found:
+        raise ValueError(f"{section}.report_to " + "; ".join(found))

@@ -17,7 +17,7 @@ def test_manifest_records_everything(built_pipeline):
     sft = manifests["sft"]
     assert MANIFEST_KEYS <= set(sft)
     assert sft["inputs"]["preprocess"]["outputs_hash"] == manifests["preprocess"]["outputs"]["hash"]
-    assert set(sft["params"]) == {"model", "sft", "run.seed"}
+    assert set(sft["params"]) == {"model", "sft", "run.seed", "run.report_to"}
     assert "model/model.safetensors" in sft["outputs"]["files"]
     assert {"torch", "transformers", "python"} <= set(sft["versions"])
     for name, manifest in manifests.items():  # the code: the stage module's import closure
