@@ -228,6 +228,9 @@ PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed"
 STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,
                   "save_total_limit": 2, "logging_steps": 20, "report_to": None,
                   "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "num_train_epochs": 1.0}
+# What a key means in a section where the pipeline reads it differently from transformers.
+STAGE_HELP = {"report_to": "trackers of this stage: tensorboard, mlflow, dvclive, wandb, trackio, comet_ml, clearml, "
+                           "none, or a list (null: run.report_to)"}
 
 
 def section(config: str, *extra: type, **defaults: Any) -> type:
@@ -239,9 +242,9 @@ def section(config: str, *extra: type, **defaults: Any) -> type:
     fields = []
     for key, value in {**STAGE_DEFAULTS, **defaults}.items():
         f = declared[key]
-        default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=f.metadata)
-                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type),
-                                                                     metadata=f.metadata))
+        meta = {**f.metadata, "help": STAGE_HELP.get(key, f.metadata.get("help", ""))}
+        default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=meta)
+                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type), metadata=meta))
         fields.append((key, f.type, default))
     cls = dataclasses.make_dataclass(name.replace("Config", "Section"), fields, bases=(*extra, TrainingStage, base))
     cls.__module__ = __name__
