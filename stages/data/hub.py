@@ -204,7 +204,7 @@ def hub_snapshot(spec: DataSpec) -> str:
 def _load(spec: DataSpec, where: str, stats: tuple):
     import datasets
 
-    ds = _load_split(spec, where)
+    ds = _load_split(spec, where, _cache_dir(stats))
     have = ds.column_names
     missing = [src for src, _ in spec.columns if src not in have]
     if missing:
@@ -218,7 +218,16 @@ def _load(spec: DataSpec, where: str, stats: tuple):
     return ds.rename_columns(renamed) if renamed else ds
 
 
-def _load_split(spec: DataSpec, where: str):
+def _cache_dir(stats: tuple) -> str:
+    """Where `datasets` keeps the Arrow copy of these exact files: its own cache key for a local folder is its
+    path, which would hand back the old rows after a shard is edited in place."""
+    import datasets
+
+    digest = hashlib.sha256(repr(stats).encode()).hexdigest()[:20]
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "align-sources" / digest)
+
+
+def _load_split(spec: DataSpec, where: str, cache_dir: str):
     import datasets
 
     path = Path(where)
@@ -226,12 +235,13 @@ def _load_split(spec: DataSpec, where: str):
         if path.is_dir() and _is_saved(path):
             return _saved_split(spec, datasets.load_from_disk(where))
         if path.is_dir():
-            return datasets.load_dataset(where, name=spec.name, split=spec.split, data_files=_files(spec))
+            return datasets.load_dataset(where, name=spec.name, split=spec.split, data_files=_files(spec),
+                                         cache_dir=cache_dir)
         builder = BUILDERS.get(Path(glob.glob(where, recursive=True)[0] if _has_glob(where) else where).suffix)
         if builder is None:
             raise DataSourceError(spec.key, f"= {spec.path!r}: unsupported file type; use one of "
                                   f"{', '.join(BUILDERS)}")
-        return datasets.load_dataset(builder, data_files=where, split=spec.split)
+        return datasets.load_dataset(builder, data_files=where, split=spec.split, cache_dir=cache_dir)
     except DataSourceError:
         raise
     except ValueError as e:
