@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from stages.data.io import DataError, Row
+from stages.data.io import read_rows as read_file_rows
+
 SPEC_KEYS = ("path", "name", "split", "columns", "data_files", "revision")
 PLAIN_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -44,7 +47,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 REACH_TIMEOUT_S = 3.0  # how long a hub that does not answer may delay the error
 
 
-class DataSourceError(ValueError):
+class DataSourceError(DataError):
     """A data key that cannot be loaded: `key` is the dotted key at fault ("data.sft.columns"), `why` says why
     and how to fix it."""
 
@@ -128,11 +131,9 @@ def check(spec: DataSpec) -> tuple[str, str] | None:
     return None
 
 
-def read_rows(spec: DataSpec) -> Iterator:
+def read_rows(spec: DataSpec) -> Iterator[Row]:
     """Every row of `spec` as `stages.data.io.Row` (where: "path [split] row N"); nulls that Arrow filled in for
     fields a row does not have are dropped, so rows come back with the fields they were written with."""
-    from stages.data.io import Row
-
     ds = load(spec)
     for start in range(0, len(ds), 1000):
         batch = ds[start:start + 1000]
@@ -335,8 +336,6 @@ def _spec_rows_hash(spec: DataSpec, where: str, stats: tuple) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _file_rows_hash(path: str, stats: tuple) -> str:
-    from stages.data.io import DataError, read_rows as read_file_rows
-
     try:
         return _hash_rows(read_file_rows(path))
     except DataError:  # unreadable as a whole: its bytes identify it (preprocess reports why)

@@ -27,17 +27,8 @@ class Row:
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-def read_rows(path) -> Iterator[Row]:
-    """Yield every row of a local data file or `save_to_disk` folder, or of a `stages.data.hub.DataSpec` (read
-    through `datasets`); parse errors come back as rows with `error`."""
-    from stages.data.hub import DataSourceError, DataSpec, read_rows as read_spec_rows
-
-    if isinstance(path, DataSpec):
-        try:
-            yield from read_spec_rows(path)
-        except DataSourceError as e:
-            raise DataError(str(e)) from None
-        return
+def read_rows(path: str | Path) -> Iterator[Row]:
+    """Yield every row of a local data file or `save_to_disk` folder; parse errors come back as rows with `error`."""
     path = Path(path).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder (data.source takes a local file, a save_to_disk folder "
