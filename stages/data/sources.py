@@ -1,6 +1,8 @@
 """Which data files a run reads, what they hold, and what the chosen methods need from them.
 
-Four keys of the `data` params section name files (each optional):
+Four keys of the `data` params section name data sources (each optional): a local file or
+`save_to_disk` folder, or what `datasets.load_dataset` reads (a hub-layout folder, a glob, a hub id,
+with a config, a split and a column map: `stages.data.hub`):
 
 | key             | takes                                                     |
 |-----------------|-----------------------------------------------------------|

@@ -171,3 +171,15 @@ def test_a_string_that_looks_like_an_id_points_at_the_mapping_form(tmp_path):
 def test_spec_is_hashable_for_the_memo():
     assert hash(spec_of("data.sft", {"path": "a", "columns": {"x": "y"}, "data_files": ["a", "b"]})) == hash(
         DataSpec("data.sft", "a", columns=(("x", "y"),), data_files=("a", "b")))
+
+
+def test_streaming_preprocess_reads_a_folder_like_its_jsonl_twin(tmp_path, folder):
+    jsonl = write_jsonl(tmp_path / "train.jsonl", TRAIN)
+    outputs = []
+    for name, sft in (("a", str(jsonl)), ("b", mapping(folder))):
+        (tmp_path / name).mkdir()
+        params = load_params(write_params(tmp_path / name, {"data": {"source": None, "sft": sft},
+                                                            "preprocess": {"streaming": True}, **SCORE}))
+        files = runner.run_stage("preprocess", params)["outputs"]["files"]
+        outputs.append({k: v for k, v in files.items() if k != "report.json"})
+    assert outputs[0] == outputs[1] and "sft_train.jsonl" in outputs[0]
