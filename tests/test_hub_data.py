@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from stages import runner
 from stages.config import load_params
 from tests.conftest import write_params

@@ -203,8 +203,6 @@ def hub_snapshot(spec: DataSpec) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _load(spec: DataSpec, where: str, stats: tuple):
-    import datasets
-
     ds = _load_split(spec, where, _cache_dir(stats))
     have = ds.column_names
     missing = [src for src, _ in spec.columns if src not in have]

@@ -138,7 +138,8 @@ def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[f
     return total.mean(), stats
 
 
-def tokenized_dataset(rows, marker: str, tokenize: Callable[..., list[dict]], *, tokenizer, num_proc: int | None = None):
+def tokenized_dataset(rows, marker: str, tokenize: Callable[..., list[dict]], *, tokenizer,
+                      num_proc: int | None = None):
     """`rows` (an iterable of dicts, a Dataset or an IterableDataset, or None) as a tokenised `datasets.Dataset`:
     `tokenize(rows, start=i)` over batches through `Dataset.map(num_proc=num_proc)`, cached as Arrow files keyed
     by the rows', the tokenizer's and the code's content (stages.data.tokenize.tokenized_dataset). Rows whose

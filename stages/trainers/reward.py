@@ -218,8 +218,8 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, *, start: int =
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):
-                raise ValueError(f"preference row {start + i}: the prompt fills max_length = {max_length}; nothing of the "
-                                 f"{side} completion is left (raise max_length or filter long prompts)")
+                raise ValueError(f"preference row {start + i}: the prompt fills max_length = {max_length}; nothing of "
+                                 f"the {side} completion is left (raise max_length or filter long prompts)")
             out[i][f"{side}_input_ids"] = t["input_ids"]
     for i, (r, o) in enumerate(zip(rows, out), start=start):
         if o["chosen_input_ids"] == o["rejected_input_ids"]:

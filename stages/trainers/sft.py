@@ -16,7 +16,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from transformers import Trainer, TrainingArguments
 

@@ -110,7 +110,8 @@ def test_hub_id_from_a_cache_entry_offline(tmp_path):
                                                           "eval_source": mapping("org/qa", split="test")}, **SCORE}))
     spec = spec_of("data.eval_source", params.data.eval_source)
     assert load_source(spec)[1] == TEST
-    assert rows_hash("data.sft", params.data.sft) == rows_hash("data.sft", str(write_jsonl(tmp_path / "t.jsonl", TRAIN)))
+    twin = str(write_jsonl(tmp_path / "t.jsonl", TRAIN))
+    assert rows_hash("data.sft", params.data.sft) == rows_hash("data.sft", twin)
     identity = source_identity("data.sft", params.data.sft)["dataset"]
     assert identity["revision"] == (repo / "refs" / "main").read_text()
     assert identity["resolved"] == str(repo / "snapshots" / identity["revision"])
