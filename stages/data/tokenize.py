@@ -131,7 +131,7 @@ def tokenized_dataset(rows, tokenize: Callable[..., list[dict]], *, marker: str,
     if isinstance(rows, datasets.Dataset):
         if marker in rows.column_names:
             return rows
-        source, content = rows, ["dataset", rows._fingerprint, _cache_file_stats(rows)]
+        source, decode, content = rows, _rows, ["dataset", rows._fingerprint, _cache_file_stats(rows)]
     else:
         rows = rows if isinstance(rows, list) else list(rows)
         if not rows or marker in rows[0]:
@@ -140,12 +140,12 @@ def tokenized_dataset(rows, tokenize: Callable[..., list[dict]], *, marker: str,
         digest = hashlib.sha256()
         for text in texts:
             digest.update(text.encode() + b"\n")
-        source, content = datasets.Dataset.from_dict({ROW_JSON: texts}), ["rows", digest.hexdigest()]
+        source, decode = datasets.Dataset.from_dict({ROW_JSON: texts}), _decode_json
+        content = ["rows", digest.hexdigest()]
         del texts
     if len(source) == 0:
         return datasets.Dataset.from_list([])
     key = _hash([content, tokenizer_fingerprint(tokenizer), _function_hash(tokenize), _code_hash(), batch_size])
-    decode = _decode_json if source.column_names == [ROW_JSON] else _rows
     kwargs: dict[str, Any] = {}
     if datasets.is_caching_enabled():
         folder = Path(datasets.config.HF_DATASETS_CACHE) / "align-tokenized"
