@@ -13,7 +13,7 @@ line by line by `stages.data.io` (errors name the line). Everything else is a `D
 - a folder in the hub's layout (`data/train-00000-of-00002.parquet`, `data/test-*.parquet`, a
   README.md whose `configs:` name the files of each split), or a glob of files;
 - a hub id (`org/name`, mapping form only): read from the local Hugging Face cache (what
-  `huggingface-cli download --repo-type dataset org/name` fills); with the hub unreachable an id
+  `hf download --repo-type dataset org/name` fills); with the hub unreachable an id
   that is not there fails within seconds, naming the command that downloads it.
 
 `split` takes the `datasets` slicing syntax (`train[:90%]`, `test[10:200]`); `columns` renames
@@ -175,7 +175,7 @@ def resolve(spec: DataSpec) -> str:
 
 def download_command(spec: DataSpec) -> str:
     revision = f" --revision {spec.revision}" if spec.revision else ""
-    return f"huggingface-cli download --repo-type dataset {spec.path}{revision}"
+    return f"hf download --repo-type dataset {spec.path}{revision}"
 
 
 def hub_snapshot(spec: DataSpec) -> str:
@@ -197,8 +197,9 @@ def hub_snapshot(spec: DataSpec) -> str:
             why = f"the hub did not answer ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     raise DataSourceError(spec.key, f"= {spec.path!r}: dataset id not in the local Hugging Face cache "
                           f"({constants.HF_HUB_CACHE}) and {why}; download it on a machine with access: "
-                          f"`{download_command(spec)}` (or python -c \"import datasets; "
-                          f"datasets.load_dataset('{spec.path}')\"), with HF_HOME pointing at the cache this run reads")
+                          f"`{download_command(spec)}` (or python -c \"import huggingface_hub; "
+                          f"huggingface_hub.snapshot_download('{spec.path}', repo_type='dataset')\"), with HF_HOME "
+                          "pointing at the cache this run reads")
 
 
 @functools.lru_cache(maxsize=32)

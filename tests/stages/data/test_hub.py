@@ -40,7 +40,7 @@ def folder(tmp_path) -> Path:
 
 
 def hub_cache_entry(tmp_path: Path, repo_id: str, commit: str = "c0ffee" * 6 + "0123") -> Path:
-    """A dataset in the hub cache's layout, as `huggingface-cli download --repo-type dataset` leaves it:
+    """A dataset in the hub cache's layout, as `hf download --repo-type dataset` leaves it:
     datasets--org--name/{refs/main, snapshots/<commit>/...}."""
     repo = tmp_path / "hub" / f"datasets--{repo_id.replace('/', '--')}"
     hub_layout_folder(repo / "snapshots" / commit, {"train": TRAIN, "test": TEST}, {"train": 3}, rename=QA)
@@ -130,7 +130,7 @@ def test_an_id_not_in_the_cache_fails_fast_naming_the_key_the_id_and_the_downloa
     message = _fails_fast(tmp_path, {"sft": {"path": "org/absent"}})
     assert "data.sft = 'org/absent': dataset id not in the local Hugging Face cache" in message
     assert "HF_HUB_OFFLINE=1" in message
-    assert "`huggingface-cli download --repo-type dataset org/absent`" in message
+    assert "`hf download --repo-type dataset org/absent`" in message
 
 
 def test_a_hub_that_never_answers_costs_at_most_the_reach_timeout(tmp_path, monkeypatch):
@@ -144,7 +144,7 @@ def test_a_hub_that_never_answers_costs_at_most_the_reach_timeout(tmp_path, monk
         message = _fails_fast(tmp_path, {"sft": {"path": "org/absent", "revision": "v2"}})
     assert "data.sft = 'org/absent': dataset id not in the local Hugging Face cache" in message
     assert "the hub did not answer" in message
-    assert "`huggingface-cli download --repo-type dataset org/absent --revision v2`" in message
+    assert "`hf download --repo-type dataset org/absent --revision v2`" in message
 
 
 def test_bad_inputs_are_found_at_params_validation(tmp_path, folder):
