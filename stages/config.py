@@ -75,17 +75,25 @@ class ArithmeticConfig:
 class DataConfig:
     """Where the rows come from (`stages.data.sources`): one mixed file or built-in task, and/or a file per kind."""
 
-    source: str | None = param("builtin:arithmetic", help="builtin:arithmetic, or one local .jsonl/.json/.parquet/"
-                               ".csv file or datasets.save_to_disk folder whose rows may mix formats (null: none)")
-    sft: str | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a local file")
-    preference: str | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
-                                   "(prompt/completion/label): a local file")
-    prompts: str | None = param(None, help="prompt-only rows for score and the online methods: a local file")
-    eval_source: str | None = param(None, help="held-out eval prompts with references; default: carved from the "
-                                    "SFT rows (or the preference rows' chosen side)")
-    dev_source: str | None = param(None, help="held-out dev prompts with references for model selection "
-                                   "(evaluate.split: dev); default: carved like the eval split; rows whose prompt is "
-                                   "an eval prompt are dropped, training rows with a dev prompt too")
+    source: str | dict | None = param("builtin:arithmetic", help="builtin:arithmetic, or one data source whose rows "
+                                      "may mix formats (null: none). Every data key takes a local .jsonl/.json/"
+                                      ".parquet/.csv file, a datasets.save_to_disk folder, a hub-layout folder or "
+                                      "a glob, or a mapping {path: org/name | folder | glob, name, split, columns, "
+                                      "data_files, revision} read through datasets.load_dataset "
+                                      "(stages.data.hub)")
+    sft: str | dict | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a path or a "
+                                   "mapping (see data.source)")
+    preference: str | dict | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
+                                          "(prompt/completion/label): a path or a mapping (see data.source)")
+    prompts: str | dict | None = param(None, help="prompt-only rows for score and the online methods: a path or a "
+                                       "mapping (see data.source)")
+    eval_source: str | dict | None = param(None, help="held-out eval prompts with references (a path or a mapping, "
+                                           "see data.source); default: carved from the SFT rows (or the preference "
+                                           "rows' chosen side)")
+    dev_source: str | dict | None = param(None, help="held-out dev prompts with references for model selection "
+                                          "(evaluate.split: dev; a path or a mapping, see data.source); default: "
+                                          "carved like the eval split; rows whose prompt is an eval prompt are "
+                                          "dropped, training rows with a dev prompt too")
     on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
                                                   "skip: drop bad rows and count them in the manifest")
     builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
@@ -93,7 +101,7 @@ class DataConfig:
     def validate(self) -> list[tuple[str, str]]:
         problems = []
         own = [k for k in ("sft", "preference", "prompts") if getattr(self, k)]
-        if (self.source or "").startswith("builtin:") and own:
+        if isinstance(self.source, str) and self.source.startswith("builtin:") and own:
             problems.append(("source", f"= {self.source!r} together with data.{own[0]}: the built-in task's rows "
                              f"would be mixed into yours; set --set data.source=null to use only your files"))
         if not self.source and not own:

@@ -57,7 +57,11 @@ def input_files(spec, params: Params | None) -> list[str]:
     """The files and folders named by the stage's input keys that exist (a builtin or a hub id is no file)."""
     if params is None:
         return []
-    return [v for v in params.select(spec.inputs).values() if isinstance(v, str) and Path(v).expanduser().exists()]
+    from stages.data.hub import local_paths
+    from stages.registry import DATA_FILES
+
+    return [path for key, v in params.select(spec.inputs).items() for path in (
+        local_paths(v) if key in DATA_FILES else [v] if isinstance(v, str) and Path(v).expanduser().exists() else [])]
 
 
 def uncached(path: str) -> list[dict]:

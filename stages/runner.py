@@ -39,7 +39,7 @@ from stages import artifacts, seeding
 from stages.config import Params
 from stages.errors import QualityGateFailed, StageFailed  # noqa: F401 (raised by stages, caught by callers)
 from stages.processes import process_rank, run_command, stage_target
-from stages.registry import STAGES, StageSpec, get_stage, resolve
+from stages.registry import DATA_FILES, STAGES, StageSpec, get_stage, resolve
 
 log = logging.getLogger("stages")
 
@@ -109,15 +109,36 @@ def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
     its upstream outputs' hashes and the content of the user's files it reads (StageSpec.inputs)."""
     spec = get_stage(name)
     code = artifacts.code_hash(spec.code(root), root)
-    inputs = {**upstream_hashes, **input_hashes(spec, params)}
-    return artifacts.fingerprint(name, params.select(spec.params), code, inputs)
+    files = input_hashes(spec, params)
+    inputs = {**upstream_hashes, **files}
+    return artifacts.fingerprint(name, _by_content(params.select(spec.params), files), code, inputs)
 
 
 def input_hashes(spec: StageSpec, params: Params) -> dict[str, str]:
-    """{"file:<key>": content hash} of the user's files the stage reads (StageSpec.inputs) that exist."""
-    values = params.select(spec.inputs)
-    hashes = {key: artifacts.input_hash(value) for key, value in values.items() if isinstance(value, str)}
+    """{"file:<key>": content hash} of the user's inputs the stage reads (StageSpec.inputs) that exist: for a data
+    key, the hash of the rows it gives (`stages.data.hub.rows_hash`: the same rows hash alike as a .jsonl file, a
+    hub-layout folder, a glob or a cached hub id); for anything else (a model folder), its files' bytes."""
+    from stages.data.hub import rows_hash
+
+    hashes = {key: rows_hash(key, value) if key in DATA_FILES else
+              artifacts.input_hash(value) if isinstance(value, str) else None
+              for key, value in params.select(spec.inputs).items()}
     return {f"file:{key}": h for key, h in hashes.items() if h is not None}
+
+
+def _by_content(selected: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+    """The selected params with every data key whose rows are hashed in `files` replaced by a marker: its rows
+    identify it, not where they lie or how they are spelled (a path, a folder, a mapping with a column map)."""
+    for entry in files:
+        key = entry.removeprefix("file:")
+        if key not in DATA_FILES:
+            continue
+        section, _, leaf = key.rpartition(".")
+        if key in selected:
+            selected[key] = "rows"
+        elif isinstance(selected.get(section), dict):
+            selected[section][leaf] = "rows"
+    return selected
 
 
 def _expected_fingerprint(name: str, params: Params, memo: dict[str, str | None] | None = None) -> str | None:

@@ -1,6 +1,8 @@
 """Which data files a run reads, what they hold, and what the chosen methods need from them.
 
-Four keys of the `data` params section name files (each optional):
+Four keys of the `data` params section name data sources (each optional): a local file or
+`save_to_disk` folder, or what `datasets.load_dataset` reads (a hub-layout folder, a glob, a hub id,
+with a config, a split and a column map: `stages.data.hub`):
 
 | key             | takes                                                     |
 |-----------------|-----------------------------------------------------------|
@@ -24,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import FORMATS, detect_format, is_conversational
+from stages.data.hub import (HUB_ID, PLAIN_SUFFIXES, DataSourceError, DataSpec, check, is_spec_value, shape_problems,
+                             spec_of)
+from stages.data.hub import read_rows as read_spec_rows
 from stages.reward_names import REWARD_MODEL_REWARDS
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
@@ -68,22 +73,45 @@ class DataShape:
         return bool(self.destinations & {"sft", "preference", "unpaired"})
 
 
-def data_files(data) -> list[tuple[str, Path]]:
-    """(dotted key, path) of every data file the `data` section names (built-ins excluded), the held-out
-    files (HELD_OUT_KEYS: eval_source, dev_source) last."""
-    out = [(f"data.{k}", Path(getattr(data, k)).expanduser()) for k in FILE_KEYS
-           if getattr(data, k) and not str(getattr(data, k)).startswith("builtin:")]
-    for key in HELD_OUT_KEYS:
-        if getattr(data, key.removeprefix("data.")):
-            out.append((key, Path(getattr(data, key.removeprefix("data."))).expanduser()))
+def data_files(data) -> list[tuple[str, Path | DataSpec]]:
+    """(dotted key, source) of every data source the `data` section names (built-ins excluded), the held-out
+    ones (HELD_OUT_KEYS: eval_source, dev_source) last. A source is a Path (a file or save_to_disk folder, read
+    line by line by stages.data.io) or a DataSpec (a mapping, a glob or a hub-layout folder: stages.data.hub)."""
+    out = []
+    for key in (*(f"data.{k}" for k in FILE_KEYS), *HELD_OUT_KEYS):
+        value = getattr(data, key.removeprefix("data."))
+        if not value or (isinstance(value, str) and value.startswith("builtin:")):
+            continue
+        out.append((key, spec_of(key, value) if is_spec_value(value) else Path(value).expanduser()))
     return out
 
 
+def source_of(data, key: str) -> Path | DataSpec | None:
+    """The source of dotted data key `key` (see `data_files`), None when unset or built in."""
+    return dict(data_files(data)).get(key)
+
+
 def missing_files(data) -> list[tuple[str, str]]:
-    """(key, why) for every named data file that does not exist."""
-    return [(key, f"= {str(path)!r}: no such file or folder (relative paths are from the working directory "
-                  f"{Path.cwd()}); fix the path, or unset the key")
-            for key, path in data_files(data) if not path.exists()]
+    """(dotted key, why) for every named data source that does not exist or cannot be loaded: a missing file, a
+    mapping with unknown keys, a column, split or config that is not there, a slice that leaves no rows, a hub
+    id not in the cache (stages.data.hub.check)."""
+    problems = []
+    for key in (*(f"data.{k}" for k in FILE_KEYS), *HELD_OUT_KEYS):
+        value = getattr(data, key.removeprefix("data."))
+        shape = shape_problems(key, value)
+        problems += [tuple(p.split(" ", 1)) for p in shape]
+        if shape or not value or (isinstance(value, str) and value.startswith("builtin:")):
+            continue
+        if is_spec_value(value):
+            problem = check(spec_of(key, value))
+            if problem:
+                problems.append(problem)
+        elif not Path(value).expanduser().exists():
+            problems.append((key, f"= {value!r}: no such file or folder (relative paths are from the working "
+                                  f"directory {Path.cwd()}); fix the path, or unset the key"
+                                  + (f" (a hub id is given as {{path: {value}}})"
+                                     if HUB_ID.fullmatch(value) and Path(value).suffix not in PLAIN_SUFFIXES else "")))
+    return problems
 
 
 def peek(data) -> DataShape:
@@ -97,8 +125,14 @@ def peek(data) -> DataShape:
         if key in HELD_OUT_KEYS:
             shape.destinations.add(key.removeprefix("data.").removesuffix("_source"))
             continue
-        stat = path.stat() if path.is_file() else None
-        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        if isinstance(path, DataSpec):
+            try:
+                part = _peek_rows(read_spec_rows(path), big=True)
+            except DataSourceError:  # params validation names it (missing_files)
+                part = DataShape(complete=False)
+        else:
+            stat = path.stat() if path.is_file() else None
+            part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
         shape.destinations |= part.destinations
         shape.conversational |= part.conversational
         shape.prompts_derivable |= part.prompts_derivable
@@ -117,20 +151,27 @@ def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
     if big and path.suffix != ".jsonl":  # tables and saved datasets are read whole: leave them to preprocess
         shape.complete = False
         return shape
-    recognised = 0
     try:
-        for n, row in enumerate(read_rows(path)):
-            if big and n >= PEEK_ROWS:
-                shape.complete = False
-                break
-            fmt = detect_format(row.value) if row.value is not None else None
-            if fmt is None:  # preprocess names the row and why: its message beats a guess made here
-                shape.complete = False
-                continue
-            recognised += 1
-            shape.add(fmt, row.value)
+        return _peek_rows(read_rows(path), big)
     except DataError:  # unreadable file: preprocess says why, naming the file
         shape.complete = False
+        return shape
+
+
+def _peek_rows(rows, big: bool) -> DataShape:
+    """The shape of rows (io.Row), the first PEEK_ROWS of them when `big`."""
+    shape = DataShape()
+    recognised = 0
+    for n, row in enumerate(rows):
+        if big and n >= PEEK_ROWS:
+            shape.complete = False
+            break
+        fmt = detect_format(row.value) if row.value is not None else None
+        if fmt is None:  # preprocess names the row and why: its message beats a guess made here
+            shape.complete = False
+            continue
+        recognised += 1
+        shape.add(fmt, row.value)
     if not recognised:
         shape.complete = False
     return shape

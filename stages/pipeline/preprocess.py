@@ -25,6 +25,7 @@ from stages.builtin import BUILTIN_DATA, arithmetic
 from stages.data import (FORMATS, DataError, LoadReport, check_report, iter_rows, iter_source, load_grouped,
                          load_source, write_jsonl)
 from stages.data.formats import normalise, validate
+from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.models import load_tokenizer, resolve_model
@@ -38,7 +39,7 @@ def run(ctx) -> dict[str, Any]:
     def tokenizer_of_the_model():  # built or loaded once the data is known to be readable
         return load_tokenizer(resolve_model(p.model, p.run.output_dir), trust_remote_code=p.model.trust_remote_code)
 
-    if p.preprocess.streaming and not (p.data.source or "").startswith("builtin:"):
+    if p.preprocess.streaming and not str(p.data.source or "").startswith("builtin:"):
         return run_streaming(ctx, tokenizer_of_the_model())
     groups, held_out, sources = load_groups(p.data)
     eval_rows, dev_rows = held_out["eval"], held_out["dev"]
@@ -112,7 +113,7 @@ def load_groups(data) -> tuple[dict[str, list], dict[str, list | None], list[dic
     groups: dict[str, list] = {}
     sources: list[dict] = []
     held_out: dict[str, list | None] = {"eval": None, "dev": None}
-    if (data.source or "").startswith("builtin:"):
+    if isinstance(data.source, str) and data.source.startswith("builtin:"):
         if data.source not in BUILTIN_DATA:
             raise DataError(f"data.source = {data.source!r}: unknown built-in; built-ins: {', '.join(BUILTIN_DATA)}")
         splits = arithmetic.generate(**dataclasses.asdict(data.builtin))
@@ -123,18 +124,14 @@ def load_groups(data) -> tuple[dict[str, list], dict[str, list | None], list[dic
         sources.append(report.as_dict())
     for key, path in data_files(data):
         if key in HELD_OUT_KEYS:
-            continue
-        file_groups, report = load_grouped(path, key=key.removeprefix("data."), on_bad_rows=data.on_bad_rows)
-        for dest, rows in file_groups.items():
-            groups.setdefault(dest, []).extend(rows)
-        sources.append({"key": key, **report.as_dict()})
-    for key in HELD_OUT_KEYS:
-        path = getattr(data, key.removeprefix("data."))
-        if path:
             fmt, rows, report = load_source(path, on_bad_rows=data.on_bad_rows)
             check_held_out_format(key, path, fmt)
             held_out[key.removeprefix("data.").removesuffix("_source")] = rows
-            sources.append({"key": key, **report.as_dict()})
+        else:
+            file_groups, report = load_grouped(path, key=key.removeprefix("data."), on_bad_rows=data.on_bad_rows)
+            for dest, rows in file_groups.items():
+                groups.setdefault(dest, []).extend(rows)
+        sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(data, key[5:]))})
     return groups, held_out, sources
 
 
@@ -365,11 +362,10 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
 
     sources, held_out_sources = [], []
     try:
-        for key in HELD_OUT_KEYS:  # first: the split of every other row depends on their prompts
-            path = getattr(p.data, key.removeprefix("data."))
-            if not path:
+        for key, path in data_files(p.data):  # held-out first: the split of every other row depends on their prompts
+            if key not in HELD_OUT_KEYS:
                 continue
-            name, report = key.removeprefix("data.").removesuffix("_source"), LoadReport(path)
+            name, report = key.removeprefix("data.").removesuffix("_source"), LoadReport(str(path))
             for row in iter_source(path, report):
                 if name == "dev" and _prompt_digest(row["prompt"]) in prompts_of["eval"]:
                     count("dev", "eval_prompt")
@@ -377,7 +373,7 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
                     write(name, row)
             check_report(report, p.data.on_bad_rows)
             check_held_out_format(key, path, report.format)
-            held_out_sources.append({"key": key, **report.as_dict()})
+            held_out_sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(p.data, key[5:]))})
         buffer: list[tuple[bytes, str, dict]] = []
         for key, path in data_files(p.data):
             if key in HELD_OUT_KEYS:
@@ -395,7 +391,7 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
                     flush(buffer)
             flush(buffer)
             check_report(report, p.data.on_bad_rows)
-            sources.append({"key": key, **report.as_dict()})
+            sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(p.data, key[5:]))})
         sources += held_out_sources
         if "dev" not in files:  # always written, as in memory: an empty dev split is allowed
             write_jsonl(ctx.out / "dev.jsonl", [])

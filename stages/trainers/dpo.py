@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from functools import partial
 
 import torch
 from transformers import Trainer
@@ -84,9 +85,9 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         def prepare(rows):
             if rows is not None:
                 rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)
-            return tokenized_dataset(rows, "chosen_input_ids",
-                                     lambda r: tokenize_pairs(processing_class, r, args.max_length,
-                                                              keep=(BALANCE_KEY,)))
+            return tokenized_dataset(rows, "chosen_input_ids", partial(tokenize_pairs, processing_class,
+                                                                       max_length=args.max_length, keep=(BALANCE_KEY,)),
+                                     tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None))
 
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)

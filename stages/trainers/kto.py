@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import Trainer
@@ -26,23 +27,41 @@ from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of th
 KL_PREFIX = "kl_"
 
 
-def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label."""
+def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: int = 0, kl: bool = True
+                      ) -> list[dict]:
+    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label,
+    and with `kl` kl_completion_ids: the next row's completion (the last row's: the first's; `with_kl_pairs`
+    does the same for a whole tokenised Dataset). `start`: the index of the first of `rows` in the whole dataset,
+    for the messages."""
     bad = [i for i, r in enumerate(rows) if not isinstance(r.get("label"), bool)]
     if bad:
-        raise ValueError(f"row {bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
+        raise ValueError(f"row {start + bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
                          f"(desirable) or false (undesirable) ({len(bad)} such row(s))")
     out = []
     for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length))):
         n_prompt = t["completion_mask"].index(1) if any(t["completion_mask"]) else len(t["input_ids"])
         if n_prompt == len(t["input_ids"]):
-            raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the completion is "
-                             "left (raise max_length or filter long prompts)")
+            raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the completion "
+                             "is left (raise max_length or filter long prompts)")
         out.append({"prompt_ids": t["input_ids"][:n_prompt], "completion_ids": t["input_ids"][n_prompt:],
                     "label": r["label"]})
-    for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
-        row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
+    if kl:
+        for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
+            row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
     return out
+
+
+def with_kl_pairs(dataset):
+    """A tokenised Dataset of unpaired rows plus kl_completion_ids: each row's completion_ids rolled by one row
+    (the KL pair of `tokenize_unpaired`, across the whole dataset rather than one batch of it)."""
+    import datasets
+    import pyarrow as pa
+
+    if not isinstance(dataset, datasets.Dataset) or "kl_completion_ids" in dataset.column_names or not len(dataset):
+        return dataset
+    column = dataset.data.column("completion_ids")
+    rolled = pa.chunked_array(column.slice(1).chunks + column.slice(0, 1).chunks, type=column.type)
+    return dataset.add_column("kl_completion_ids", rolled)
 
 
 def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight: float) -> None:
@@ -100,8 +119,11 @@ class KTOTrainer(Trainer):
             KTOConfig, "KTO", model, args, train_dataset, eval_dataset, processing_class)
 
         def prepare(rows):
-            return tokenized_dataset(rows, "prompt_ids",
-                                     lambda r: tokenize_unpaired(processing_class, r, args.max_length))
+            if rows is not None and not hasattr(rows, "__len__"):  # streamed: the KL pairs span the whole dataset
+                rows = list(rows)
+            return with_kl_pairs(tokenized_dataset(
+                rows, "prompt_ids", partial(tokenize_unpaired, processing_class, max_length=args.max_length, kl=False),
+                tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None)))
 
         train = prepare(train_dataset)  # data errors before any model is loaded
         check_labels(train["label"], args.desirable_weight, args.undesirable_weight)

@@ -29,15 +29,17 @@ from stages.utils import pad
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed reference log-probs (summed) per pair
 
 
-def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = ()) -> list[dict]:
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = (), *, start: int = 0
+                   ) -> list[dict]:
     """Each prompt/chosen/rejected row -> chosen_* and rejected_* input_ids and completion_mask.
 
     The columns REF_COLUMNS, "weight" and `keep` are carried over when present. Rows without a
     "prompt" (TRL's implicit-prompt shape: whole conversations as chosen and rejected) get the part
     both sides share as their prompt (`stages.data.templates.maybe_extract_prompt`; none shared: empty).
+    `start`: the index of the first of `rows` in the whole dataset (rows are tokenised in batches).
     """
     rows = [r if "prompt" in r else _with_prompt(maybe_extract_prompt(r)) for r in rows]
-    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+    identical = [start + i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
     if identical:
         raise ValueError(f"{len(identical)} preference row(s) have identical chosen and rejected (first: row "
                          f"{identical[0]}); they carry no preference: drop them in preprocess")
@@ -48,7 +50,7 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):
-                raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the {side} "
+                raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the {side} "
                                  "completion is left (raise max_length or filter long prompts)")
             if side == "chosen":
                 out.append({k: v for k, v in rows[i].items() if k in carry})
@@ -108,17 +110,15 @@ def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["completion_mask"][:, 1:].sum(-1)
 
 
-def tokenized_dataset(rows, marker: str, tokenize: Callable[[list[dict]], list[dict]]):
-    """`rows` (an iterable of dicts, or None) as a `datasets.Dataset`, passed through `tokenize` unless the
-    first row already has the column `marker` (rows tokenized beforehand). None stays None."""
-    import datasets
+def tokenized_dataset(rows, marker: str, tokenize: Callable[..., list[dict]], *, tokenizer,
+                      num_proc: int | None = None):
+    """`rows` (an iterable of dicts, a Dataset or an IterableDataset, or None) as a tokenised `datasets.Dataset`:
+    `tokenize(rows, start=i)` over batches through `Dataset.map(num_proc=num_proc)`, cached as Arrow files keyed
+    by the rows', the tokenizer's and the code's content (stages.data.tokenize.tokenized_dataset). Rows whose
+    first row already has the column `marker` (tokenised beforehand) are taken as they are; None stays None."""
+    from stages.data import tokenize as tokenizing
 
-    if rows is None:
-        return None
-    rows = list(rows)
-    if rows and marker not in rows[0]:
-        rows = tokenize(rows)
-    return datasets.Dataset.from_list(rows)
+    return tokenizing.tokenized_dataset(rows, tokenize, marker=marker, tokenizer=tokenizer, num_proc=num_proc)
 
 
 @torch.no_grad()

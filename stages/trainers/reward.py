@@ -16,6 +16,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -175,17 +176,15 @@ def _pair_row(row: dict) -> dict:
     return row
 
 
-def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """prompt/chosen/rejected[/margin] rows -> chosen_input_ids, rejected_input_ids[, margin] per row."""
-    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, *, start: int = 0) -> list[dict]:
+    """prompt/chosen/rejected[/margin] rows -> chosen_input_ids, rejected_input_ids[, margin] per row. `start`: the
+    index of the first of `rows` in the whole dataset (rows are tokenised in batches), for the messages."""
+    identical = [start + i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
     if identical:
         raise ValueError(f"preference row {identical[0]} has identical chosen and rejected ({len(identical)} such "
                          f"row(s): {identical[:10]}); they carry no preference: drop them before training")
-    with_margin = [i for i, r in enumerate(rows) if "margin" in r]
-    if with_margin and len(with_margin) != len(rows):
-        missing = next(i for i, r in enumerate(rows) if "margin" not in r)
-        raise ValueError(f"preference row {missing} has no margin but row {with_margin[0]} has one: give every row "
-                         "a margin or none")
+    check_margins(rows, start=start)
+    with_margin = any("margin" in r for r in rows)
     rows = [_pair_row(r) for r in rows]
     out: list[dict] = [{} for _ in rows]
     for side in ("chosen", "rejected"):
@@ -193,10 +192,10 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):
-                raise ValueError(f"preference row {i}: the prompt fills max_length = {max_length}; nothing of the "
-                                 f"{side} completion is left (raise max_length or filter long prompts)")
+                raise ValueError(f"preference row {start + i}: the prompt fills max_length = {max_length}; nothing of "
+                                 f"the {side} completion is left (raise max_length or filter long prompts)")
             out[i][f"{side}_input_ids"] = t["input_ids"]
-    for i, (r, o) in enumerate(zip(rows, out)):
+    for i, (r, o) in enumerate(zip(rows, out), start=start):
         if o["chosen_input_ids"] == o["rejected_input_ids"]:
             raise ValueError(f"preference row {i}: chosen and rejected are identical after truncation to max_length "
                              f"= {max_length} (they differ only later); raise max_length or drop the row")
@@ -206,6 +205,25 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
                 raise ValueError(f"preference row {i}: margin = {m!r}: must be a finite number")
             o["margin"] = float(m)
     return out
+
+
+def check_margins(rows, *, start: int = 0) -> None:
+    """Every row has a margin, or none does (a list of row dicts, or a Dataset: its margin column has no nulls)."""
+    if not isinstance(rows, list):  # a datasets.Dataset: absent margins are nulls in its column
+        if "margin" not in rows.column_names:
+            return
+        margins = rows["margin"]
+        has = [i for i, m in enumerate(margins) if m is not None]
+        if len(has) == len(margins):
+            return
+        missing = next(i for i, m in enumerate(margins) if m is None)
+    else:
+        has = [i for i, r in enumerate(rows) if "margin" in r]
+        if not has or len(has) == len(rows):
+            return
+        missing = next(i for i, r in enumerate(rows) if "margin" not in r)
+    raise ValueError(f"preference row {start + missing} has no margin but row {start + has[0]} has one: give every "
+                     "row a margin or none")
 
 
 @dataclass
@@ -249,8 +267,13 @@ class RewardTrainer(Trainer):
         model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
 
         def prepare(rows):
+            import datasets
+
+            if isinstance(rows, (list, datasets.Dataset)):
+                check_margins(rows)  # across the whole dataset: a batch sees only its own rows
             return tokenized_dataset(rows, "chosen_input_ids",
-                                     lambda r: tokenize_pairs(processing_class, r, args.max_length))
+                                     partial(tokenize_pairs, processing_class, max_length=args.max_length),
+                                     tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None))
 
         score_head(model)  # fail early on a model without a reward head
         config = unwrap(model).config

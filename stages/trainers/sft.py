@@ -15,13 +15,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from functools import partial
-from typing import Any
 
 from transformers import Trainer
 
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
-from stages.data.tokenize import tokenize_sft
+from stages.data.tokenize import tokenize_sft, tokenized_dataset
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
@@ -62,23 +61,19 @@ class SFTTrainer(Trainer):
         self._last_log_time = time.perf_counter()
 
     def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
-        """Rows -> tokenised Dataset (packed if asked); IterableDatasets are tokenised lazily."""
+        """Rows -> tokenised Dataset (`Dataset.map` over args.dataset_num_proc processes, cached as Arrow files by
+        content: stages.data.tokenize.tokenized_dataset), packed if asked; IterableDatasets are tokenised lazily."""
         import datasets
 
         if rows is None:
             return None
         tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_length, text_field=args.dataset_text_field,
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
-        if isinstance(rows, datasets.IterableDataset):
-            columns = list(next(iter(rows)).keys())
-            return rows.map(lambda batch: _columns(tokenize(_rows(batch))), batched=True, remove_columns=columns)
-        rows = list(rows)
-        if rows and "input_ids" not in rows[0]:
-            rows = tokenize(rows)
-            check_targets(rows, args.max_length)
-        if pack:
-            rows = pack_dataset(rows, args.max_length, args.packing_strategy)
-        return datasets.Dataset.from_list(rows)
+        dataset = tokenized_dataset(rows, partial(_tokenize_checked, tokenize, args.max_length), marker="input_ids",
+                                    tokenizer=tokenizer, num_proc=getattr(args, "dataset_num_proc", None))
+        if pack and not isinstance(dataset, datasets.IterableDataset):
+            dataset = pack_dataset(dataset, args.max_length, args.packing_strategy)
+        return dataset
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
@@ -118,20 +113,18 @@ class SFTTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def check_targets(rows: list[dict[str, list[int]]], max_length: int) -> None:
-    """Every row must keep at least one loss token after truncation (else the prompt fills max_length)."""
+def _tokenize_checked(tokenize, max_length: int, rows: list[dict], *, start: int = 0) -> list[dict]:
+    out = tokenize(rows)
+    check_targets(out, max_length, start=start)
+    return out
+
+
+def check_targets(rows: list[dict[str, list[int]]], max_length: int, *, start: int = 0) -> None:
+    """Every row must keep at least one loss token after truncation (else the prompt fills max_length).
+    `start`: the index of the first of `rows` in the whole dataset, for the message."""
     key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
     empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
     if empty:
         raise ValueError(f"sft.max_length = {max_length} is shorter than the prompt of {len(empty)} row(s) "
-                         f"(first: row {empty[0]}), which would leave nothing to learn; raise sft.max_length or "
-                         "filter long prompts in preprocess (preprocess.max_length)")
-
-
-def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
-    keys = list(batch)
-    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
-
-
-def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
-    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+                         f"(first: row {start + empty[0]}), which would leave nothing to learn; raise "
+                         "sft.max_length or filter long prompts in preprocess (preprocess.max_length)")
