@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
-        params = load_params(args.params, getattr(args, "overrides", []))
+        params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.setup(logging.INFO if processes.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
     try:
-        params = load_params(args.params, args.overrides)
+        params = load_params(args.params, args.overrides, rows=args.stage == "preprocess" and args.shard is None)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -118,6 +118,9 @@ class DataConfig:
                                    "an eval prompt are dropped, training rows with a dev prompt too")
     on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
                                                   "skip: drop bad rows and count them in the manifest")
+    validate_rows: int = param(100_000, help="params validation reads this many rows of each data file "
+                               "(streamed) and reports bad ones with the params problems (-1: all, 0: off)",
+                               check=lambda v: v >= -1, rule="must be -1 (all rows), 0 (off) or a row count")
     builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
 
     def validate(self) -> list[tuple[str, str]]:
@@ -651,8 +654,10 @@ class Params:
 # --------------------------------------------------------------------------- loading
 
 
-def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[str, Any] | None = None) -> Params:
-    """Read, override and validate params; raise ParamsError listing every problem."""
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[str, Any] | None = None, *,
+                rows: bool = False) -> Params:
+    """Read, override and validate params; raise ParamsError listing every problem. `rows`: also check the rows
+    of the data files (`stages.data.row_checks`; entries that start a run pass it, `status` does not)."""
     path = Path(path)
     source = str(path)
     if not path.exists():
@@ -666,6 +671,10 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
     problems = apply_overrides(raw, overrides or [])
     params, more = build(Params, raw, "")
     problems += more
+    if rows:
+        from stages.data.row_checks import row_problems
+
+        problems += [f"{where} {why}" for where, why in row_problems(params.data)]
     if problems:
         raise ParamsError(source, problems)
     return params

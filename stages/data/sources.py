@@ -98,7 +98,8 @@ def peek(data) -> DataShape:
             shape.destinations.add(key.removeprefix("data.").removesuffix("_source"))
             continue
         stat = path.stat() if path.is_file() else None
-        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1,
+                          key.removeprefix("data."))
         shape.destinations |= part.destinations
         shape.conversational |= part.conversational
         shape.prompts_derivable |= part.prompts_derivable
@@ -107,8 +108,14 @@ def peek(data) -> DataShape:
 
 
 @functools.lru_cache(maxsize=64)
-def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
-    """The shape of one file; cached by path, size and modification time (params are validated at every entry)."""
+def _peek_file(path_text: str, size: int, mtime_ns: int, key: str = "source") -> DataShape:
+    """The shape of one file that data params key `key` names; cached by path, size and modification time (params
+    are validated at every entry).
+
+    An unreadable row leaves the shape certain only where fixing it cannot change what `needs` decides: the key
+    takes only destinations the file already has, and rows that give prompts are already there (data.source, a
+    mixed file, is never certain then). The row itself is reported by `stages.data.row_checks` in the same
+    message, or by preprocess."""
     from stages.data.io import DataError, read_rows
 
     path = Path(path_text)
@@ -117,21 +124,23 @@ def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
     if big and path.suffix != ".jsonl":  # tables and saved datasets are read whole: leave them to preprocess
         shape.complete = False
         return shape
-    recognised = 0
+    recognised = unknown = 0
     try:
         for n, row in enumerate(read_rows(path)):
             if big and n >= PEEK_ROWS:
                 shape.complete = False
                 break
             fmt = detect_format(row.value) if row.value is not None else None
-            if fmt is None:  # preprocess names the row and why: its message beats a guess made here
-                shape.complete = False
+            if fmt is None:  # row_checks or preprocess names the row and why: its message beats a guess made here
+                unknown += 1
                 continue
             recognised += 1
             shape.add(fmt, row.value)
     except DataError:  # unreadable file: preprocess says why, naming the file
         shape.complete = False
-    if not recognised:
+    accepts = ACCEPTS[key]
+    if not recognised or unknown and not (accepts is not None and accepts <= shape.destinations
+                                          and shape.prompts_derivable):
         shape.complete = False
     return shape
 

@@ -1,0 +1,78 @@
+"""Params validation with and without the row checks (`data.validate_rows`), on a file of N rows.
+
+    python benchmarks/validate_rows.py                  # 100,000 SFT rows, chat messages
+    python benchmarks/validate_rows.py --rows 1000000 --caps 100000 -1
+
+Each variant runs in a fresh process (no cached peek or row check), alternated over `--rounds`
+rounds; the figure is the median seconds of `load_params`. `rows=False` is what `align status`,
+`dvc-yaml` and launched ranks pay; `rows=True` is what `align run` and `python -m stages preprocess`
+pay before anything is built. `status` is `python -m stages status` as a whole process, after a
+`preprocess` run so the stage table is real. Prints the load average beside the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMED = """
+import sys, time
+from stages.config import load_params
+start = time.perf_counter()
+load_params(sys.argv[1], sys.argv[3:], rows=sys.argv[2] == "1")
+print(time.perf_counter() - start)
+"""
+
+
+def write_data(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i % 97}?"},
+                                             {"role": "assistant", "content": str(i + i % 97)}]}) + "\n")
+
+
+def timed(params: Path, rows: bool, sets: list[str]) -> float:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", TIMED, str(params), "1" if rows else "0", *sets], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--caps", type=int, nargs="+", default=[100_000])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    import yaml
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_data(folder / "sft.jsonl", args.rows)
+        raw = yaml.safe_load((REPO / "params.yaml").read_text())
+        raw["data"].update(source=None, sft=str(folder / "sft.jsonl"))
+        raw["score"].update(reward_functions=["exact_match"], reward_weights=None)
+        raw["run"]["output_dir"] = str(folder / "artifacts")
+        (folder / "params.yaml").write_text(yaml.safe_dump(raw))
+        variants = [("no row checks (status)", False, [])] + [
+            (f"rows checked, data.validate_rows={cap}", True, [f"data.validate_rows={cap}"]) for cap in args.caps]
+        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        for _ in range(args.rounds):
+            for name, rows, sets in variants:
+                times[name].append(timed(folder / "params.yaml", rows, sets))
+        size = (folder / "sft.jsonl").stat().st_size / 2**20
+        print(f"{args.rows} rows, {size:.1f} MiB, median of {args.rounds} fresh processes, load average "
+              f"{os.getloadavg()[0]:.1f}")
+        print(f"| {'validation':<40} | seconds |\n|{'-' * 42}|---------|")
+        for name, values in times.items():
+            print(f"| {name:<40} | {statistics.median(values):7.2f} |")
+
+
+if __name__ == "__main__":
+    main()
