@@ -275,8 +275,11 @@ class RewardSection(RewardModelParams, TrainingParams):
                                                 "10 epochs left run.seed 3 at 0.919, batch 8 for 8 epochs at 1.000)")
     eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
                                  check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
-    min_accuracy: float = fraction(0.9, "quality gate: held-out pair accuracy below this fails the stage and "
-                                   "stops everything downstream (0: no gate)", open_right=False)
+    min_accuracy: float = fraction(0.9, "quality gate: the held-out pair accuracy's lower confidence bound "
+                                   "(reward.gate_confidence) below this fails the stage and stops everything "
+                                   "downstream (0: no gate; stages/gates.py)", open_right=False)
+    gate_confidence: float = param(0.95, help="confidence of the gate's one-sided Wilson lower bound (0.5: judge "
+                                   "the accuracy itself)", check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
     calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
                                      "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
 
@@ -507,6 +510,10 @@ class PromoteParams:
 
     metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
     min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
+    confidence: float = param(0.95, help="share metrics (accuracy, format): promote only when the one-sided lower "
+                              "bound of candidate - production at this confidence is above min_improvement "
+                              "(0.5: compare the values themselves; stages/gates.py)",
+                              check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
     candidate: str = param("merged", help="row of the evaluate table that is promoted (its model folder is copied)")
     models_dir: str = param("models", help="holds production (the promoted model), production.json, "
                             "history.jsonl and releases/")
@@ -672,9 +679,9 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
     params, more = build(Params, raw, "")
     problems += more
     if rows:
-        from stages.data.row_checks import row_problems
+        from stages.data.row_checks import check_rows
 
-        problems += [f"{where} {why}" for where, why in row_problems(params.data)]
+        problems += check_rows(params)
     if problems:
         raise ParamsError(source, problems)
     return params

@@ -191,3 +191,36 @@ def test_streaming_mode_names_the_line_too(capsys, tmp_path, params_for):
     data.write_bytes(with_row(9, b'{"prompt": "a" "completion": "b"}'))
     params = params_for({"data": {"source": str(data)}, "preprocess": {"streaming": True}})
     assert_rejected(capsys, params, "preprocess", escape(data) + r":9: invalid JSON at column 16", code=2)
+
+
+def pairs(n: int) -> list[dict]:
+    return [{"prompt": f"{i}+2=", "chosen": str(i + 2), "rejected": str(i + 3)} for i in range(n)]
+
+
+def test_too_few_held_out_pairs_for_the_reward_gate_stop_before_sft(capsys, tmp_path, params_for):
+    """70 pairs hold out 7 at reward.eval_fraction 0.1: fewer than the 25 on which the gate (0.9 at 95%) can pass
+    even if every pair is ranked right. Refused at validation, naming the key and the value that would do."""
+    (tmp_path / "sft.jsonl").write_bytes(jsonl(good(100)))
+    (tmp_path / "pairs.jsonl").write_bytes(jsonl(pairs(70)))
+    params = params_for({"data": {"source": None, "sft": str(tmp_path / "sft.jsonl"),
+                                  "preference": str(tmp_path / "pairs.jsonl")}, "reward": {"min_accuracy": 0.9}})
+    assert_rejected(capsys, params, "preprocess", r"reward\.eval_fraction = 0\.1: 70 preference pairs leave about 7 "
+                    r"held out, fewer than the 25 on which the reward gate \(reward\.min_accuracy = 0\.9 at "
+                    r"reward\.gate_confidence = 0\.95\) can pass even if every one is ranked right: the run would "
+                    r"stop after SFT; raise reward\.eval_fraction \(now 0\.1; 0\.36 holds out 25\)", code=2)
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_few_held_out_pairs_are_warned_about(caplog, tmp_path, params_for):
+    """300 pairs hold out 30: the gate can pass, but a reward model right on 95% of them would not; a warning
+    with the key, and the run goes on."""
+    from stages.config import load_params
+
+    (tmp_path / "sft.jsonl").write_bytes(jsonl(good(100)))
+    (tmp_path / "pairs.jsonl").write_bytes(jsonl(pairs(300)))
+    params = params_for({"data": {"source": None, "sft": str(tmp_path / "sft.jsonl"),
+                                  "preference": str(tmp_path / "pairs.jsonl")}, "reward": {"min_accuracy": 0.9}})
+    with caplog.at_level("WARNING"):
+        load_params(params, rows=True)
+    assert ("reward: about 30 held-out preference pairs (reward.eval_fraction = 0.1 of 300): a reward model right on "
+            "95% of them would still fail the gate") in caplog.text and "raise reward.eval_fraction" in caplog.text
