@@ -81,7 +81,7 @@ class ModelConfig:
             return []
         from stages.model_source import model_source_problem  # lazy: it imports huggingface_hub on demand only
 
-        problem = model_source_problem(self.name_or_path)
+        problem = model_source_problem(self.name_or_path, trust_remote_code=self.trust_remote_code)
         return [("name_or_path", f"= {self.name_or_path!r}: {problem}")] if problem else []
 
 

@@ -15,6 +15,7 @@ from stages.config import Params, load_params
 from tests.conftest import ROOT, write_params
 
 SOURCES = sorted(p for d in ("stages", "flows", "tasks") for p in (ROOT / d).rglob("*.py"))
+EVERY_SOURCE = sorted(p for d in ("stages", "flows", "tasks", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -31,6 +32,36 @@ def test_no_unsafe_calls_in_the_code(pattern, why):
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(pattern, line) and not line.lstrip().startswith("#")]
     assert not hits, f"{why}:\n" + "\n".join(hits)
+
+
+def test_every_torch_load_is_weights_only():
+    """No torch.load in the repository (library, flows, benchmarks, tests) may unpickle arbitrary objects: each
+    call, over as many lines as it spans, passes weights_only=True."""
+    offenders = []
+    for path in EVERY_SOURCE:
+        text = path.read_text()
+        for match in re.finditer(r"torch\.load\(", text):
+            depth, end = 1, match.end()
+            while depth and end < len(text):  # the call's closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            call = text[match.start():end]
+            if "weights_only=True" not in call and path.name != "test_reliability_security.py":
+                offenders.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: {call}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_transformers_trainer_loads_every_file_weights_only():
+    """Every torch.load in transformers' Trainer (resume: optimizer, scheduler, scaler, RNG state, and the model
+    weights when a checkpoint has no safetensors) passes weights_only=True; we call trainer.train(resume_from_
+    checkpoint=...) only, never a load with weights_only=False."""
+    import transformers.trainer as trainer_module
+
+    text = inspect.getsource(trainer_module)
+    calls = text.split("torch.load(")[1:]
+    assert len(calls) >= 8
+    for call in calls:
+        assert "weights_only=True" in call[:300], "transformers.trainer: torch.load without weights_only=True"
 
 
 def test_transformers_resumes_checkpoints_with_weights_only():
