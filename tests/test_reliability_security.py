@@ -3,6 +3,7 @@ on loopback, secrets never written out, trust_remote_code off unless the params 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 import subprocess
@@ -168,3 +169,56 @@ def test_trust_remote_code_is_off_unless_the_params_say_so(tmp_path, monkeypatch
     for stage in ("preprocess", "sft"):
         runner.run_stage(stage, trusted)
     assert seen and set(seen) == {True}, seen
+
+
+MARKERS = {"HF_TOKEN": "hf_MARKERsecretHF0123456789", "WANDB_API_KEY": "MARKERsecretWANDB0123456789abcdef",
+           "MLFLOW_TRACKING_PASSWORD": "MARKERsecretMLFLOW0123456789"}
+
+
+def files_holding(folder: Path, markers: dict[str, str]) -> list[tuple[str, str]]:
+    """(file, variable) for every file under `folder` whose bytes hold a marker (as written, or UTF-16 / base64
+    encoded, as a database or a JSON blob might store it)."""
+    import base64
+
+    forms = {name: [v.encode(), v.encode("utf-16-le"), base64.b64encode(v.encode())[:20]]
+             for name, v in markers.items()}
+    found = []
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            found += [(str(path.relative_to(folder)), name) for name, encoded in forms.items()
+                      if any(e in data for e in encoded)]
+    return found
+
+
+@pytest.mark.slow
+def test_a_full_run_writes_no_secret_anywhere(tmp_path):
+    """`align run` of the whole pipeline in a git + DVC project, with HF_TOKEN, WANDB_API_KEY and
+    MLFLOW_TRACKING_PASSWORD set to marker values: no file under the project (params, dvc.lock, artifacts/,
+    logs, manifests, the DVC cache) or under PREFECT_HOME (the Prefect database, results, server log) holds
+    any of them."""
+    import os
+    import sys
+
+    from tests.test_dvc import make_dvc_repo
+
+    repo = make_dvc_repo(tmp_path / "repo")
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, **MARKERS, "PREFECT_HOME": str(home), "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_LOGGING_LEVEL": "DEBUG"}
+    env.pop("PREFECT_API_URL", None)
+    res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (repo / "artifacts" / "evaluate" / "manifest.json").is_file() and (repo / "dvc.lock").is_file()
+    assert any(home.rglob("*.db")) and any((repo / ".dvc" / "cache").rglob("*")), "the database and cache exist"
+    found = files_holding(repo, MARKERS) + files_holding(home, MARKERS)
+    leaked_to_console = [name for name, v in MARKERS.items() if v in res.stdout + res.stderr]
+    searched = sum(1 for d in (repo, home) for p in d.rglob("*") if p.is_file())
+    print(f"\nsecrets grep: {searched} files searched, markers found: {len(found) + len(leaked_to_console)}")
+    assert not found and not leaked_to_console, (found, leaked_to_console)
+    control = tmp_path / "control"  # the search itself finds a planted marker, in each encoding
+    control.mkdir()
+    (control / "plain.json").write_text(json.dumps({"token": MARKERS["HF_TOKEN"]}))
+    (control / "wide.bin").write_bytes(MARKERS["WANDB_API_KEY"].encode("utf-16-le"))
+    assert sorted(files_holding(control, MARKERS)) == [("plain.json", "HF_TOKEN"), ("wide.bin", "WANDB_API_KEY")]
