@@ -69,8 +69,8 @@ def remote_code_problem(folder: Path | None) -> str | None:
         if auto_map:
             classes = ", ".join(f"{k} -> {v if isinstance(v, str) else v[0]}" for k, v in dict(auto_map).items())
             return (f"{name} needs custom code (auto_map: {classes}), and model.trust_remote_code is false: "
-                    "loading would run code from the model folder. Read that code, then set --set "
-                    "model.trust_remote_code=true if you trust it, or use a model transformers supports natively")
+                    "loading would run code from the model folder. Read that code, then set model.trust_remote_code: "
+                    "true if you trust it, or use a model transformers supports natively")
     return None
 
 

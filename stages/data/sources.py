@@ -167,21 +167,30 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
         problems.append(("data.eval_source", "= null and no SFT or preference rows to carve an eval split from: "
                                              "set data.eval_source to prompts with reference completions"))
     if not shape.has_preference:
-        problems += _reward_model_without_pairs(params)
+        problems += _reward_model_without_pairs(params, shape)
         pol = params.policy
         if pol.method in ("dpo", "kto") and pol.data == "preprocess" and not (
                 pol.method == "kto" and "unpaired" in shape.destinations):
+            fix = (f"set {_online_fix(params)} (GRPO learns from the rule reward on every sample), "
+                   "or --set policy.data=score (pairs sampled from the SFT model and scored: with rule rewards "
+                   "alone, only where its samples differ)" if shape.prompts_derivable else
+                   "set --set policy.method=none (text rows give no prompts to sample pairs from)")
             problems.append(("policy.data", f"= preprocess, but the data has no preference rows for policy.method "
-                                            f"= {pol.method}: set --set policy.data=score (pairs sampled from the "
-                                            "SFT model and scored) or give data.preference"))
+                                            f"= {pol.method}: {fix}, or give data.preference"))
         if pol.method == "grpo" and pol.grpo.reward_head == "shared":
             problems.append(("policy.grpo.reward_head", "= shared trains a reward head on preference pairs, but the "
                                                         "data has none: set --set policy.grpo.reward_head=separate "
                                                         "or give data.preference"))
     if not shape.prompts_derivable:
         if params.score.enabled and params.score.source == "generate":
+            also = (" --set policy.method=none (policy.method = "
+                    f"{params.policy.method} trains on score's pairs)" if _reads_score_pairs(params) else "")
             problems.append(("score.enabled", "= true, but the data has no prompts to sample from (text rows "
-                                              "only): set --set score.enabled=false or give data.prompts"))
+                                              f"only): set --set score.enabled=false{also}, or give data.prompts"))
+        if "eval" not in shape.destinations and shape.has_sft_material:
+            problems.append(("data.eval_source", "= null, but the data has text rows only: they hold no prompt to "
+                                                 "hold out for evaluation (the eval split is carved from prompted "
+                                                 "rows); set data.eval_source to held-out prompt/completion rows"))
         if params.policy.method in ("online_dpo", "grpo", "ppo"):
             problems.append(("policy.method", f"= {params.policy.method} samples from prompts, but the data has "
                                               "none (text rows only): give data.prompts, or set "
@@ -189,8 +198,31 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
     return problems
 
 
-def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
-    """The reward-function lists that name the reward model, which no preference data trains."""
+def _online_fix(params) -> str:
+    """The overrides that train the policy with GRPO on the rule rewards, without score's pairs: what data
+    without preference rows always supports (a sample that scores like the others only adds no gradient)."""
+    grpo = params.policy.grpo
+    fix = "--set policy.method=grpo --set score.enabled=false"
+    if any(n in REWARD_MODEL_REWARDS for n in grpo.reward_functions):
+        fix += " --set policy.grpo.reward_functions=[exact_match] --set policy.grpo.reward_weights=null"
+    if grpo.reward_head == "shared":
+        fix += " --set policy.grpo.reward_head=separate"
+    return fix
+
+
+def _reads_score_pairs(params) -> bool:
+    return params.policy.method in ("dpo", "kto") and params.policy.data == "score"
+
+
+def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str]]:
+    """The reward-function lists that name the reward model, which no preference data trains, each with a fix that
+    leads to a finished run.
+
+    For score's list when DPO or KTO train on score's pairs, the rule rewards alone are not that fix: score
+    pairs two samples only where their scores differ, and a small or new SFT model whose samples are all wrong
+    (or all right) gives no pair, so the run would stop after SFT. An online method with the rule reward
+    (GRPO with policy.grpo.reward_functions) learns from every sample instead; the message offers it first and
+    says what the rule-reward pairs need."""
     lists = []
     if params.score.enabled:
         lists.append(("score.reward_functions", params.score.reward_functions, params.score.reward_weights))
@@ -208,8 +240,15 @@ def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
         if weights is not None:
             kept = [w for n, w in zip(names, weights) if n not in REWARD_MODEL_REWARDS] or [1.0]
             fix += f" --set {key.rsplit('.', 1)[0]}.reward_weights=[{','.join(map(str, kept))}]"
-        problems.append((key, f"= {names} includes {named[0]}, but there is no preference data to train one: "
-                              f"set {fix}, or give data.preference"))
+        why = f"= {names} includes {named[0]}, but there is no preference data to train one: "
+        if key == "score.reward_functions" and _reads_score_pairs(params) and shape.prompts_derivable:
+            problems.append((key, why + f"set {_online_fix(params)} (GRPO learns from the rule reward on every "
+                             "sample), or keep "
+                             f"policy.method = {method} with {fix} if the SFT model's samples are right on some "
+                             "prompts and wrong on others (score pairs only samples whose scores differ; with none "
+                             "the run stops before policy), or give data.preference"))
+        else:
+            problems.append((key, why + f"set {fix}, or give data.preference"))
     return problems
 
 

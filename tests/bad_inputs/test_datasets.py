@@ -108,8 +108,8 @@ SFT_ROWS_ONLY = {"missing_column", "extra_column", "wrong_type", "null_value", "
                  "messages_bad_role", "messages_end_with_user", "messages_missing_content", "unpaired_label_not_bool",
                  "alpaca_empty_instruction"}
 REWARD_PROBLEM = (r"score\.reward_functions = \['exact_match', 'reward_model_prob'\] includes reward_model_prob, "
-                  r"but there is no preference data to train one: set --set score\.reward_functions=\[exact_match\] "
-                  r"--set score\.reward_weights=\[1\.0\]")
+                  r"but there is no preference data to train one: set --set policy\.method=grpo --set "
+                  r"score\.enabled=false \(GRPO learns from the rule reward on every sample\)")
 
 
 @pytest.mark.parametrize("validate_rows", [100_000, 0], ids=["at_validation", "in_preprocess"])

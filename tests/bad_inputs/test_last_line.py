@@ -125,9 +125,13 @@ def test_bad_row_and_params_problem_reported_in_one_pass(tmp_path, params_for):
     rc, lines, _ = run_stages(tmp_path, "preprocess", "--params", str(params))
     assert rc == 2, lines
     assert lines[-3] == f"error: {params}: 2 problem(s) in params; nothing was run or written:"
-    assert lines[-2] == ("  - score.reward_functions = ['exact_match', 'reward_model_prob'] includes reward_model_prob, "
-                         "but there is no preference data to train one: set --set score.reward_functions=[exact_match] "
-                         "--set score.reward_weights=[1.0], or give data.preference")
+    assert lines[-2] == (
+        "  - score.reward_functions = ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no "
+        "preference data to train one: set --set policy.method=grpo --set score.enabled=false (GRPO learns from the "
+        "rule reward on every sample), or keep policy.method = dpo with --set score.reward_functions=[exact_match] "
+        "--set score.reward_weights=[1.0] if the SFT model's samples are right on some prompts and wrong on others "
+        "(score pairs only samples whose scores differ; with none the run stops before policy), or give "
+        "data.preference")
     assert show("bad row and params problem", lines) == (
         "  - sft.jsonl:2: field 'messages' must be a non-empty list of messages, got str; fix the rows, or set "
         "data.on_bad_rows: skip to drop them (they are counted in the manifest)")
