@@ -1,8 +1,9 @@
 """Efficacy against TRL 1.16: our SFT, DPO and GRPO trainers and TRL's on the built-in task, side by side.
 
-    python benchmarks/efficacy.py                                   # sft dpo grpo, seeds 1 2 3, params.yaml settings
-    python benchmarks/efficacy.py --methods grpo --seeds 1 --grpo-steps 50
-    python benchmarks/efficacy.py --write                           # also benchmarks/RESULTS-efficacy.md
+    python -m benchmarks efficacy                                   # sft dpo grpo, seeds 1 2 3, params.yaml settings
+    python -m benchmarks efficacy --methods grpo --seeds 1 --grpo-steps 50
+    python -m benchmarks efficacy --write efficacy.md               # also the tables as markdown
+    python -m benchmarks efficacy --tiny                            # a smoke run (seconds)
 
 Per seed (`run.seed`), in one process, each side timed alone (never two trainings at once):
 
@@ -26,7 +27,7 @@ Held-out accuracy: the eval prompts of the built-in task (`eval.jsonl`, 300), de
 (`stages.generation.generate`, greedy, `evaluate.max_new_tokens`) for both sides' models and scored by our
 evaluate stage's own `row_metrics` (answer regex `evaluate.answer_regex`, exact match): decoding and scoring
 are identical. Wall and CPU seconds cover building the trainer (tokenisation, reference pass) + `train()`;
-CPU seconds are `time.process_time()` (this process, all threads). The load average is printed beside them.
+CPU seconds are `time.process_time()` (this process, all threads). The 1-minute load is printed beside them.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -46,14 +46,12 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, has_trl, host_load, mean_sd, skip, tiny_overrides  # noqa: E402
 
 METHODS = ("sft", "dpo", "grpo")
 ROW_METHODS = ("sft", "dpo", "dpo-score", "grpo")  # dpo-score: DPO on the pairs of our score stage
 SIDES = ("ours", "trl")
 DEFAULT_SEEDS = (1, 2, 3)
-RESULTS = ROOT / "benchmarks" / "RESULTS-efficacy.md"
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -82,10 +80,6 @@ def final_number_reward(tokenizer):
         return out
 
     return final_number_reward
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 class Clock:
@@ -247,7 +241,7 @@ RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
 
 
 def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
-    from stages.config import load_params
+    from stages.params_loader import load_params
 
     return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
 
@@ -286,7 +280,7 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
             rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
                    "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
                    "cpu_s": clock.cpu, "steps": trainer.state.global_step, "train_loss": result.training_loss,
-                   "load": os.getloadavg()[0], "precision": precision}
+                   "load": host_load(), "precision": precision}
             if method in methods:
                 records.append(rec)
                 report(rec)
@@ -338,11 +332,19 @@ def parse(argv=None):
                          "sft -> reward -> score stages of the seed (run first), from that sft stage's model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
     ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
-    ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
-    ap.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    ap.add_argument("--write", metavar="FILE", default=None, help="also write the tables to FILE (markdown)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny model and data, 1 seed, 2 steps per method, 4 eval prompts (a smoke run)")
     ap.add_argument("--records", default=None, help="append every record to this JSONL file; --write then "
                     "reports the records already in it too (a run split over several commands)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.seeds = a.seeds[:1]
+        a.set = tiny_overrides() + a.set
+        a.eval_samples = a.eval_samples if a.eval_samples > 0 else 4
+        for m in METHODS:
+            setattr(a, f"{m}_steps", getattr(a, f"{m}_steps") or 2)
+    return a
 
 
 def default_steps(p, method: str, data: Path | None = None) -> int:
@@ -358,10 +360,18 @@ def default_steps(p, method: str, data: Path | None = None) -> int:
     return math.ceil(n / batch) * s.num_train_epochs
 
 
-def main(argv=None) -> list[dict[str, Any]]:
+def main(argv=None) -> int:
+    if not has_trl():
+        return skip("efficacy", "TRL is not installed (pip install -e '.[bench]')")
+    run(argv)
+    return 0
+
+
+def run(argv=None) -> list[dict[str, Any]]:
+    """Every method and seed on both sides; the records, one per method, side and seed."""
     import torch
     import trl
-    from stages.config import parse_overrides
+    from stages.params_loader import parse_overrides
 
     import transformers
 
@@ -376,9 +386,9 @@ def main(argv=None) -> list[dict[str, Any]]:
         p0 = seed_params(Path(tempfile.gettempdir()), a.seeds[0], overrides)
         steps = {m: steps[m] or max(1, round(a.steps_scale * default_steps(p0, m))) for m in METHODS}
     out = Path(a.output_dir) if a.output_dir else Path(tempfile.mkdtemp(prefix="efficacy-"))
-    cmd = "python benchmarks/efficacy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m benchmarks efficacy " + " ".join(argv if argv is not None else sys.argv[2:])
     print(f"trl {trl.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()}", flush=True)
+          f"1-min load {host_load():.2f}", flush=True)
     print(HEADER, flush=True)
     records: list[dict[str, Any]] = []
 
@@ -391,7 +401,7 @@ def main(argv=None) -> list[dict[str, Any]]:
             with open(a.records, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if a.write:
-            write(Path(a.results), earlier + records + [rec], cmd, steps, a)
+            write(Path(a.write), earlier + records + [rec], cmd, steps, a)
 
     try:
         for seed in a.seeds:
@@ -402,7 +412,7 @@ def main(argv=None) -> list[dict[str, Any]]:
             shutil.rmtree(out, ignore_errors=True)
     print()
     print(table(records), flush=True)
-    print(f"load average at the end {os.getloadavg()}", flush=True)
+    print(f"1-min load at the end {host_load():.2f}", flush=True)
     return records
 
 
@@ -412,14 +422,11 @@ def write(path: Path, records: list[dict[str, Any]], cmd: str, steps: dict, a) -
 
     overridden = {m: s for m, s in steps.items() if s is not None}
     path.write_text("\n".join([
-        "# Efficacy against TRL 1.16 (`benchmarks/efficacy.py`)", "",
+        "# Efficacy against TRL 1.16 (`python -m benchmarks efficacy`)", "",
         f"Command: `{cmd}`  ", f"trl {trl.__version__}, torch {torch.__version__}, 1 thread, "
         f"precision {a.precision}, step overrides {overridden or 'none'}, "
         f"eval prompts {a.eval_samples if a.eval_samples > 0 else 'all (300)'}. "
-        "Load average (1 min) per row: the machine is shared.", "",
+        "The 1-minute load per row: a shared machine inflates the seconds.", "",
         "## Per seed", "", HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(record_line, records), "",
         "## Mean ± sd over seeds", "", *summary_lines(records), ""]))
 
-
-if __name__ == "__main__":
-    main()

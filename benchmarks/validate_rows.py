@@ -1,8 +1,8 @@
 """Params validation with and without the row checks (`data.validate_rows`), on a file of N rows.
 
-    python benchmarks/validate_rows.py                  # 100,000 SFT rows, chat messages
-    python benchmarks/validate_rows.py --rows 1000000 --caps 100000 -1
-    git archive BASE | tar -x -C /tmp/base && python benchmarks/validate_rows.py --status-code /tmp/base   # status of BASE too
+    python -m benchmarks validate_rows                  # 100,000 SFT rows, chat messages
+    python -m benchmarks validate_rows --rows 1000000 --caps 100000 -1
+    git archive BASE | tar -x -C /tmp/base && python -m benchmarks validate_rows --status-code /tmp/base
 
 Each variant runs in a fresh process (no cached peek or row check), alternated over `--rounds`
 rounds; the figure is the median seconds. `load_params(rows=False)` is what `align status`,
@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT as REPO, host_load
 TIMED = """
 import sys, time
-from stages.config import load_params
+from stages.params_loader import load_params
 start = time.perf_counter()
 load_params(sys.argv[1], sys.argv[3:], rows=sys.argv[2] == "1")
 print(time.perf_counter() - start)
@@ -55,14 +55,17 @@ def timed_status(params: Path, code: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--caps", type=int, nargs="+", default=[100_000])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--status-code", type=Path, action="append", default=[], help="also time status with this "
                     "checkout's code")
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true", help="1,000 rows, one round (the test suite's smoke run)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.rows, args.rounds, args.caps = 1000, 1, [100]
     import yaml
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,12 +93,13 @@ def main() -> None:
                 times[name].append(timed_status(params, code))
         size = (folder / "sft.jsonl").stat().st_size / 2**20
         print(f"{args.rows} rows, {size:.1f} MiB, median of {args.rounds} fresh processes, load average "
-              f"{os.getloadavg()[0]:.1f}")
+              f"{host_load():.1f}")
         width = max(map(len, times))
         print(f"| {'what':<{width}} | seconds |\n|{'-' * (width + 2)}|---------|")
         for name, values in times.items():
             print(f"| {name:<{width}} | {statistics.median(values):7.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

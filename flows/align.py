@@ -2,20 +2,14 @@
 
     preprocess -> sft -> reward -> score -> reference -> policy -> merge -> evaluate [-> promote]
 
-(reward: the reward model with its quality gate; score: SFT samples scored into pairs;
-reference: the reference log-probs of the DPO pairs, cached apart from the policy's params;
-merge: the policy's adapter merged into a full model; promote, with `promote=True` as in the
-nightly deployment: the merged model replaces models/production only if it is better.)
-
-The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after
-its `upstream` stages, in the table's order. Each task finishes "Cached" when its stage's output
-folder is current (same params, code and inputs, files intact), so rerunning the flow only
-executes what changed downstream of a change. Run it with `align run`, or through the
-deployments (`align serve`, then `prefect deployment run align/full`). With
-`run.parallel_shards` > 1, the work of the stages with shards (`StageSpec.shards`: score's
-prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py):
-in processes of this machine, or on the workers of the Dask cluster at `run.dask_address`
-(tasks/cluster.py; checked reachable before any stage runs).
+The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after its `upstream`
+stages, in the table's order. Each task finishes "Cached" when its stage's output folder is current (same
+params, code and inputs, files intact), so rerunning the flow only executes what changed downstream of a
+change. With `promote=True` (the nightly deployment) the merged model replaces models/production only if it is
+better. With `run.parallel_shards` > 1, the work of the stages with shards (score's prompts, evaluate's
+models) is first computed by that many shard tasks at once (tasks/shards.py): in processes of this machine, or
+on the workers of the Dask cluster at `run.dask_address` (tasks/cluster.py). Run it with `align run`, or
+through the deployments (`align serve`, then `prefect deployment run align/full`).
 """
 from __future__ import annotations
 
@@ -28,7 +22,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from stages.registry import STAGES
 from stages.runner import output_dir
 from tasks.cluster import shard_runner

@@ -100,7 +100,7 @@ STAGES: dict[str, StageSpec] = {
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
                     "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
                     # the policy's numerics, which its reference log-probs must share
-                    "policy.mixed_precision", "policy.lora.enabled", "policy.lora.quantization"),
+                    "policy.dpo.mixed_precision", "policy.dpo.lora.enabled", "policy.dpo.lora.quantization"),
         ),
         StageSpec(
             name="policy",

@@ -18,6 +18,7 @@ Reliability contract:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -185,7 +186,9 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
         seeding.prepare(params.run)  # before the stage draws anything (a fresh head, LoRA, dropout)
+        _generation_backends()  # forget what ran before this stage in the process
         metrics = fn(ctx) or {}
+        backends = sorted(set(_generation_backends()) | _shard_backends(work))
         manifest = artifacts.write_manifest(tmp, {
             "stage": name,
             "fingerprint": state.fingerprint,
@@ -199,6 +202,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
             "wall_time_s": round(time.perf_counter() - t0, 3),
             "versions": _versions(),
             "determinism": seeding.environment(params.run.device),
+            **({"generation": {"backends": backends}} if backends else {}),
         })
     shutil.rmtree(work, ignore_errors=True)
     artifacts.write_json_atomic(metrics_path(params, name), flat_metrics(metrics))
@@ -233,7 +237,11 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work)
         seeding.prepare(params.run, sharing=num_shards)
+        _generation_backends()
         summary = fn(ctx, shard, num_shards) or {}
+        backends = _generation_backends()
+    if backends:  # for the manifest the stage writes when it assembles the shares
+        artifacts.write_json_atomic(work / "generation" / f"shard-{shard}-of-{num_shards}.json", backends)
     return {**row, "executed": True, **summary}
 
 
@@ -250,6 +258,18 @@ def run_shard_process(name: str, params: Params, shard: int, num_shards: int, *,
         params_file.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
         cmd = [sys.executable, *stage_target(name, params_file), "--shard", str(shard), "--num-shards", str(num_shards)]
         run_command(cmd, on_line=on_line, timeout_s=timeout_s, env=env)
+
+
+def _generation_backends() -> list[str]:
+    """The generation backends ("hf", "decoder", "vllm") that produced completions in this process since the
+    last call (`stages.generation.common.take_backends`); none when generation was never imported."""
+    common = sys.modules.get("stages.generation.common")
+    return common.take_backends() if common is not None else []
+
+
+def _shard_backends(work: Path) -> set[str]:
+    """The backends the stage's shares computed by `run_shard` used (their record in the work folder)."""
+    return {name for f in sorted((work / "generation").glob("*.json")) for name in json.loads(f.read_text())}
 
 
 def _shard_entry(spec: StageSpec):

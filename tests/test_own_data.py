@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.data import DataError, read_jsonl
 from stages.runner import run_stage
 from tests.conftest import write_params

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.pipeline.training import complete_checkpoint
 from tests.conftest import ROOT, write_params
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from stages import runner
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from tests.conftest import ROOT, write_params
 
 SOURCES = sorted(p for d in ("stages", "flows", "tasks") for p in (ROOT / d).rglob("*.py"))

@@ -1,26 +1,16 @@
 """Stage `preprocess`: load, validate, normalise, deduplicate, filter by length, split, save.
 
-Reads `data.source` (builtin:arithmetic, or a file whose rows may mix formats), `data.sft`,
-`data.preference`, `data.prompts` (a file per kind, each optional), `data.eval_source` and
-`data.dev_source`, checks that the data serves the chosen stages and methods (`stages.data.sources.needs`) and
-that conversational rows have a chat template to render them, and writes canonical JSONL
-files into its output folder:
+Reads `data.source` (builtin:arithmetic, or a file whose rows may mix formats), `data.sft`, `data.preference`,
+`data.prompts`, `data.eval_source` and `data.dev_source`, checks that the data serves the chosen stages and
+methods (`stages.data.sources.needs`) and that conversational rows have a chat template, and writes canonical
+JSONL files: `sft_train.jsonl`, `sft_validation.jsonl`, `eval.jsonl` (the reported prompts), `dev.jsonl` (model
+selection), and `preference.jsonl`, `unpaired.jsonl`, `prompts.jsonl` when the data has them.
 
-    sft_train.jsonl, sft_validation.jsonl   SFT rows (prompt/completion or text)
-    eval.jsonl                              held-out prompts with reference completions (the reported table)
-    dev.jsonl                               other held-out prompts with references, for model selection
-    preference.jsonl, unpaired.jsonl, prompts.jsonl   when the source provides them
+With no SFT rows, SFT trains on the chosen side of the preference rows. The dev split is disjoint by prompt
+from eval and from every training file, so tuning on it leaves eval unseen: a dev row whose prompt is an eval
+prompt is dropped, and so is every training row whose prompt is a dev prompt. Every row dropped is counted by
+reason in the metrics (and so in the manifest).
 
-With no SFT rows, SFT trains on the chosen side of the preference rows (and the desirable
-unpaired rows); the eval split is then carved from them and its prompts leave the preference
-data. The dev split (`evaluate.split: dev`: what tuning selects on, so that eval stays unseen)
-is disjoint by prompt from eval and from every training file: the built-in task generates it
-(`data.builtin.num_dev`), otherwise it is `data.dev_source` or carved from the SFT rows
-(`preprocess.dev_fraction`); a dev row whose prompt is an eval prompt is dropped, and so is
-every SFT, preference, unpaired or prompt row whose prompt is a dev prompt. Every row dropped
-is counted by reason in the metrics (and so in the manifest).
-
-    python -m stages preprocess [--set data.source=path/to/data.jsonl]
     python -m stages preprocess --set data.source=null --set data.sft=sft.jsonl --set data.preference=pairs.jsonl
 """
 from __future__ import annotations

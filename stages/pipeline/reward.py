@@ -26,7 +26,7 @@ from stages.data import read_jsonl
 from stages.errors import QualityGateFailed
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model
+from stages.trainers.reward import RewardTrainer, evaluate_reward_model, load_reward_model
 
 
 def run(ctx) -> dict[str, Any]:
@@ -41,10 +41,10 @@ def run(ctx) -> dict[str, Any]:
     device = pick_device(p.run.device)
     start = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
+    args = training.trainer_config(ctx, r, device=device, section="reward")
     model, trainable, total = training.load_trainable_model(
         start, p, r, device=device, section="reward", load=functools.partial(load_reward_model, tokenizer=tokenizer),
         task_type="SEQ_CLS")
-    args = training.trainer_config(RewardConfig, r, training.trainer_args(ctx, r, device=device, section="reward"))
     logger, callbacks = training.callbacks(ctx, r.report_to)
     trainer = RewardTrainer(model, args=args, processing_class=tokenizer, train_dataset=train_pairs,
                             callbacks=callbacks)

@@ -25,27 +25,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.fields import raise_problems
-from stages.trainers.kto_params import KTOParams
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    map_eval, refuse)
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
+from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 KL_PREFIX = "kl_"
-
-
-@dataclass
-class KTOConfig(KTOParams, TrainingArguments):
-    """TrainingArguments plus the KTO settings of `KTOParams` (stages.trainers.kto_params), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("KTOConfig", self.validate())
 
 
 def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
@@ -114,19 +106,29 @@ def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor
 class KTOTrainer(Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
 
-    def __init__(self, model, ref_model=None, *, args: KTOConfig, processing_class, train_dataset,
-                 eval_dataset=None, **kwargs):
+    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        refuse("KTOTrainer", compute_metrics=compute_metrics)
+        args = args or default_args(KTOConfig, model, "KTO")
+        train_dataset = check_dataset(train_dataset, "train_dataset")
+        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
+        processing_class = load_processing_class(model, processing_class, args)
+
         def prepare(rows):
             return tokenized_dataset(rows, "prompt_ids",
                                      lambda r: tokenize_unpaired(processing_class, r, args.max_length))
 
-        train = prepare(train_dataset)
+        train = prepare(train_dataset)  # data errors before any model is loaded
         check_labels(train["label"], args.desirable_weight, args.undesirable_weight)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", KTOCollator(processing_class.pad_token_id, args.max_length))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=train,
-                         eval_dataset=prepare(eval_dataset), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
+            processing_class.pad_token_id, args.max_length), processing_class=processing_class, train_dataset=train,
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
         self.ref_model = frozen_reference(self.model, ref_model)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 

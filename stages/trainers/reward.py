@@ -20,8 +20,8 @@ head's per-position output at the mask's last 1, whatever the pad token; it stil
 LoRA: `stages.trainers.adapters.apply_lora(model, lora, task_type="SEQ_CLS")` trains the
 adapters and the whole `score` head (PEFT adds it to modules_to_save for SEQ_CLS).
 
-    trainer = RewardTrainer(load_reward_model(sft_path), args=RewardConfig(output_dir=...),
-                            processing_class=tokenizer, train_dataset=pairs)
+    trainer = RewardTrainer(sft_path, args=RewardConfig(output_dir=...), train_dataset=pairs,
+                            peft_config=LoraConfig(r=8))  # or a model from load_reward_model
 """
 from __future__ import annotations
 
@@ -36,33 +36,24 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
-from stages.fields import raise_problems
 from stages.losses import reward_loss
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    map_eval, refuse)
 from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
-from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import use_fp32_cpu_attention
 from stages.utils import pad
+from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 log = logging.getLogger("stages")
 
 HEAD_NAMES = ("score", "classifier")
-
-
-@dataclass
-class RewardConfig(RewardModelParams, TrainingArguments):
-    """TrainingArguments plus the reward model's settings of `RewardModelParams` (stages.trainers.reward_params,
-    shared with params.yaml's `reward`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("RewardConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ model
@@ -262,7 +253,20 @@ _REDUCE = {"reward_min": min, "reward_max": max}
 class RewardTrainer(Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
-    def __init__(self, model, *, args: RewardConfig, processing_class, train_dataset, eval_dataset=None, **kwargs):
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None):
+        refuse("RewardTrainer", compute_metrics=compute_metrics,
+               preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        args = args or default_args(RewardConfig, model, "Reward")
+        train_dataset = check_dataset(train_dataset, "train_dataset")
+        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
+        processing_class = load_processing_class(model, processing_class, args)
+        model = load_model(model, args, quantization_config,
+                           load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
+        model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
+
         def prepare(rows):
             return tokenized_dataset(rows, "chosen_input_ids",
                                      lambda r: tokenize_pairs(processing_class, r, args.max_length))
@@ -272,10 +276,11 @@ class RewardTrainer(Trainer):
         if config.pad_token_id is None:
             _with_pad(unwrap(model), processing_class)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", RewardCollator(processing_class.pad_token_id))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=prepare(train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or RewardCollator(
+            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -14,60 +14,53 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
-from stages.fields import WARMUP_RATIO, raise_problems
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    map_eval, refuse)
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
-from stages.trainers.sft_params import SFTParams
 from stages.trainers.precision import use_fp32_cpu_attention
-
-
-@dataclass
-class SFTConfig(SFTParams, TrainingArguments):
-    """TrainingArguments plus the SFT settings of `SFTParams` (stages.trainers.sft_params, shared with
-    params.yaml's `sft`), checked there.
-
-    One TrainingArguments default differs: `warmup_steps` is the pipeline's `sft.warmup_ratio` (0.05, a
-    share of the steps) instead of 0. Starting AdamW at the peak learning rate (2e-3) left 9 of 12 runs of
-    benchmarks/sft_seeds.py (seeds 1-6) stuck on the loss plateau, the chunked and logits paths alike (TRL's trainer:
-    3 of 4); with the warm-up 5 of 12 (benchmarks/RESULTS-sft-seeds.md). `warmup_steps=0` restores HF's.
-    """
-
-    warmup_steps: float = field(default=WARMUP_RATIO, metadata={
-        "help": "linear warm-up: steps (>= 1) or a share of all steps (< 1); the pipeline's sft.warmup_ratio"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("SFTConfig", self.validate())
+from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
 class SFTTrainer(Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: SFTConfig, *, processing_class, train_dataset, eval_dataset=None,
-                 formatting_func=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None):
+        refuse("SFTTrainer", compute_loss_func=compute_loss_func)
+        args = args or default_args(SFTConfig, model, "SFT")
+        train_dataset = check_dataset(train_dataset, "train_dataset")
+        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
         # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
         # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
         attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
-        kwargs.setdefault("data_collator", CompletionCollator(
+        data_collator = data_collator or CompletionCollator(
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss,
-            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_seq_length))
+            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
-                         eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, processing_class=processing_class,
+            train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
+            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(rows, processing_class, args, False)),
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 
@@ -77,7 +70,7 @@ class SFTTrainer(Trainer):
 
         if rows is None:
             return None
-        tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_seq_length, text_field=args.dataset_text_field,
+        tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_length, text_field=args.dataset_text_field,
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
         if isinstance(rows, datasets.IterableDataset):
             columns = list(next(iter(rows)).keys())
@@ -85,9 +78,9 @@ class SFTTrainer(Trainer):
         rows = list(rows)
         if rows and "input_ids" not in rows[0]:
             rows = tokenize(rows)
-            check_targets(rows, args.max_seq_length)
+            check_targets(rows, args.max_length)
         if pack:
-            rows = pack_dataset(rows, args.max_seq_length, args.packing_strategy)
+            rows = pack_dataset(rows, args.max_length, args.packing_strategy)
         return datasets.Dataset.from_list(rows)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -128,13 +121,13 @@ class SFTTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def check_targets(rows: list[dict[str, list[int]]], max_seq_length: int) -> None:
-    """Every row must keep at least one loss token after truncation (else the prompt fills max_seq_length)."""
+def check_targets(rows: list[dict[str, list[int]]], max_length: int) -> None:
+    """Every row must keep at least one loss token after truncation (else the prompt fills max_length)."""
     key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
     empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
     if empty:
-        raise ValueError(f"sft.max_seq_length = {max_seq_length} is shorter than the prompt of {len(empty)} row(s) "
-                         f"(first: row {empty[0]}), which would leave nothing to learn; raise sft.max_seq_length or "
+        raise ValueError(f"sft.max_length = {max_length} is shorter than the prompt of {len(empty)} row(s) "
+                         f"(first: row {empty[0]}), which would leave nothing to learn; raise sft.max_length or "
                          "filter long prompts in preprocess (preprocess.max_length)")
 
 

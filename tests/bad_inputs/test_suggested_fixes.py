@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.data import DataError
 from tests.conftest import ROOT, deep_update, write_params
 from tests.pipelines import arithmetic_files, evaluate_table, run_pipeline

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from stages import artifacts
-from stages.config import LaunchConfig, ParamsError, load_params
+from stages.config import LaunchConfig
+from stages.params_loader import ParamsError, load_params
 from stages.launch import (CONFIG_DIR, LaunchError, check_batch, launch_command, needs_launch, preflight,
                            training_rows, training_stages, wait_for_main)
 from stages.processes import LaunchFailed, run_command, stage_target

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from stages import artifacts, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.registry import STAGES
 from tests.conftest import STAGE_ORDER, write_params
 

@@ -121,7 +121,7 @@ def test_cgroup_quota_caps_the_available_cores(tmp_path, files, expected):
 
 
 def test_params_refuse_zero_threads():
-    from stages.config import ParamsError, load_params
+    from stages.params_loader import ParamsError, load_params
 
     with pytest.raises(ParamsError, match=r"run.threads = 0: must be >= 1, or auto"):
         load_params("params.yaml", ["run.threads=0"])

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from stages import merge, runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.merge import MergeError
 from stages.models import load_tokenizer
 from stages.pipeline import merge as merge_stage

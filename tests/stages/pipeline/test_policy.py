@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from stages import runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 

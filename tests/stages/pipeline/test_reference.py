@@ -43,7 +43,7 @@ def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipelin
     import json
     import shutil
 
-    from stages.config import load_params
+    from stages.params_loader import load_params
     from stages.models import load_causal_lm, load_tokenizer
     from stages.trainers.dpo import DPOConfig, DPOTrainer
     from tests.conftest import write_params

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages import runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 

@@ -1,0 +1,56 @@
+"""`DPOConfig`: direct preference optimisation's settings, TRL's names, one declaration (`stages.trainers.dpo`).
+
+`beta` defaults to 0.3 (TRL: 0.1), chosen on the built-in task's dev split (docs/methods.md). The
+objectives named in `loss_type` are resolved (and so checked to exist) by the trainer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from stages.fields import check_fields, param, positive
+from stages.trainers.method_fields import (beta_field, check_objectives, chunked_field, loss_type_field,
+                                           num_proc_field, objective_names)
+from stages.trainers.arguments import check, is_light, settle, training_arguments
+
+TrainingArguments = training_arguments()
+
+
+@dataclass
+class DPOConfig(TrainingArguments):
+    beta: float = beta_field()
+    loss_type: str | list[str] = loss_type_field()
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
+    label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
+                                   rule="must be in [0, 0.5)")
+    reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
+    precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once before training (TRL's "
+                                           "default: false; the pipeline caches them in stage `reference`, so a "
+                                           "rerun with another beta or loss_type skips them); ignored with "
+                                           "reference_free")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    dataset_num_proc: int | None = num_proc_field()
+    task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
+                                                  "(multi-task mixtures; tasks not listed: 1.0)")
+    balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+    use_chunked_logprobs: bool = chunked_field()
+
+    def __post_init__(self):
+        settle(self)
+        super().__post_init__()
+        check(self)
+
+    @property
+    def objective_names(self) -> list[str]:
+        return objective_names(self.loss_type)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, DPOConfig) + check_objectives(self.objective_names, self.loss_weights)
+        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
+            from stages.losses import objective_problems
+
+            problems += objective_problems(self.loss_type)
+        bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))
+        return problems

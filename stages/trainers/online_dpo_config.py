@@ -1,0 +1,43 @@
+"""`OnlineDPOConfig`: online DPO's settings, TRL's names, one declaration (`stages.trainers.online_dpo`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stages.fields import check_fields, deprecated, param, positive
+from stages.trainers.arguments import check, is_light, settle, training_arguments
+from stages.trainers.method_fields import (SamplingFields, beta_field, check_objectives, chunked_field,
+                                           loss_type_field, objective_names, sampling_renames)
+
+TrainingArguments = training_arguments()
+
+
+@dataclass
+class OnlineDPOConfig(SamplingFields, TrainingArguments):
+    MAX_TOKENS: ClassVar[str] = "max_new_tokens"
+
+    beta: float = beta_field()
+    loss_type: str | list[str] = loss_type_field()
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    use_chunked_logprobs: bool = chunked_field()
+    generation: dict | None = deprecated(sampling_renames("max_new_tokens"), "the old nested sampling section")
+
+    def __post_init__(self):
+        settle(self)
+        super().__post_init__()
+        check(self)
+
+    @property
+    def objective_names(self) -> list[str]:
+        return objective_names(self.loss_type)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, OnlineDPOConfig) + check_objectives(self.objective_names, self.loss_weights)
+        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
+            from stages.losses import objective_problems
+
+            problems += objective_problems(self.loss_type)
+        return problems
