@@ -211,7 +211,8 @@ def test_a_full_run_writes_no_secret_anywhere(tmp_path):
     res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env, capture_output=True,
                          text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert (repo / "artifacts" / "evaluate" / "manifest.json").is_file() and (repo / "dvc.lock").is_file()
+    assert (repo / "artifacts" / "evaluate" / "manifest.json").is_file()
+    assert (repo / "dvc.lock").is_file(), res.stdout[-2000:] + res.stderr[-2000:]
     assert any(home.rglob("*.db")) and any((repo / ".dvc" / "cache").rglob("*")), "the database and cache exist"
     found = files_holding(repo, MARKERS) + files_holding(home, MARKERS)
     leaked_to_console = [name for name, v in MARKERS.items() if v in res.stdout + res.stderr]

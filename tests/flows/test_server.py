@@ -122,6 +122,7 @@ def test_ephemeral_server_listens_on_loopback_only(tmp_path, monkeypatch):
     from prefect import flow
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # 20 s is short on a loaded machine
 
     @flow
     def probe() -> list:
