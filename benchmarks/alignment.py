@@ -3,7 +3,7 @@
     python -m benchmarks alignment                          # every method, seeds 1 2 3, default params.yaml
     python -m benchmarks alignment --seeds 1 --methods dpo grpo
     python -m benchmarks alignment --sweep 1 --write sweep-1.md   # tune each method on dev (round 1), the choice on eval
-    python -m benchmarks alignment --set policy.max_steps=50 --output-dir /tmp/align-bench   # resumable
+    python -m benchmarks alignment --set policy.dpo.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
 Every stage is the real one (`stages.runner.run_stage`, what every entry point calls), run in
 `--output-dir` (default: a temporary folder). `run.seed` is the seed: it governs preprocess's
@@ -75,7 +75,7 @@ ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
     {"dpo": {"score.generation.temperature": [1.0, 1.3]},
      "kto": {"score.generation.temperature": [1.0, 1.3]},
      "online_dpo": {"rewards": ["reward_model", "exact_match+reward_model"]},
-     "grpo": {"generation.temperature": [1.0, 1.2]},
+     "grpo": {"temperature": [1.0, 1.2]},
      "ppo": {"rewards": ["reward_model", "exact_match+reward_model"]}},
     # Round 3, after the SFT trunk went from 2 to 3 epochs and the reward model to batch 8 (every method's data and
     # start changed): each method's learning rate halved, kept and doubled.

@@ -31,8 +31,9 @@ TINY_PARAMS: dict[str, object] = {
     "reward.min_accuracy": 0.0,
     "score.num_prompts": 12, "score.n": 3, "score.generation.max_new_tokens": 6,
     "score.reward_functions": ["reward_model"], "score.reward_weights": None, "score.min_score": None,
-    "policy.max_steps": 3, "policy.per_device_train_batch_size": 8, "policy.logging_steps": 1,
-    "policy.num_prompts": 16,
+    **{f"policy.{m}.{k}": v for m in ("dpo", "kto", "online_dpo", "ppo")
+       for k, v in (("max_steps", 3), ("per_device_train_batch_size", 8), ("logging_steps", 1))},
+    "policy.num_prompts": 16, "policy.grpo.logging_steps": 1,
     "policy.grpo.num_generations": 2, "policy.grpo.max_steps": 3, "policy.grpo.per_device_train_batch_size": 4,
     "evaluate.max_new_tokens": 4,
 }

@@ -20,7 +20,7 @@ Per seed (`run.seed`), in one process, each side timed alone (never two training
   `precompute_ref_log_probs: true`, params.yaml's default; TRL: `precompute_ref_log_probs=True`);
 - GRPO: both sides from our SFT model, the prompts of preprocess's `prompts.jsonl`, one reward function
   (`final_number_reward` below, the same Python function on both sides), params.yaml's `policy.grpo`
-  settings mapped to TRL's names (`max_completion_length` = generation.max_new_tokens,
+  settings passed by TRL's names (`max_completion_length`,
   `per_device_train_batch_size` counts completions on both sides).
 
 Held-out accuracy: the eval prompts of the built-in task (`eval.jsonl`, 300), decoded by OUR generator
@@ -93,28 +93,28 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
 
 
-def common_args(p, section, work: Path, name: str, precision: str) -> dict[str, Any]:
-    """The TrainingArguments keywords of our stage `name` (stages.pipeline.training.trainer_args), given to both
-    sides; no checkpoints (timing), and the precision of this run set explicitly."""
+def our_config(p, section, work: Path, name: str, precision: str, steps: int | None = None):
+    """Our stage's trainer config (stages.pipeline.training.trainer_config): no checkpoints (timing), and the
+    precision of this run set explicitly."""
     from stages.pipeline import training
 
-    ctx = SimpleNamespace(work=work, params=p)
-    args = training.trainer_args(ctx, section, device="cpu", section=name)
-    args.update(output_dir=str(work / "checkpoints"), save_strategy="no", bf16=precision == "bf16", fp16=False,
-                gradient_checkpointing=False, logging_steps=max(section.logging_steps, 1))
-    return args
-
-
-def policy_args(p, method: str, work: Path, precision: str, steps: int | None) -> dict[str, Any]:
-    """`common_args` of stage policy with the method's own learning rate / batch / steps / epochs (as the stage)."""
-    args = common_args(p, p.policy, work, "policy", precision)
-    m = getattr(p.policy, method)
-    for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
-        if getattr(m, key) is not None:
-            args[key] = getattr(m, key)
+    extra = dict(save_strategy="no", bf16=precision == "bf16", fp16=False, logging_steps=max(section.logging_steps, 1))
     if steps is not None:
-        args["max_steps"] = steps
-    return args
+        extra["max_steps"] = steps
+    return training.trainer_config(SimpleNamespace(work=work, params=p), section, device="cpu", section=name, **extra)
+
+
+# The TrainingArguments keywords both sides get, read from our stage's config.
+SHARED = ("output_dir", "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+          "per_device_eval_batch_size", "gradient_accumulation_steps", "warmup_steps", "lr_scheduler_type",
+          "weight_decay", "max_grad_norm", "logging_steps", "logging_nan_inf_filter", "save_strategy", "seed",
+          "data_seed", "use_cpu", "bf16", "fp16", "gradient_checkpointing", "disable_tqdm", "report_to")
+
+
+def common_args(p, section, work: Path, name: str, precision: str, steps: int | None = None) -> dict[str, Any]:
+    """The TrainingArguments keywords of our stage `name`, given to both sides."""
+    cfg = our_config(p, section, work, name, precision, steps)
+    return {k: getattr(cfg, k) for k in SHARED}
 
 
 def load(path: str, p):
@@ -148,21 +148,18 @@ def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: 
     model, tok = load(base, p)
     rows = rows_of(data, "sft_train")
     s = p.sft
-    args = common_args(p, s, work, "sft", precision)
-    if steps is not None:
-        args["max_steps"] = steps
+    args = common_args(p, s, work, "sft", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.sft import SFTConfig, SFTTrainer
+            from stages.trainers.sft import SFTTrainer
 
-            cfg = training.trainer_config(SFTConfig, s, args)
+            cfg = our_config(p, s, work, "sft", precision, steps)
             trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows)
         else:
             import datasets
             import trl
 
-            cfg = trl.SFTConfig(**args, max_length=s.max_seq_length, completion_only_loss=s.completion_only_loss,
+            cfg = trl.SFTConfig(**args, max_length=s.max_length, completion_only_loss=s.completion_only_loss,
                                 packing=False, padding_free=False, dataset_num_proc=None)
             trainer = trl.SFTTrainer(model=model, args=cfg, processing_class=tok,
                                      train_dataset=datasets.Dataset.from_list(rows))
@@ -178,13 +175,12 @@ def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps:
     source = data / "pairs.jsonl" if (data / "pairs.jsonl").exists() else data / "preference.jsonl"
     pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows_of(source.parent, source.stem)]
     d = p.policy.dpo
-    args = policy_args(p, "dpo", work, precision, steps)
+    args = common_args(p, d, work, "policy.dpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.dpo import DPOConfig, DPOTrainer
+            from stages.trainers.dpo import DPOTrainer
 
-            cfg = training.trainer_config(DPOConfig, d, args)
+            cfg = our_config(p, d, work, "policy.dpo", precision, steps)
             assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
             trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs)
         else:
@@ -207,22 +203,20 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
     model, tok = load(start, p)
     prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows_of(data, "prompts")]
     g = p.policy.grpo
-    args = policy_args(p, "grpo", work, precision, steps)
+    args = common_args(p, g, work, "policy.grpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+            from stages.trainers.grpo import GRPOTrainer
 
-            cfg = training.trainer_config(GRPOConfig, g, args)
+            cfg = our_config(p, g, work, "policy.grpo", precision, steps)
             trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
                                   train_dataset=prompts)
         else:
             import datasets
             import trl
 
-            gen = g.generation
-            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=gen.max_new_tokens,
-                                 temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, beta=g.beta,
+            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=g.max_completion_length,
+                                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, beta=g.beta,
                                  epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_type=g.loss_type,
                                  scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
                                  mask_truncated_completions=g.mask_truncated_completions, use_vllm=False,
@@ -354,9 +348,8 @@ def default_steps(p, method: str, data: Path | None = None) -> int:
     if method == "grpo" and p.policy.grpo.max_steps:
         return p.policy.grpo.max_steps
     n = {"sft": p.data.builtin.num_train * 0.95, "dpo": p.data.builtin.num_preference * 0.9}[method]
-    s = p.sft if method == "sft" else p.policy
-    batch = s.per_device_train_batch_size if method == "sft" else (p.policy.dpo.per_device_train_batch_size
-                                                                   or p.policy.per_device_train_batch_size)
+    s = p.sft if method == "sft" else p.policy.dpo
+    batch = s.per_device_train_batch_size
     return math.ceil(n / batch) * s.num_train_epochs
 
 

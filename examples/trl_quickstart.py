@@ -72,7 +72,7 @@ def sft(model: str, out: str):
     trainer = SFTTrainer(
         model=model,
         train_dataset=dataset,
-        args=SFTConfig(output_dir=out, **SMOKE),
+        args=SFTConfig(output_dir=out, max_length=512, **SMOKE),
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
     return trainer
@@ -102,7 +102,7 @@ def grpo(model: str, out: str):
         model=model,
         train_dataset=tldr(),  # load_dataset("trl-lib/tldr", split="train")
         reward_funcs=reward_function,
-        args=GRPOConfig(output_dir=out, num_generations=4, **SMOKE),
+        args=GRPOConfig(output_dir=out, num_generations=4, max_completion_length=16, **SMOKE),
     )
     return trainer
 

@@ -82,19 +82,19 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
     """Move deprecated keys to their new names (a FutureWarning naming both); -> problems (a key set twice).
 
     Besides each section's deprecated fields, the training keys that `policy` once shared among its
-    methods (`policy.learning_rate`, `policy.lora`, ...) move into every method's section."""
+    methods (`policy.learning_rate`, `policy.lora`, ...) move into the section of `policy.method`, the one
+    method they reached."""
     problems: list[str] = []
     policy = raw.get("policy")
     if isinstance(policy, dict):
         own = {f.name for f in dataclasses.fields(PolicyParams)}
-        methods = [m for m in own if m in ("dpo", "kto", "online_dpo", "grpo", "ppo")]
+        method = policy.get("method", PolicyParams.method)
         for key in [k for k in policy if k not in own and k in TRAINING_SECTIONS["policy.dpo"].__dataclass_fields__]:
             value = policy.pop(key)
-            for m in methods:
-                target = policy.setdefault(m, {}) if isinstance(policy.get(m, {}), dict) else {}
-                target[key] = value
+            if method in own and isinstance(policy.setdefault(method, {}), dict):
+                policy[method][key] = value
             warnings.warn(f"policy.{key} is deprecated and will be removed in the next release: set "
-                          f"policy.<method>.{key} (now applied to every method)", FutureWarning, stacklevel=3)
+                          f"policy.{method}.{key} (applied there)", FutureWarning, stacklevel=3)
     for dotted, node, cls in list(_sections(raw)):
         try:
             defaults = {f.name: f.default for f in dataclasses.fields(cls)}  # a key at its default is not "set"
@@ -160,7 +160,11 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             hint = (f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
                     if len(fields) <= 30 else "`align params` lists this section's keys (every TrainingArguments "
                     "key is one)")
-            problems.append(f"{prefix}{key}: unknown key; {hint}")
+            trl = _trl_problem(cls, prefix, key)
+            problems.append(trl or f"{prefix}{key}: unknown key; {hint}")
+    if hasattr(cls, "CONFIG"):  # a training section: TrainingArguments keys TRL users set that we do not support
+        problems += [p for key in raw if key in fields and raw[key] != fields[key].default
+                     and (p := _trl_problem(cls, prefix, key))]
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -184,6 +188,16 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
     if validate is not None and not problems:
         problems += [f"{prefix}{k} {msg}" for k, msg in validate()]
     return obj, problems
+
+
+def _trl_problem(cls: type, prefix: str, key: str) -> str | None:
+    """The error for a TRL 1.16 field of a training section's config that we do not support, or None."""
+    from stages.trainers.trl_compat import unsupported_message, unsupported_reason
+
+    name = getattr(cls, "CONFIG", ":").partition(":")[2]
+    if not name or unsupported_reason(name, key) is None:
+        return None
+    return unsupported_message(f"{prefix}{key}", key)
 
 
 def coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:

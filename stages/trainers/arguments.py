@@ -191,4 +191,29 @@ def check(config: Any) -> None:
     from stages.fields import raise_problems
 
     if not is_light(config):
-        raise_problems(type(config).__name__, config.validate())
+        from stages.trainers.trl_compat import unsupported_trl_fields
+
+        inherited = {f: getattr(config, f) for f in TRAINING_ARGUMENT_NAMES}
+        refused = [(key, f"= {inherited[key]!r}: {message.split(': ', 1)[1]}")
+                   for key, message in unsupported_trl_fields(type(config), inherited)]
+        raise_problems(type(config).__name__, config.validate() + refused)
+
+
+def refuses_trl_fields(cls: type) -> type:
+    """Class decorator of a method config: a TRL 1.16 field we do not support (`stages.trainers.trl_compat`)
+    given as a keyword is refused with why, instead of dataclasses' bare TypeError; one we inherit from
+    TrainingArguments (use_liger_kernel) is refused by `check` when set."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        from stages.trainers.trl_compat import unsupported_trl_fields
+
+        unknown = {k: v for k, v in kwargs.items() if k not in cls.__dataclass_fields__}
+        problems = unsupported_trl_fields(cls.__name__, unknown)
+        if problems:
+            raise TypeError(f"{cls.__name__}: " + "; ".join(message for _, message in problems))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from stages.fields import check_fields, param, positive
 from stages.trainers.method_fields import (beta_field, check_objectives, chunked_field, loss_type_field,
                                            num_proc_field, objective_names)
-from stages.trainers.arguments import check, is_light, settle, training_arguments
+from stages.trainers.arguments import check, is_light, refuses_trl_fields, settle, training_arguments
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class DPOConfig(TrainingArguments):
     beta: float = beta_field()

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 from stages.trainers.method_fields import (SamplingFields, chunked_field, sampling_renames, tis_cap_field,
                                            tis_warn_field)
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class GRPOConfig(SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.fields import check_fields, positive
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 from stages.trainers.method_fields import beta_field, chunked_field, num_proc_field
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class KTOConfig(TrainingArguments):
     beta: float = beta_field()

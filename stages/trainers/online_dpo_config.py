@@ -5,13 +5,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from stages.fields import check_fields, deprecated, param, positive
-from stages.trainers.arguments import check, is_light, settle, training_arguments
+from stages.trainers.arguments import check, is_light, refuses_trl_fields, settle, training_arguments
 from stages.trainers.method_fields import (SamplingFields, beta_field, check_objectives, chunked_field,
                                            loss_type_field, objective_names, sampling_renames)
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class OnlineDPOConfig(SamplingFields, TrainingArguments):
     MAX_TOKENS: ClassVar[str] = "max_new_tokens"

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, deprecated, fraction, non_negative, param, positive
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 from stages.trainers.method_fields import (SamplingFields, chunked_field, sampling_renames, tis_cap_field,
                                            tis_warn_field)
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class PPOConfig(SamplingFields, TrainingArguments):
     num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")

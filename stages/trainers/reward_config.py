@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
 from stages.trainers.method_fields import num_proc_field
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class RewardConfig(TrainingArguments):
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")

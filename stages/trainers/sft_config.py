@@ -6,11 +6,12 @@ from typing import Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
 from stages.trainers.method_fields import num_proc_field
-from stages.trainers.arguments import check, settle, training_arguments
+from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 
 TrainingArguments = training_arguments()
 
 
+@refuses_trl_fields
 @dataclass
 class SFTConfig(TrainingArguments):
     """TrainingArguments plus SFT's settings. `warmup_steps` defaults to a 0.05 share of the steps instead of

@@ -52,7 +52,7 @@ UNSUPPORTED: dict[str, str] = {
     "min_p": _SAMPLER, "repetition_penalty": _SAMPLER, "generation_kwargs": _SAMPLER,
     "cache_implementation": _SAMPLER,
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
-    "vllm_gpu_memory_utilization": _VLLM, "vllm_server_base_url": _VLLM, "vllm_server_host": _VLLM,
+    "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
     "vllm_tensor_parallel_size": _VLLM, "vllm_enable_sleep_mode": _VLLM, "vllm_max_model_length": _VLLM,
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",

@@ -102,7 +102,7 @@ def test_one_check_from_params_yaml_and_from_python(tmp_path, key, value, messag
                                              ("policy.online_dpo.generation.max_new_tokens",
                                               "policy.online_dpo.max_new_tokens", 9),
                                              ("sft.warmup_ratio", "sft.warmup_steps", 0.1),
-                                             ("policy.learning_rate", "policy.kto.learning_rate", 0.02)])
+                                             ("policy.learning_rate", "policy.dpo.learning_rate", 0.02)])
 def test_a_deprecated_key_still_works_with_a_warning_naming_the_new_key(old, new, value):
     with pytest.warns(FutureWarning, match=rf"{old.rsplit('.', 1)[0] if 'generation' in old else old}"):
         p = load_params(ROOT / "params.yaml", {old: value})
@@ -164,3 +164,18 @@ def test_committed_params_yaml_is_the_rendering_of_the_schema():
     from stages.params_yaml import render
 
     assert (ROOT / "params.yaml").read_text() == render(), "run `align params --write`"
+
+
+def test_a_trl_field_we_do_not_support_is_named_as_trls_never_ignored(tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_params(ROOT / "params.yaml", {"policy.grpo.use_vllm": True, "sft.use_liger_kernel": True})
+    message = str(err.value)
+    assert "policy.grpo.use_vllm: TRL 1.16's `use_vllm` is not supported by stages.trainers yet" in message
+    assert "sft.use_liger_kernel: TRL 1.16's `use_liger_kernel` is not supported" in message
+    from stages.trainers import DPOConfig, GRPOConfig
+
+    with pytest.raises(TypeError, match=r"GRPOConfig.use_vllm: TRL 1.16's `use_vllm` is not supported"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
+    with pytest.raises(ValueError, match=r"use_liger_kernel = True: TRL 1.16's `use_liger_kernel` is not supported"):
+        DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)
+    DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=False)  # its default is no request

@@ -53,7 +53,7 @@ def lora_run(built_pipeline, tmp_path_factory):
     params, _ = built_pipeline
     folder = tmp_path_factory.mktemp("lora")
     shutil.copytree(params.run.output_dir, folder / "artifacts")
-    lora = {"policy": {"lora": {"enabled": True, "r": 4}, "learning_rate": 0.01}}
+    lora = {"policy": {"dpo": {"lora": {"enabled": True, "r": 4}, "learning_rate": 0.01}}}
     p = load_params(write_params(folder, lora))
     runner.run_stage("reference", p)
     policy = runner.run_stage("policy", p)

@@ -26,9 +26,9 @@ def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
 
     params, _ = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")  # its own copy: other tests read the original
-    extra = {"policy": {"method": method, "per_device_train_batch_size": 4}}
+    extra = {"policy": {"method": method, method: {"per_device_train_batch_size": 4}}}
     if method in ("online_dpo", "ppo"):  # the tiny reward model of the small settings, and a rule reward
-        extra["policy"][method] = {"reward_functions": ["reward_model", "exact_match"], "reward_weights": [1.0, 1.0]}
+        extra["policy"][method].update(reward_functions=["reward_model", "exact_match"], reward_weights=[1.0, 1.0])
     if method == "grpo":  # the small SFT model is never right: a reward that varies within a group
         extra["policy"][method] = {"reward_functions": ["exact_match",
                                                         "tests.stages.pipeline.user_rewards:distinct_tokens"]}

@@ -145,7 +145,7 @@ def test_trainer_logs_the_ratio_and_warns_by_name_when_it_departs(setup, tmp_pat
     trainer.warn_off_policy({"tis/mean_ratio": 0.7, "tis/frac_capped": 0.05})  # once per run
     warnings = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
     assert len(warnings) == 1 and "tis/mean_ratio = 0.800" in warnings[0] and "tis_warn = 0.1" in warnings[0]
-    assert "tis_cap = 2.0 correction is applied" in warnings[0]
+    assert "vllm_importance_sampling_cap = 2.0 correction is applied" in warnings[0]
 
 
 def test_tis_cap_is_checked_by_name(tmp_path):
