@@ -6,7 +6,8 @@ gates judge a bound instead of the share itself:
 - the reward gate (stage `reward`) passes when the one-sided Wilson lower bound of the held-out
   pair accuracy at `reward.gate_confidence` is at least `reward.min_accuracy`: at that
   confidence, the reward model ranks at least that share of pairs right. A perfect score
-  passes only from `min_count(min_accuracy, confidence)` pairs on (25 at 0.9 and 95%);
+  passes only from `min_count(min_accuracy, confidence)` pairs on (16 at the default 0.85 and
+  95%, 25 at 0.9); on the built-in task's 270 held-out pairs a measured 0.889 passes;
 - the promotion gate (`stages.promotion`) promotes on a share metric (accuracy, format) when
   the one-sided lower bound of candidate − production (Newcombe's hybrid score interval,
   built from the two Wilson intervals) at `promote.confidence` is above
