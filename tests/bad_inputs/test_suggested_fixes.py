@@ -135,6 +135,7 @@ def test_keeping_dpo_on_rule_reward_pairs_stops_as_the_message_says(project):
     assert alternative, message
     params = load_params(project / "params.yaml", suggested(alternative.group(1)), rows=True)
     manifests = run_pipeline(params, ("preprocess", "sft", "reward", "score"))
+    print(f"\n[keep dpo, rule rewards only] score pairs: {manifests['score']['metrics'].get('pairs')}")
     if manifests["score"]["metrics"].get("pairs"):  # a model that is right on some prompts: the run finishes
         assert "policy" in finished(params)
     else:
