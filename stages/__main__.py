@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # status opens no data file or model folder (preflight): it reads the manifests only
         params = load_params(args.params, args.overrides, preflight=args.stage != "status",
                              rows=args.stage == "preprocess" and args.shard is None)
+        if args.stage in ("sft", "reward", "policy"):  # what transformers refuses, before the model is built
+            from stages.preflight import trainer_config_problems
+
+            if problems := trainer_config_problems(params):
+                raise ParamsError(args.params, problems)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
 from stages.reward_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
-from stages.trainers.arguments import light_module
+from stages.trainers.arguments import as_declared, light_module
 from stages.trainers.generation_params import GenerationParams
 
 
@@ -243,7 +243,8 @@ def section(config: str, *extra: type, **defaults: Any) -> type:
     for key, value in {**STAGE_DEFAULTS, **defaults}.items():
         f = declared[key]
         default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=f.metadata)
-                   if isinstance(value, list) else dataclasses.field(default=value, metadata=f.metadata))
+                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type),
+                                                                     metadata=f.metadata))
         fields.append((key, f.type, default))
     cls = dataclasses.make_dataclass(name.replace("Config", "Section"), fields, bases=(*extra, TrainingStage, base))
     cls.__module__ = __name__

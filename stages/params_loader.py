@@ -106,9 +106,11 @@ def move_deprecated_keys(raw: dict[str, Any]) -> list[str]:
 
 
 def pipeline_key_problems(raw: dict[str, Any]) -> list[str]:
-    """TrainingArguments keys the pipeline sets itself may not be set in a section (they would be ignored)."""
-    return [f"{dotted}.{key}: set by the pipeline from {where.replace('<section>', dotted)}; remove it here"
-            for dotted, node, _ in _sections(raw) for key, where in PIPELINE_KEYS.items() if key in node]
+    """TrainingArguments keys the pipeline sets itself may not be set in a section to another value than their
+    default (they would be ignored); a resolved params file (a launched stage's) lists them at their defaults."""
+    return [f"{dotted}.{key} = {node[key]!r}: set by the pipeline from {where.replace('<section>', dotted)}; remove it "
+            "here" for dotted, node, cls in _sections(raw) for key, where in PIPELINE_KEYS.items()
+            if key in node and node[key] != cls.__dataclass_fields__[key].default]
 
 
 def parse_overrides(overrides: list[str] | dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -35,3 +35,31 @@ def preflight_problems(p) -> list[str]:
 
         problems += lora_target_problems(p)
     return [f"{key} {why}" for key, why in problems]
+
+
+def trainer_config_problems(p) -> list[str]:
+    """What transformers (and each config's own checks) refuse in the training sections the run will use, each
+    by its dotted key: the trainer configs built as the stages will build them, before any model or stage runs.
+    Imports torch (seconds): `align run` and a training stage call it, `align status` does not."""
+    import importlib
+    import tempfile
+
+    from stages.trainers.arguments import real_kwargs
+
+    sections = {"sft": p.sft, "reward": p.reward}
+    if p.policy.trained is not None:
+        sections[f"policy.{p.policy.method}"] = p.policy.trained
+    problems = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for dotted, s in sections.items():
+            module, _, name = s.CONFIG.partition(":")
+            config_cls = getattr(importlib.import_module(module), name)
+            kwargs = {**real_kwargs(s, config_cls), "output_dir": scratch, "use_cpu": True, "report_to": "none",
+                      "gradient_checkpointing": None, "activation_checkpointing": None}
+            try:
+                config_cls(**kwargs)
+            except (ValueError, TypeError) as e:
+                from stages.pipeline.training import refused
+
+                problems.append(refused(dotted, e, kwargs))
+    return problems

@@ -35,7 +35,7 @@ def load_trainable_model(path: str, p, s, *, device: str, section: str, load=loa
     quantization = quantization_config(s.lora, device=device, key=f"{section}.lora.quantization")
     model = load(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
                  quantization_config=quantization)
-    if s.gradient_checkpointing:
+    if s.gradient_checkpointing or s.activation_checkpointing:  # TRL's name, or transformers' new one
         model.config.use_cache = False
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=s.gradient_checkpointing_every)
@@ -63,8 +63,8 @@ def trainer_config(ctx, s, *, device: str, section: str, **pipeline: Any):
               "logging_nan_inf_filter": False,  # transformers would log the running mean: NumericGuard must see a NaN
               "save_strategy": "steps", "disable_tqdm": True,  # LogToLogger reports progress with an ETA
               "report_to": [r for r in report_to if r not in ("tensorboard", "none")] or "none",
-              # stages.pipeline.training.load_trainable_model checkpoints every gradient_checkpointing_every-th block
-              "gradient_checkpointing": False,
+              # load_trainable_model checkpoints every gradient_checkpointing_every-th block, not the Trainer
+              "gradient_checkpointing": None, "activation_checkpointing": None,
               # accelerate wraps the forward in torch.autocast and casts its outputs back to fp32
               "bf16": precision == "bf16", "fp16": precision == "fp16", **pipeline}
     try:

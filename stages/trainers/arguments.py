@@ -116,14 +116,25 @@ def _light_type(annotation: str) -> Any:
     return out
 
 
+def as_declared(value: Any, kind: Any) -> Any:
+    """An int default of a float field as a float, so a default and the same value read back from YAML (which the
+    loader coerces to float) are equal and serialise alike (fingerprints hash the JSON)."""
+    import typing
+
+    kinds = set(typing.get_args(kind)) or {kind}
+    if isinstance(value, int) and not isinstance(value, bool) and float in kinds and int not in kinds:
+        return float(value)
+    return value
+
+
 def _build_light_class() -> type:
     fields, checks = [], _checks()
     for name, annotation, default, help_ in _transformers_fields():
         check, rule = checks.get(name, (None, ""))
         meta = {"help": help_, "transformers": True, "check": check, "rule": rule}
-        f = (dataclasses.field(default_factory=list, metadata=meta) if isinstance(default, list)
-             else dataclasses.field(default=default, metadata=meta))
         kind = _light_type(annotation)
+        f = (dataclasses.field(default_factory=list, metadata=meta) if isinstance(default, list)
+             else dataclasses.field(default=as_declared(default, kind), metadata=meta))
         fields.append((name, kind | None if name in COMPUTED_DEFAULTS else kind, f))
     cls = dataclasses.make_dataclass("LightTrainingArguments", fields, namespace={
         "__doc__": "transformers.TrainingArguments' fields and defaults, without torch (params validation).",
@@ -197,6 +208,16 @@ def check(config: Any) -> None:
         refused = [(key, f"= {inherited[key]!r}: {message.split(': ', 1)[1]}")
                    for key, message in unsupported_trl_fields(type(config), inherited)]
         raise_problems(type(config).__name__, config.validate() + refused)
+
+
+class MethodConfig:
+    """Mixin of every method config, before TrainingArguments in its bases: deprecated names moved (`settle`),
+    then transformers' own checks, then the method's (`check`)."""
+
+    def __post_init__(self):
+        settle(self)
+        super().__post_init__()
+        check(self)
 
 
 def refuses_trl_fields(cls: type) -> type:

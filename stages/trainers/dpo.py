@@ -1,32 +1,13 @@
-"""Direct preference optimisation: `DPOConfig` + `DPOTrainer` (a `transformers.Trainer`).
+"""Direct preference optimisation: `DPOTrainer` (a `transformers.Trainer`; config: `dpo_config.py`).
 
-`DPOConfig` is `DPOParams` (stages.trainers.dpo_params: the method's settings, defaults and
-checks, shared with params.yaml's `policy.dpo`) combined with `transformers.TrainingArguments`.
-
-Rows are prompt/chosen/rejected (strings or chat messages). Chosen and rejected go through
-the model in one concatenated forward of 2B rows; their completion log-probs are summed
-and fed, with the completion token counts, to the objectives named by `loss_type`
-(`stages.trainers.objectives`: the `stages.losses.dpo_loss` variants, "sft", or user code by
-dotted path). IPO divides the sums by the token counts itself, as in the IPO paper.
-Tokenisation, collation and log-probs: `stages.trainers.preference`.
-
-The reference (`stages.trainers.reference`): a frozen copy of the starting model; with a PEFT
-model, the same weights with the adapter disabled (no second copy in memory); none with
-`reference_free`; or
-precomputed `ref_chosen_logps` / `ref_rejected_logps` columns in the dataset, either given
-or computed once before training with `precompute_ref_log_probs` (`reference_logps_table`),
-after which no reference model is kept (`compute_reference_logps` returns rows with the
-columns, as the pipeline's `reference` stage caches them). The columns hold SUMMED log-probs: the token counts
-come from the row's own completion mask, so one reference pass serves every loss type,
-length-averaged (IPO) or not. They are only valid for the same tokenisation (tokenizer,
-chat template, max_length) as training.
-
-Weighting: `loss_type` may list several objectives with `loss_weights`; an optional `weight`
-column scales each pair's loss, an optional `task` column with `task_weights` scales whole
-tasks; `balance_column` draws batches balanced over a column (`stages.trainers.sampling`).
-
-`bco_pair`'s reward shift δ is the running mean of all implicit rewards seen in training
-(`stages.trainers.reward_mean`), saved in each checkpoint as `bco_delta.json`.
+Rows are prompt/chosen/rejected (strings or chat messages; TRL's implicit-prompt rows too). Chosen and
+rejected go through the model in one forward of 2B rows; their summed completion log-probs feed the
+objectives named by `loss_type` (`stages.losses.preference_loss`: the DPO variants, "sft", or your own
+by dotted path, combined with `loss_weights`). The reference is a frozen copy of the starting model,
+the same weights with the adapter disabled under PEFT, none with `reference_free`, or precomputed
+`ref_chosen_logps` / `ref_rejected_logps` columns (`precompute_ref_log_probs`; summed log-probs, so one
+pass serves every loss type). Optional `weight` / `task` columns and `task_weights` scale pairs;
+`balance_column` draws balanced batches. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -38,8 +19,7 @@ import torch
 from transformers import Trainer
 
 from stages.losses import preference_loss, resolve_objective
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
@@ -95,10 +75,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
         refuse("DPOTrainer", compute_metrics=compute_metrics)
-        args = args or default_args(DPOConfig, model, "DPO")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            DPOConfig, "DPO", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)

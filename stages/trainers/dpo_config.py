@@ -9,16 +9,16 @@ import math
 from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
-from stages.trainers.method_fields import (beta_field, check_objectives, chunked_field, loss_type_field,
-                                           num_proc_field, objective_names)
-from stages.trainers.arguments import check, is_light, refuses_trl_fields, settle, training_arguments
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.method_fields import (beta_field, chunked_field, loss_type_field, num_proc_field,
+                                           objective_names, objectives_problems)
 
 TrainingArguments = training_arguments()
 
 
 @refuses_trl_fields
 @dataclass
-class DPOConfig(TrainingArguments):
+class DPOConfig(MethodConfig, TrainingArguments):
     beta: float = beta_field()
     loss_type: str | list[str] = loss_type_field()
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
@@ -36,21 +36,12 @@ class DPOConfig(TrainingArguments):
     balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
     use_chunked_logprobs: bool = chunked_field()
 
-    def __post_init__(self):
-        settle(self)
-        super().__post_init__()
-        check(self)
-
     @property
     def objective_names(self) -> list[str]:
         return objective_names(self.loss_type)
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, DPOConfig) + check_objectives(self.objective_names, self.loss_weights)
-        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
-            from stages.losses import objective_problems
-
-            problems += objective_problems(self.loss_type)
+        problems = check_fields(self, DPOConfig) + objectives_problems(self)
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))

@@ -1,61 +1,16 @@
-"""Group relative policy optimisation: `GRPOConfig` + `GRPOTrainer` (a `transformers.Trainer`).
+"""Group relative policy optimisation: `GRPOTrainer` (a `transformers.Trainer`; config: `grpo_config.py`).
 
-Rows are `prompt` (a string or chat messages) plus any extra columns (`answer`, ...), which
-reach the reward functions repeated once per completion. Every optimizer step:
-
-1. generation: the prompts of each micro-batch get G = `num_generations` sampled completions
-   from the policy itself (`stages.generation.generate`, no gradient), seeded from the run seed,
-   the optimizer step and the prompt (`stages.trainers.online_sampling`), so a prompt gets the
-   same samples on any rank, in any micro-batch, and after a resume;
-2. scoring: the reward functions (`stages.rewards.RewardFunctions`) score every completion;
-   advantages are the rewards relative to their group (`stages.losses.grpo_advantages`);
-   completions left unscored (a function returned None) get advantage 0 and no loss;
-3. training: per-token log-probs of the completions (chunked from the final hidden states,
-   `stages.trainers.logprobs`), then `stages.losses.grpo_loss`.
-
-    args = GRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=128,
-                      generation=GenerationParams(max_new_tokens=32), learning_rate=1.5e-4,
-                      lr_scheduler_type="cosine")
-    GRPOTrainer("path/to/sft", reward_funcs=["exact_match"], args=args, train_dataset=rows).train()
-
-`per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
-per_device_train_batch_size / num_generations prompts, G completions each.
-With `num_iterations` > 1 one generation serves that many optimizer steps (the data loader
-repeats each accumulation window's prompts), the later ones weighted by the importance
-ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ties the policy
-to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
-The first micro-batch of each optimizer step generates the rollouts of all of its micro-batches, so
-`loss_type="dapo"` divides by the loss tokens of that whole generation batch (all micro-batches,
-summed over processes); `dr_grpo` divides by the micro-batch's completions × the constant
-`generation.max_new_tokens`. Sampling (`generation`, a
-`stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
-"vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
-trainer. Either way the sampler's log-prob of every sampled token comes back with it, and each
-token's policy-gradient term is weighted by the truncated importance ratio min(π/μ, `tis_cap`)
-of the policy at sampling time to the sampler (`stages.losses.truncated_importance_weights`):
-1 to float rounding on policy, the off-policy correction for a server or stale copy whose
-weights lag. `tis/mean_ratio` and `tis/frac_capped` are logged; a mean ratio departing from 1
-by more than `tis_warn` logs a warning. `GRPOConfig` is
-`GRPOParams` (stages.trainers.grpo_params, shared with params.yaml's `policy.grpo`) combined
-with `transformers.TrainingArguments`.
-
-Self-rewarding (`reward_head="shared"`): a `RewardHead` (Linear(hidden, 1) on the final hidden
-state of the last token) sits on the policy's own trunk. Each step it is trained on a
-minibatch of `preference_dataset` pairs with the Bradley-Terry `stages.losses.reward_loss`, in the
-same update as the GRPO objective (loss = grpo + reward_head_coef · bt), and its score of each
-completion is added to the reward (weight `reward_head_weight`). It is saved next to the
-model as `reward_head.safetensors`.
-
-Logged (means over the logging window): reward, reward_std, rewards/<function>/mean|std,
-frac_reward_zero_std, frac_reward_none, completions/mean|min|max_length,
-completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, tis/mean_ratio, tis/frac_capped,
-and per optimizer step timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
-completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
-Cumulative seconds and token counts are kept in `trainer.timing`.
-
-Checkpoints hold, besides the Trainer's state, the buffered rollouts a later iteration of the
-same generation reuses and the reward head's minibatch RNG (`stages.trainers.resume`), so a
-resumed run samples and trains exactly as an uninterrupted one.
+Every optimizer step: sample `num_generations` completions per prompt from the policy itself
+(`stages.generation`, seeded from the run seed, the step and the prompt, so ranks and resumes agree),
+score them with the reward functions (`stages.rewards`), turn the rewards into group-relative
+advantages (`stages.losses.grpo_advantages`) and train on `stages.losses.grpo_loss` over the
+chunked per-token log-probs. `per_device_train_batch_size` counts completions, as in TRL.
+`num_iterations` > 1 reuses one generation for that many updates (importance ratio to the sampling
+policy); `beta` > 0 adds a k3 KL to the reference; `vllm_importance_sampling_cap` weights each token
+by min(π/μ, cap) against the sampler's own log-probs. `reward_head="shared"` trains a Bradley-Terry
+head on the policy's trunk in the same update (self-rewarding). Checkpoints keep the buffered
+rollouts and RNG states, so a resumed run samples and trains as an uninterrupted one.
+The details (aggregations, logged metrics, timing): docs/trainers.md.
 """
 from __future__ import annotations
 

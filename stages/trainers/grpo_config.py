@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
-from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (SamplingFields, chunked_field, sampling_renames, tis_cap_field,
                                            tis_warn_field)
 
@@ -18,7 +18,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class GRPOConfig(SamplingFields, TrainingArguments):
+class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
@@ -43,11 +43,6 @@ class GRPOConfig(SamplingFields, TrainingArguments):
     use_chunked_logprobs: bool = chunked_field()
     generation: dict | None = deprecated(sampling_renames("max_completion_length"), "the old nested sampling section")
     tis_cap: float | None = deprecated("vllm_importance_sampling_cap", "the old name of vllm_importance_sampling_cap")
-
-    def __post_init__(self):
-        settle(self)
-        super().__post_init__()
-        check(self)
 
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, GRPOConfig)

@@ -208,3 +208,12 @@ def looks_like_rewards(value) -> bool:
     if isinstance(value, str):
         return value in REWARD_BUILTINS or (":" in value and not os.path.exists(value))
     return callable(value) and not isinstance(value, nn.Module)
+
+
+def offline_inputs(config_cls: type, method: str, model, args, train_dataset, eval_dataset, processing_class):
+    """(args, train_dataset, eval_dataset, processing_class) of an offline trainer (SFT, reward, DPO, KTO), in
+    TRL's order: the default config, the datasets checked, the tokenizer given or loaded from the model's path."""
+    args = args or default_args(config_cls, model, method)
+    train_dataset = check_dataset(train_dataset, "train_dataset")
+    eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
+    return args, train_dataset, eval_dataset, load_processing_class(model, processing_class, args)

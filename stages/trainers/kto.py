@@ -1,22 +1,9 @@
-"""Kahneman-Tversky optimisation: `KTOConfig` + `KTOTrainer` (a `transformers.Trainer`).
+"""Kahneman-Tversky optimisation: `KTOTrainer` (a `transformers.Trainer`; config: `kto_config.py`).
 
-Rows are unpaired prompt/completion/label (label True: a desirable completion). Each row's
-summed completion log-prob under the policy and the reference gives r = policy - reference;
-`stages.losses.kto_loss` compares r with a reference point z, an estimate of KL(policy ||
-reference). z comes from mismatched pairs: each row's prompt with the completion of the next
-row of the dataset (the last with the first; fixed at tokenisation, so a row's pair does not
-depend on the batch it lands in), whose mean log-ratio over the whole optimizer step's batch
-(every micro-batch of the accumulation window, on every process) is a sample of the KL
-(detached, and clamped at 0 in kto_loss). It is computed once per optimizer step, before the
-window's first micro-batch (`get_batch_samples`), so 2 processes x B/2 rows, 1 row x B
-accumulation steps and B rows x 1 all use the same z.
-
-The reference is every method's (`stages.trainers.reference`): a frozen copy, or with a PEFT
-model the base weights with the adapter disabled.
-
-The KTO paper (Ethayarajh et al. 2024) recommends weights with
-desirable_weight·n_desirable / (undesirable_weight·n_undesirable) in [1, 4/3]; the trainer
-warns, with weights that satisfy it, when the data's class balance puts them outside.
+Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
+under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
+the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
+docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -29,8 +16,7 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
@@ -110,10 +96,8 @@ class KTOTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
         refuse("KTOTrainer", compute_metrics=compute_metrics)
-        args = args or default_args(KTOConfig, model, "KTO")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            KTOConfig, "KTO", model, args, train_dataset, eval_dataset, processing_class)
 
         def prepare(rows):
             return tokenized_dataset(rows, "prompt_ids",

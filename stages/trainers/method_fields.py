@@ -36,6 +36,19 @@ def objective_names(loss_type: str | list[str]) -> list[str]:
     return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
+def objectives_problems(config) -> list[tuple[str, str]]:
+    """The `loss_type` / `loss_weights` rules of a DPO or online DPO config; a real (not light) config also
+    imports a dotted-path objective to check it (the stage does it before any model)."""
+    from stages.trainers.arguments import is_light
+
+    problems = check_objectives(objective_names(config.loss_type), config.loss_weights)
+    if not is_light(config):
+        from stages.losses import objective_problems
+
+        problems += objective_problems(config.loss_type)
+    return problems
+
+
 def check_objectives(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
     """The rules of a `loss_type` list and its `loss_weights`, shared by DPO and online DPO."""
     problems = []

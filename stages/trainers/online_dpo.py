@@ -1,30 +1,10 @@
-"""Online DPO: `OnlineDPOConfig` + `OnlineDPOTrainer` (a `transformers.Trainer`).
+"""Online DPO: `OnlineDPOTrainer` (a `transformers.Trainer`; config: `online_dpo_config.py`).
 
-Rows are prompts (plus any columns the reward functions read, e.g. `answer`). Each training
-step samples two completions per prompt from the current policy (`stages.generation.generate`,
-seeded from the run seed, the optimizer step and the prompt: `stages.trainers.online_sampling`),
-scores both with the reward functions (`stages.rewards.RewardFunctions`), takes the higher-scored
-one as chosen and the other as rejected, and applies the DPO loss to those fresh pairs, with the
-same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
-`stages.trainers.reference`). Pairs whose two scores tie
-(identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
-carry no preference: they are dropped and counted. A dropped pair stays in the batch with loss
-weight 0, so under data parallelism every rank takes part in the same backward (DDP's gradient
-all-reduce) and metric gathers, in the same order, even when all its pairs drop; its gradient
-is zero and its metrics carry weight 0.
-
-`get_batch_samples` is the only override of the Trainer loop: when the Trainer fetches an
-optimizer step's micro-batches of prompts, it samples, scores and pairs them all (the policy
-does not change within the step), so the step's number of kept pairs is known on every process
-before the first backward. Every prompt yields a pair (weight 0 when dropped). The loss is the sum over a micro-batch's kept pairs divided by the kept
-pairs of the whole step (all micro-batches, all processes): 2 processes x B/2 prompts, 1 prompt
-x B accumulation steps and B x 1 give the same update.
-
-Logged: scores/mean (reward-function total of every sampled completion: what online training
-raises), scores/chosen, scores/rejected (the same over the kept pairs),
-win_rate (share of kept pairs whose implicit reward β·log(π/π_ref) already ranks the chosen
-above the rejected), pairs/dropped (ties and unscored this log window), plus DPO's rewards/* and
-logps/*.
+Every optimizer step samples two completions per prompt from the current policy (`stages.generation`,
+seeded from the run seed, the step and the prompt), ranks them with the reward functions (TRL's
+`reward_funcs`; weights `reward_weights`), and trains on the pair with the same objectives as DPO
+(`stages.losses.preference_loss`) against the reference (a frozen copy, or the adapter-disabled base
+under PEFT). Ties and unscored pairs get no loss. The details: docs/trainers.md.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from stages.fields import check_fields, deprecated, param, positive
-from stages.trainers.arguments import check, is_light, refuses_trl_fields, settle, training_arguments
-from stages.trainers.method_fields import (SamplingFields, beta_field, check_objectives, chunked_field,
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.method_fields import (SamplingFields, beta_field, chunked_field, objectives_problems,
                                            loss_type_field, objective_names, sampling_renames)
 
 TrainingArguments = training_arguments()
@@ -14,7 +14,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class OnlineDPOConfig(SamplingFields, TrainingArguments):
+class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     MAX_TOKENS: ClassVar[str] = "max_new_tokens"
 
     beta: float = beta_field()
@@ -26,19 +26,10 @@ class OnlineDPOConfig(SamplingFields, TrainingArguments):
     use_chunked_logprobs: bool = chunked_field()
     generation: dict | None = deprecated(sampling_renames("max_new_tokens"), "the old nested sampling section")
 
-    def __post_init__(self):
-        settle(self)
-        super().__post_init__()
-        check(self)
-
     @property
     def objective_names(self) -> list[str]:
         return objective_names(self.loss_type)
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, OnlineDPOConfig) + check_objectives(self.objective_names, self.loss_weights)
-        if not is_light(self):  # a dotted path is imported to check it: the stage does it before any model
-            from stages.losses import objective_problems
-
-            problems += objective_problems(self.loss_type)
+        problems = check_fields(self, OnlineDPOConfig) + objectives_problems(self)
         return problems

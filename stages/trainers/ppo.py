@@ -1,44 +1,13 @@
-"""Proximal policy optimisation with a learned value baseline: `PPOConfig` + `PPOTrainer`.
+"""Proximal policy optimisation with a learned value baseline: `PPOTrainer` (config: `ppo_config.py`).
 
-One Trainer step = one rollout batch + its PPO epochs:
-
-1. rollout (no gradients): for `per_device_train_batch_size` prompts, sample one completion
-   each from the current policy (`stages.generation`, backend "hf"; a "vllm" server holds
-   its own weights, not synced from here: its per-token log-probs come back with the samples
-   and each token's policy term is weighted min(π/μ, `tis_cap`), `stages.trainers.off_policy`)
-   and score it with the reward functions (`stages.rewards.RewardFunctions`: rules, a reward
-   model, your own) - or, offline, take rows that already hold prompt, completion and score;
-2. per-token log-probs under the policy (old) and the frozen reference, values V(s_t);
-   per-token rewards r_t = -kl_coef·KL_t, plus the score at the last completion token
-   (score - missing_eos_penalty where the completion has no EOS; `stages.losses.per_token_rewards`);
-   optional reward whitening (`stages.losses.masked_whiten`);
-   advantages and returns by `stages.losses.gae`; advantages whitened over the batch
-   (under data parallelism over every process's shard of it: all-reduced sums);
-3. num_ppo_epochs passes over the rollout in num_mini_batches shuffled minibatches, each an
-   optimizer step on `stages.losses.ppo_loss` (clipped policy + vf_coef·clipped value loss),
-   a mean over the minibatch's tokens on all processes together.
-   The last minibatch's step is the Trainer's own (so its clipping, fp16 scaling and LR
-   schedule apply as usual); the LR schedule advances once per rollout.
-
-Padding and tokens after the first EOS never enter the loss, the KL or the values
-(masks come from lengths and EOS positions, not from `ids != pad`, so pad == EOS is fine).
-Unscored completions (a reward function returned None) are masked out too; a rank whose whole
-batch is unscored still runs every forward, backward and metric gather with an empty mask (zero
-gradient), so data-parallel ranks stay in step; a batch unscored on every rank is an error.
-
-Policy and critic share one trunk (`AutoModelForCausalLMWithValueHead`: the LM plus a
-scalar head). This halves memory and forward passes against a separate critic model (as in
-the InstructGPT setup TRL follows); the price is that the value loss also moves the policy's
-trunk, which `vf_coef` (0.1 by default) keeps small. The reference: a frozen copy of the
-starting LM, or with a PEFT model the same weights with the adapter disabled (no copy), as for
-every method (`stages.trainers.reference`). `PPOConfig` is `PPOParams` (stages.trainers.ppo_params,
-shared with params.yaml's `policy.ppo`) combined with `transformers.TrainingArguments`; sampling
-settings are its `generation` field; each prompt's sample is seeded from the run seed, the
-optimizer step and the prompt (`stages.trainers.online_sampling`), so ranks and resumes agree.
-
-Offline mode (rows with prompt, completion, score and no reward functions) runs the same
-updates on fixed completions: the ratio starts at 1 on each batch, so it is PPO's clipped
-update on off-policy samples, useful for scoring a dataset once with an expensive judge.
+One Trainer step = one rollout batch and its PPO epochs: sample one completion per prompt from the
+current policy and score it (`stages.rewards`; offline: rows that already hold a score), compute
+per-token log-probs under the policy and the reference and values V(s_t), per-token rewards
+(-kl_coef·KL plus the score at the last token, `stages.losses.per_token_rewards`), advantages by
+GAE (`stages.losses.gae`, whitened over the batch on every process), then `num_ppo_epochs` passes of
+`num_mini_batches` optimizer steps on `stages.losses.ppo_loss`. Policy and critic share one trunk
+(`AutoModelForCausalLMWithValueHead`). Masks come from lengths and EOS positions, never `ids != pad`;
+unscored completions are masked out. The details: docs/trainers.md.
 """
 from __future__ import annotations
 

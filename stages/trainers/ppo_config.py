@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, deprecated, fraction, non_negative, param, positive
-from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (SamplingFields, chunked_field, sampling_renames, tis_cap_field,
                                            tis_warn_field)
 
@@ -18,7 +18,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class PPOConfig(SamplingFields, TrainingArguments):
+class PPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     num_ppo_epochs: int = positive(4, "optimisation passes over each rollout batch")
     num_mini_batches: int = positive(1, "minibatches (optimizer steps) per PPO epoch; divides the batch size")
     kl_coef: float = non_negative(0.05, "per-token KL penalty to the reference")
@@ -40,11 +40,6 @@ class PPOConfig(SamplingFields, TrainingArguments):
     use_chunked_logprobs: bool = chunked_field()
     generation: dict | None = deprecated(sampling_renames("max_completion_length"), "the old nested sampling section")
     tis_cap: float | None = deprecated("vllm_importance_sampling_cap", "the old name of vllm_importance_sampling_cap")
-
-    def __post_init__(self):
-        settle(self)
-        super().__post_init__()
-        check(self)
 
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, PPOConfig)

@@ -1,27 +1,11 @@
-"""Reward models: `RewardConfig` + `RewardTrainer` (a `transformers.Trainer`), evaluation and scoring.
+"""Reward models: `RewardTrainer` (a `transformers.Trainer`; config: `reward_config.py`), loading and scoring.
 
-A reward model is a sequence classifier with one output (`AutoModelForSequenceClassification`,
-num_labels=1): the body of a causal LM and a linear `score` head read at the last real token
-of prompt + completion. `load_reward_model` turns a causal LM folder (e.g. the SFT model)
-into one (a new `score` head) or loads a trained reward model.
-
-Rows are prompt/chosen/rejected (strings or chat messages; optional `margin` column), rendered
-with the chat template through `stages.data.tokenize.tokenize_sft`. Chosen and rejected go
-through the model in one concatenated forward of 2B right-padded rows (chosen first) and
-`stages.losses.reward_loss` (Bradley–Terry, optional margin and centering) is the loss.
-
-Where the reward is read: at each row's last attended token (from the attention mask).
-HF's own pooling takes the rightmost token != `config.pad_token_id`: the same position when
-the tokenizer has a dedicated pad token, but one token early when pad == EOS (the real EOS
-ending the completion counts as padding there). `sequence_rewards` therefore reads the
-head's per-position output at the mask's last 1, whatever the pad token; it still sets
-`config.pad_token_id`, which HF needs for batches of more than one row.
-
-LoRA: `stages.trainers.adapters.apply_lora(model, lora, task_type="SEQ_CLS")` trains the
-adapters and the whole `score` head (PEFT adds it to modules_to_save for SEQ_CLS).
-
-    trainer = RewardTrainer(sft_path, args=RewardConfig(output_dir=...), train_dataset=pairs,
-                            peft_config=LoraConfig(r=8))  # or a model from load_reward_model
+A reward model is a one-output sequence classifier (`AutoModelForSequenceClassification`,
+num_labels=1) on a causal LM's body; `load_reward_model` turns a causal LM folder into one or loads a
+trained one. Rows are prompt/chosen/rejected (optional `margin`); chosen and rejected go through the
+model in one forward and `stages.losses.reward_loss` (Bradley-Terry, margin, centring) is the loss.
+The reward is read at each row's last attended token (from the attention mask), whatever the pad
+token: HF's own pooling is one token early when pad == EOS. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -42,8 +26,7 @@ from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.losses import reward_loss
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
 from stages.trainers.logprobs import unwrap
@@ -259,10 +242,8 @@ class RewardTrainer(Trainer):
                  quantization_config=None, peft_config=None):
         refuse("RewardTrainer", compute_metrics=compute_metrics,
                preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        args = args or default_args(RewardConfig, model, "Reward")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            RewardConfig, "Reward", model, args, train_dataset, eval_dataset, processing_class)
         model = load_model(model, args, quantization_config,
                            load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
         model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head

@@ -23,8 +23,7 @@ from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    map_eval, refuse)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
 from stages.trainers.precision import use_fp32_cpu_attention
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -39,10 +38,8 @@ class SFTTrainer(Trainer):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None):
         refuse("SFTTrainer", compute_loss_func=compute_loss_func)
-        args = args or default_args(SFTConfig, model, "SFT")
-        train_dataset = check_dataset(train_dataset, "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        processing_class = load_processing_class(model, processing_class, args)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            SFTConfig, "SFT", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks

@@ -5,15 +5,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import num_proc_field
-from stages.trainers.arguments import check, refuses_trl_fields, settle, training_arguments
 
 TrainingArguments = training_arguments()
 
 
 @refuses_trl_fields
 @dataclass
-class SFTConfig(TrainingArguments):
+class SFTConfig(MethodConfig, TrainingArguments):
     """TrainingArguments plus SFT's settings. `warmup_steps` defaults to a 0.05 share of the steps instead of
     0: AdamW started at the peak rate leaves the tiny model on the loss plateau (docs/decisions.md)."""
 
@@ -30,11 +30,6 @@ class SFTConfig(TrainingArguments):
     warmup_steps: float = param(WARMUP_RATIO, help="linear warm-up: steps (>= 1) or a share of all steps (< 1)",
                                 check=lambda v: v >= 0, rule="must be >= 0")
     max_seq_length: int | None = deprecated("max_length", "the old name of max_length")
-
-    def __post_init__(self):
-        settle(self)
-        super().__post_init__()
-        check(self)
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, SFTConfig)

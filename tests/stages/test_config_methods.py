@@ -131,7 +131,7 @@ def test_every_training_arguments_key_is_reachable_from_params_yaml():
 
 
 def test_a_key_the_pipeline_sets_is_refused_with_where_to_set_it():
-    with pytest.raises(ValueError, match=r"sft.seed: set by the pipeline from run.seed"):
+    with pytest.raises(ValueError, match=r"sft.seed = 3: set by the pipeline from run.seed"):
         load_params(ROOT / "params.yaml", {"sft.seed": 3})
 
 
@@ -179,3 +179,16 @@ def test_a_trl_field_we_do_not_support_is_named_as_trls_never_ignored(tmp_path):
     with pytest.raises(ValueError, match=r"use_liger_kernel = True: TRL 1.16's `use_liger_kernel` is not supported"):
         DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)
     DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=False)  # its default is no request
+
+
+def test_resolved_params_read_back_serialise_identically(tmp_path):
+    """A launched stage's ranks read the run's params written out resolved: they must fingerprint alike, so every
+    default (TrainingArguments' too) reads back to the same JSON."""
+    import json
+
+    import yaml
+
+    params = load_params(ROOT / "params.yaml", {"policy.method": "grpo", "sft.max_grad_norm": 0.5})
+    path = tmp_path / "resolved.yaml"
+    path.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
+    assert json.dumps(load_params(path).to_dict()) == json.dumps(params.to_dict())

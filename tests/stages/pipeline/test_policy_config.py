@@ -45,3 +45,22 @@ def test_a_value_transformers_refuses_is_reported_by_its_dotted_key(tmp_path):
     ctx = SimpleNamespace(work=tmp_path, params=params)
     with pytest.raises(ValueError, match=r"policy\.dpo\.\w+.*refused by policy\.dpo's trainer config"):
         trainer_config(ctx, params.policy.dpo, device="cpu", section="policy.dpo")
+
+
+def test_preflight_reports_what_transformers_refuses_before_any_stage(tmp_path):
+    """`align run` and a training stage check every trainer config the run will build, before any model."""
+    import subprocess
+    import sys
+
+    from stages.preflight import trainer_config_problems
+
+    params = load_params(ROOT / "params.yaml", {"policy.dpo.eval_strategy": "epoch",
+                                                 "policy.dpo.load_best_model_at_end": True})
+    problems = trainer_config_problems(params)
+    assert len(problems) == 1 and problems[0].startswith("policy.dpo.") and "load_best_model_at_end" in problems[0]
+    assert trainer_config_problems(load_params(ROOT / "params.yaml")) == []
+    res = subprocess.run([sys.executable, "-m", "stages", "sft", "--params", str(ROOT / "params.yaml"),
+                          "--set", "sft.lr_scheduler_type=cosine", "--set", "sft.optim=no_such_optimizer",
+                          "--set", f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "sft.optim" in res.stderr and "refused by sft's trainer config" in res.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
