@@ -40,7 +40,7 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
           ) -> dict[str, Any]:
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
     promotion gate (stages/promotion.py)."""
-    params = load_params(params_file, overrides or [])  # every params problem, before any compute
+    params = load_params(params_file, overrides or [], rows=True)  # every params and row problem, before any compute
     with pipeline_run_name():
         return _run(params, params_file, overrides, promote)
 

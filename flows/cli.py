@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
-        params = load_params(args.params, getattr(args, "overrides", []))
+        params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
         if args.command == "run":  # and what transformers refuses in the training sections, before any stage
             from stages.preflight import trainer_config_problems
 

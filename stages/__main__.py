@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.params).write_text(text) if args.write else sys.stdout.write(text)
         return 0
     try:  # status opens no data file or model folder (preflight): it reads the manifests only
-        params = load_params(args.params, args.overrides, preflight=args.stage != "status")
+        params = load_params(args.params, args.overrides, preflight=args.stage != "status",
+                             rows=args.stage == "preprocess" and args.shard is None)
         if args.stage in ("sft", "reward", "policy"):  # what transformers refuses, before the model is built
             from stages.preflight import trainer_config_problems
 

@@ -34,11 +34,13 @@ class ParamsError(ValueError):
 
 
 def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[str, Any] | None = None, *,
-                preflight: bool = True) -> Params:
+                preflight: bool = True, rows: bool = False) -> Params:
     """Read, override and validate params; raise ParamsError listing every problem.
 
     `preflight`: also run the checks that open the user's data files and model folder (`stages.preflight`);
-    `align status` skips them (it reads no file but the params)."""
+    `align status` skips them (it reads no file but the params). `rows`: also check the rows of the data files
+    and the held-out pairs the reward gate will judge (`stages.data.row_checks`), whatever else is wrong, so
+    one message names every problem; the entries that start a run pass it."""
     path = Path(path)
     source = str(path)
     if not path.exists():
@@ -57,6 +59,10 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
         from stages.preflight import preflight_problems
 
         problems += preflight_problems(params)
+    if rows:
+        from stages.data.row_checks import check_rows
+
+        problems += check_rows(params)
     if problems:
         raise ParamsError(source, problems)
     return params

@@ -19,7 +19,7 @@ def preflight_problems(p) -> list[str]:
     if not p.model.name_or_path.startswith("builtin:"):
         from stages.model_source import model_source_problem  # lazy: it imports huggingface_hub on demand only
 
-        problem = model_source_problem(p.model.name_or_path)
+        problem = model_source_problem(p.model.name_or_path, trust_remote_code=p.model.trust_remote_code)
         if problem:
             problems.append(("model.name_or_path", f"= {p.model.name_or_path!r}: {problem}"))
     missing = missing_files(p.data)
