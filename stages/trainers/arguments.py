@@ -150,15 +150,15 @@ TRAINING_ARGUMENT_NAMES = frozenset(f.name for f in dataclasses.fields(LightTrai
 
 @functools.cache
 def light_module(name: str) -> types.ModuleType:
-    """Config module `name` executed on LightTrainingArguments (not registered in sys.modules)."""
+    """Config module `name` loaded a second time on LightTrainingArguments, as module `<name>_light`."""
     global _light
-    spec = importlib.util.find_spec(name)
+    origin = importlib.util.find_spec(name).origin
+    spec = importlib.util.spec_from_file_location(f"{name}_light", origin)
     module = importlib.util.module_from_spec(spec)
-    module.__name__ = name + "[light]"
     _light = True
     try:
-        sys.modules[module.__name__] = module  # dataclasses resolve string annotations through sys.modules
-        exec(compile(Path(spec.origin).read_text(encoding="utf-8"), spec.origin, "exec"), module.__dict__)
+        sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
     finally:
         _light = False
     return module

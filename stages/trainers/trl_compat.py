@@ -34,7 +34,7 @@ UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
     "model_init_kwargs": "the configs do not declare it yet: load the model with from_pretrained(...) and pass it",
     "trust_remote_code": "the configs do not declare it yet: pass a model and processing_class loaded with "
-                         "trust_remote_code=True",
+                         "trust_remote_code enabled",
     "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
