@@ -1,0 +1,1 @@
+"""The benchmark suite: `python -m benchmarks <name> [args]` from the repository root (see __main__.py)."""

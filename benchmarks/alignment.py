@@ -1,9 +1,9 @@
 """Does alignment work? Every policy method on the built-in task, mean ± sd over seeds, selected on dev.
 
-    python benchmarks/alignment.py                          # every method, seeds 1 2 3, default params.yaml
-    python benchmarks/alignment.py --seeds 1 --methods dpo grpo
-    python benchmarks/alignment.py --sweep 1 --write        # tune each method on dev (round 1), the choice on eval
-    python benchmarks/alignment.py --set policy.max_steps=50 --output-dir /tmp/align-bench   # resumable
+    python -m benchmarks alignment                          # every method, seeds 1 2 3, default params.yaml
+    python -m benchmarks alignment --seeds 1 --methods dpo grpo
+    python -m benchmarks alignment --sweep 1 --write sweep-1.md   # tune each method on dev (round 1), the choice on eval
+    python -m benchmarks alignment --set policy.dpo.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
 Every stage is the real one (`stages.runner.run_stage`, what every entry point calls), run in
 `--output-dir` (default: a temporary folder). `run.seed` is the seed: it governs preprocess's
@@ -23,21 +23,15 @@ Default mode: each method with params.yaml's settings, evaluated on the held-out
 the same for every method (ROUNDS below): round 1 tries 2 learning rates × one knob of the method
 (4 configurations), round 2 two values of one more knob from round 1's choice, which
 params.yaml holds (2 configurations; the one params.yaml holds is the default run's), round 3
-each method's learning rate halved, kept and doubled (3 configurations, after the SFT trunk and
-the reward model changed under every method). Every
-configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
+each method's learning rate halved, kept and doubled (3 configurations). Every configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
 accuracy (the first in order on a tie) is then scored on `eval`, the only time eval is looked
-at. `--write` writes the tables to benchmarks/RESULTS-alignment.md (default mode) or
-benchmarks/RESULTS-alignment-sweep-<N>.md (every configuration's dev accuracy).
+at. `--write FILE` writes the tables (with `--sweep`, every configuration's dev accuracy) to FILE.
 
-Times are each stage's build time from its manifest (a reused stage keeps the time it was
-built in). Expected with OMP_NUM_THREADS=1 (the Intel Xeon machine of 2026-12-02 19:00, two runs side by
-side): about 140 s of shared stages per seed and about 160 s for the five methods' reference + policy +
-merge + evaluate (GRPO 80 s, PPO 40 s, online DPO 26 s, DPO 5 s, KTO 8 s), so about 15 min for the default
-3 seeds on one process; `--sweep 1` trains 4 configurations per method and seed, `--sweep 3` 3 (about 25 min
-for 3 seeds in two processes: `--seeds 2 3` and `--seeds 1` into one --output-dir, then all with --write,
-which reuses every stage). Wall times on a shared
-machine are inflated: the load average is printed.
+Times are each stage's build time from its manifest (a reused stage keeps the time it was built in). On
+2 CPU cores with one torch thread the default run takes about 15 minutes (about 140 s of shared stages per seed,
+160 s for the five methods); a sweep round several times that. Several processes can share one `--output-dir`
+(`--seeds 2 3` in one, `--seeds 1` in another), and a final run over all seeds reuses every stage.
+`--tiny`: one seed on the tiny model and data, a smoke run in seconds.
 """
 from __future__ import annotations
 
@@ -48,19 +42,17 @@ import logging
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, host_load, mean_sd, tiny_overrides
 from stages import runner  # noqa: E402
 from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
-from stages.config import (POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, load_params,  # noqa: E402
-                           parse_overrides)
+from stages.config import POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: E402
+from stages.params_loader import load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
 from stages.registry import STAGES  # noqa: E402
 
@@ -68,7 +60,6 @@ METHODS = tuple(m for m in POLICY_METHODS if m != "none")
 SHARED = ("preprocess", "sft", "reward", "score")  # the stages no policy setting changes
 PER_METHOD = ("reference", "policy", "merge", "evaluate")
 DEFAULT_SEEDS = (1, 2, 3)
-RESULTS = ROOT / "benchmarks" / "RESULTS-alignment.md"
 
 # The tuning budget, the same for every method: 9 configurations in three rounds, each scored on dev over the seeds.
 # Round 1: 2 learning rates x 2 values of one knob (keys under policy.<method>.). Round 2, from round 1's choice
@@ -84,7 +75,7 @@ ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
     {"dpo": {"score.generation.temperature": [1.0, 1.3]},
      "kto": {"score.generation.temperature": [1.0, 1.3]},
      "online_dpo": {"rewards": ["reward_model", "exact_match+reward_model"]},
-     "grpo": {"generation.temperature": [1.0, 1.2]},
+     "grpo": {"temperature": [1.0, 1.2]},
      "ppo": {"rewards": ["reward_model", "exact_match+reward_model"]}},
     # Round 3, after the SFT trunk went from 2 to 3 epochs and the reward model to batch 8 (every method's data and
     # start changed): each method's learning rate halved, kept and doubled.
@@ -149,11 +140,6 @@ def holds(params, method: str, config: dict[str, Any]) -> bool:
 def config_label(params, method: str, config: dict[str, Any]) -> str:
     """A configuration as the tables show it, "(params.yaml)" on the one `params` hold."""
     return config_name(config) + (" (params.yaml)" if config and holds(params, method, config) else "")
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """(mean, sample standard deviation; 0 for one value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def pick(dev_means: dict[str, float]) -> str:
@@ -253,7 +239,7 @@ def fmt(values: list[float], *, percent: bool = True, digits: int = 1) -> str:
     return f"{m:.1%} ± {sd:.1%}" if percent else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="values of run.seed")
@@ -262,11 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a params override for every run (e.g. sft.max_steps=50)")
     ap.add_argument("--output-dir", default=None, help="keep the artifacts here; a rerun reuses every current stage")
-    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-alignment[-sweep-N].md")
+    ap.add_argument("--write", metavar="FILE", default=None, help="also write the tables to FILE (markdown)")
+    ap.add_argument("--tiny", action="store_true", help="the first seed only, on the tiny model and data (a smoke run)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.seeds, args.overrides = args.seeds[:1], tiny_overrides() + args.overrides
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="align-alignment-")).resolve()
-    bench, load_before, started = Bench(out, args.overrides), os.getloadavg()[0], time.perf_counter()
+    bench, load_before, started = Bench(out, args.overrides), host_load(), time.perf_counter()
 
     for method in args.methods:  # every configuration's params are valid before anything trains
         for config in configurations(method, args.sweep) if args.sweep else [{}]:
@@ -307,19 +296,19 @@ def main(argv: list[str] | None = None) -> None:
                     r.setdefault("dev", []).append(rows_of(dev)[label]["accuracy"])
 
     results = {label: r for label, r in results.items() if r}  # base: absent with evaluate.baseline false
-    report = tables(args, shared, results, chosen, sweep, load=(load_before, os.getloadavg()[0]), out=out,
+    report = tables(args, shared, results, chosen, sweep, load=(load_before, host_load()), out=out,
                     wall_s=time.perf_counter() - started, base=bench.base, errors=errors)
     print("\n" + report)
     if args.write:
-        path = RESULTS.with_name(f"{RESULTS.stem}-sweep-{args.sweep}.md") if args.sweep else RESULTS
-        path.write_text(report)
-        print(f"wrote {path}")
+        Path(args.write).write_text(report)
+        print(f"wrote {args.write}")
+    return 0
 
 
 def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: dict, *, load: tuple, out: Path,
            wall_s: float, base, errors: dict[str, Counter | None] | None = None) -> str:
     seeds = " ".join(map(str, args.seeds))
-    command = " ".join(["python benchmarks/alignment.py", *([f"--sweep {args.sweep}"] if args.sweep else []),
+    command = " ".join(["python -m benchmarks alignment", *([f"--sweep {args.sweep}"] if args.sweep else []),
                         "--seeds", seeds,
                         *(["--methods", *args.methods] if list(args.methods) != list(METHODS) else []),
                         *(f"--set {o}" for o in args.overrides)])
@@ -327,7 +316,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     title = f"sweep round {args.sweep}: every method the same budget" if args.sweep else "every method"
     lines = [f"# Alignment benchmark, {title}, mean ± sd over seeds", "",
              f"Command: `{command}`. Seeds (`run.seed`): {seeds}. Held-out accuracy: greedy decoding, exact match, "
-             f"{n} eval prompts; dev: the disjoint dev split (`evaluate.split: dev`). Load average {load[0]:.1f} "
+             f"{n} eval prompts; dev: the disjoint dev split (`evaluate.split: dev`). 1-min load {load[0]:.1f} "
              f"before, {load[1]:.1f} after, {os.cpu_count()} CPUs, torch threads {torch_threads()}. Wall time of this "
              f"run {wall_s:.0f} s (stages found current cost nothing). Artifacts: {out}.", ""]
     reward = [m["reward"]["metrics"] for m in shared.values()]
@@ -375,6 +364,3 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
                              f"{', '.join(f'{a:.1%}' for a in accs)} |")
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,9 @@
 """Efficacy against TRL 1.16: our SFT, DPO and GRPO trainers and TRL's on the built-in task, side by side.
 
-    python benchmarks/efficacy.py                                   # sft dpo grpo, seeds 1 2 3, params.yaml settings
-    python benchmarks/efficacy.py --methods grpo --seeds 1 --grpo-steps 50
-    python benchmarks/efficacy.py --write                           # also benchmarks/RESULTS-efficacy.md
+    python -m benchmarks efficacy                                   # sft dpo grpo, seeds 1 2 3, params.yaml settings
+    python -m benchmarks efficacy --methods grpo --seeds 1 --grpo-steps 50
+    python -m benchmarks efficacy --write efficacy.md               # also the tables as markdown
+    python -m benchmarks efficacy --tiny                            # a smoke run (seconds)
 
 Per seed (`run.seed`), in one process, each side timed alone (never two trainings at once):
 
@@ -19,14 +20,14 @@ Per seed (`run.seed`), in one process, each side timed alone (never two training
   `precompute_ref_log_probs: true`, params.yaml's default; TRL: `precompute_ref_log_probs=True`);
 - GRPO: both sides from our SFT model, the prompts of preprocess's `prompts.jsonl`, one reward function
   (`final_number_reward` below, the same Python function on both sides), params.yaml's `policy.grpo`
-  settings mapped to TRL's names (`max_completion_length` = generation.max_new_tokens,
+  settings passed by TRL's names (`max_completion_length`,
   `per_device_train_batch_size` counts completions on both sides).
 
 Held-out accuracy: the eval prompts of the built-in task (`eval.jsonl`, 300), decoded by OUR generator
 (`stages.generation.generate`, greedy, `evaluate.max_new_tokens`) for both sides' models and scored by our
 evaluate stage's own `row_metrics` (answer regex `evaluate.answer_regex`, exact match): decoding and scoring
 are identical. Wall and CPU seconds cover building the trainer (tokenisation, reference pass) + `train()`;
-CPU seconds are `time.process_time()` (this process, all threads). The load average is printed beside them.
+CPU seconds are `time.process_time()` (this process, all threads). The 1-minute load is printed beside them.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -46,14 +46,12 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, has_trl, host_load, mean_sd, skip, tiny_overrides  # noqa: E402
 
 METHODS = ("sft", "dpo", "grpo")
 ROW_METHODS = ("sft", "dpo", "dpo-score", "grpo")  # dpo-score: DPO on the pairs of our score stage
 SIDES = ("ours", "trl")
 DEFAULT_SEEDS = (1, 2, 3)
-RESULTS = ROOT / "benchmarks" / "RESULTS-efficacy.md"
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -84,10 +82,6 @@ def final_number_reward(tokenizer):
     return final_number_reward
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 class Clock:
     """Wall (perf_counter) and CPU (process_time) seconds of a block."""
 
@@ -99,28 +93,28 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.w0, time.process_time() - self.c0
 
 
-def common_args(p, section, work: Path, name: str, precision: str) -> dict[str, Any]:
-    """The TrainingArguments keywords of our stage `name` (stages.pipeline.training.trainer_args), given to both
-    sides; no checkpoints (timing), and the precision of this run set explicitly."""
+def our_config(p, section, work: Path, name: str, precision: str, steps: int | None = None):
+    """Our stage's trainer config (stages.pipeline.training.trainer_config): no checkpoints (timing), and the
+    precision of this run set explicitly."""
     from stages.pipeline import training
 
-    ctx = SimpleNamespace(work=work, params=p)
-    args = training.trainer_args(ctx, section, device="cpu", section=name)
-    args.update(output_dir=str(work / "checkpoints"), save_strategy="no", bf16=precision == "bf16", fp16=False,
-                gradient_checkpointing=False, logging_steps=max(section.logging_steps, 1))
-    return args
-
-
-def policy_args(p, method: str, work: Path, precision: str, steps: int | None) -> dict[str, Any]:
-    """`common_args` of stage policy with the method's own learning rate / batch / steps / epochs (as the stage)."""
-    args = common_args(p, p.policy, work, "policy", precision)
-    m = getattr(p.policy, method)
-    for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
-        if getattr(m, key) is not None:
-            args[key] = getattr(m, key)
+    extra = dict(save_strategy="no", bf16=precision == "bf16", fp16=False, logging_steps=max(section.logging_steps, 1))
     if steps is not None:
-        args["max_steps"] = steps
-    return args
+        extra["max_steps"] = steps
+    return training.trainer_config(SimpleNamespace(work=work, params=p), section, device="cpu", section=name, **extra)
+
+
+# The TrainingArguments keywords both sides get, read from our stage's config.
+SHARED = ("output_dir", "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+          "per_device_eval_batch_size", "gradient_accumulation_steps", "warmup_steps", "lr_scheduler_type",
+          "weight_decay", "max_grad_norm", "logging_steps", "logging_nan_inf_filter", "save_strategy", "seed",
+          "data_seed", "use_cpu", "bf16", "fp16", "gradient_checkpointing", "disable_tqdm", "report_to")
+
+
+def common_args(p, section, work: Path, name: str, precision: str, steps: int | None = None) -> dict[str, Any]:
+    """The TrainingArguments keywords of our stage `name`, given to both sides."""
+    cfg = our_config(p, section, work, name, precision, steps)
+    return {k: getattr(cfg, k) for k in SHARED}
 
 
 def load(path: str, p):
@@ -154,21 +148,18 @@ def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: 
     model, tok = load(base, p)
     rows = rows_of(data, "sft_train")
     s = p.sft
-    args = common_args(p, s, work, "sft", precision)
-    if steps is not None:
-        args["max_steps"] = steps
+    args = common_args(p, s, work, "sft", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.sft import SFTConfig, SFTTrainer
+            from stages.trainers.sft import SFTTrainer
 
-            cfg = training.trainer_config(SFTConfig, s, args)
+            cfg = our_config(p, s, work, "sft", precision, steps)
             trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows)
         else:
             import datasets
             import trl
 
-            cfg = trl.SFTConfig(**args, max_length=s.max_seq_length, completion_only_loss=s.completion_only_loss,
+            cfg = trl.SFTConfig(**args, max_length=s.max_length, completion_only_loss=s.completion_only_loss,
                                 packing=False, padding_free=False, dataset_num_proc=None)
             trainer = trl.SFTTrainer(model=model, args=cfg, processing_class=tok,
                                      train_dataset=datasets.Dataset.from_list(rows))
@@ -184,13 +175,12 @@ def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps:
     source = data / "pairs.jsonl" if (data / "pairs.jsonl").exists() else data / "preference.jsonl"
     pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows_of(source.parent, source.stem)]
     d = p.policy.dpo
-    args = policy_args(p, "dpo", work, precision, steps)
+    args = common_args(p, d, work, "policy.dpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.dpo import DPOConfig, DPOTrainer
+            from stages.trainers.dpo import DPOTrainer
 
-            cfg = training.trainer_config(DPOConfig, d, args)
+            cfg = our_config(p, d, work, "policy.dpo", precision, steps)
             assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
             trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs)
         else:
@@ -213,22 +203,20 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
     model, tok = load(start, p)
     prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows_of(data, "prompts")]
     g = p.policy.grpo
-    args = policy_args(p, "grpo", work, precision, steps)
+    args = common_args(p, g, work, "policy.grpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.pipeline import training
-            from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+            from stages.trainers.grpo import GRPOTrainer
 
-            cfg = training.trainer_config(GRPOConfig, g, args)
+            cfg = our_config(p, g, work, "policy.grpo", precision, steps)
             trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
                                   train_dataset=prompts)
         else:
             import datasets
             import trl
 
-            gen = g.generation
-            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=gen.max_new_tokens,
-                                 temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, beta=g.beta,
+            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=g.max_completion_length,
+                                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, beta=g.beta,
                                  epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_type=g.loss_type,
                                  scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
                                  mask_truncated_completions=g.mask_truncated_completions, use_vllm=False,
@@ -247,7 +235,7 @@ RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
 
 
 def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
-    from stages.config import load_params
+    from stages.params_loader import load_params
 
     return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
 
@@ -286,7 +274,7 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
             rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
                    "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
                    "cpu_s": clock.cpu, "steps": trainer.state.global_step, "train_loss": result.training_loss,
-                   "load": os.getloadavg()[0], "precision": precision}
+                   "load": host_load(), "precision": precision}
             if method in methods:
                 records.append(rec)
                 report(rec)
@@ -338,11 +326,19 @@ def parse(argv=None):
                          "sft -> reward -> score stages of the seed (run first), from that sft stage's model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
     ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
-    ap.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
-    ap.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    ap.add_argument("--write", metavar="FILE", default=None, help="also write the tables to FILE (markdown)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny model and data, 1 seed, 2 steps per method, 4 eval prompts (a smoke run)")
     ap.add_argument("--records", default=None, help="append every record to this JSONL file; --write then "
                     "reports the records already in it too (a run split over several commands)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.tiny:
+        a.seeds = a.seeds[:1]
+        a.set = tiny_overrides() + a.set
+        a.eval_samples = a.eval_samples if a.eval_samples > 0 else 4
+        for m in METHODS:
+            setattr(a, f"{m}_steps", getattr(a, f"{m}_steps") or 2)
+    return a
 
 
 def default_steps(p, method: str, data: Path | None = None) -> int:
@@ -352,16 +348,23 @@ def default_steps(p, method: str, data: Path | None = None) -> int:
     if method == "grpo" and p.policy.grpo.max_steps:
         return p.policy.grpo.max_steps
     n = {"sft": p.data.builtin.num_train * 0.95, "dpo": p.data.builtin.num_preference * 0.9}[method]
-    s = p.sft if method == "sft" else p.policy
-    batch = s.per_device_train_batch_size if method == "sft" else (p.policy.dpo.per_device_train_batch_size
-                                                                   or p.policy.per_device_train_batch_size)
+    s = p.sft if method == "sft" else p.policy.dpo
+    batch = s.per_device_train_batch_size
     return math.ceil(n / batch) * s.num_train_epochs
 
 
-def main(argv=None) -> list[dict[str, Any]]:
+def main(argv=None) -> int:
+    if not has_trl():
+        return skip("efficacy", "TRL is not installed (pip install -e '.[bench]')")
+    run(argv)
+    return 0
+
+
+def run(argv=None) -> list[dict[str, Any]]:
+    """Every method and seed on both sides; the records, one per method, side and seed."""
     import torch
     import trl
-    from stages.config import parse_overrides
+    from stages.params_loader import parse_overrides
 
     import transformers
 
@@ -376,9 +379,9 @@ def main(argv=None) -> list[dict[str, Any]]:
         p0 = seed_params(Path(tempfile.gettempdir()), a.seeds[0], overrides)
         steps = {m: steps[m] or max(1, round(a.steps_scale * default_steps(p0, m))) for m in METHODS}
     out = Path(a.output_dir) if a.output_dir else Path(tempfile.mkdtemp(prefix="efficacy-"))
-    cmd = "python benchmarks/efficacy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m benchmarks efficacy " + " ".join(argv if argv is not None else sys.argv[2:])
     print(f"trl {trl.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()}", flush=True)
+          f"1-min load {host_load():.2f}", flush=True)
     print(HEADER, flush=True)
     records: list[dict[str, Any]] = []
 
@@ -391,7 +394,7 @@ def main(argv=None) -> list[dict[str, Any]]:
             with open(a.records, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if a.write:
-            write(Path(a.results), earlier + records + [rec], cmd, steps, a)
+            write(Path(a.write), earlier + records + [rec], cmd, steps, a)
 
     try:
         for seed in a.seeds:
@@ -402,7 +405,7 @@ def main(argv=None) -> list[dict[str, Any]]:
             shutil.rmtree(out, ignore_errors=True)
     print()
     print(table(records), flush=True)
-    print(f"load average at the end {os.getloadavg()}", flush=True)
+    print(f"1-min load at the end {host_load():.2f}", flush=True)
     return records
 
 
@@ -412,14 +415,11 @@ def write(path: Path, records: list[dict[str, Any]], cmd: str, steps: dict, a) -
 
     overridden = {m: s for m, s in steps.items() if s is not None}
     path.write_text("\n".join([
-        "# Efficacy against TRL 1.16 (`benchmarks/efficacy.py`)", "",
+        "# Efficacy against TRL 1.16 (`python -m benchmarks efficacy`)", "",
         f"Command: `{cmd}`  ", f"trl {trl.__version__}, torch {torch.__version__}, 1 thread, "
         f"precision {a.precision}, step overrides {overridden or 'none'}, "
         f"eval prompts {a.eval_samples if a.eval_samples > 0 else 'all (300)'}. "
-        "Load average (1 min) per row: the machine is shared.", "",
+        "The 1-minute load per row: a shared machine inflates the seconds.", "",
         "## Per seed", "", HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(record_line, records), "",
         "## Mean ± sd over seeds", "", *summary_lines(records), ""]))
 
-
-if __name__ == "__main__":
-    main()

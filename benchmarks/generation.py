@@ -1,57 +1,35 @@
-"""Generation throughput: batched `stages.generation.generate` vs one prompt per call.
+"""Generation throughput: batched `stages.generation.generate` against one prompt per call, and each backend.
 
-Usage::
+    python -m benchmarks generation                         # 256 prompts x 4 samples, ~1 min on 2 CPU cores
+    python -m benchmarks generation --model artifacts/sft/model   # a trained SFT model instead of a fresh one
+    python -m benchmarks generation --prompts 2 --samples 4 # 8 rows: an online trainer's sampling batch
+    python -m benchmarks generation --tiny                  # a smoke run (seconds)
+    python -m benchmarks generation --device cuda           # on a GPU (the decoder is CPU-only: auto = hf there)
 
-    python benchmarks/generation.py                       # 256 prompts x 4 samples, ~1 min on 2 CPU cores
-    python benchmarks/generation.py --model runs/sft/model  # a trained SFT model instead of the fresh tiny one
-    python benchmarks/generation.py --prompts 64 --quick  # smoke run
-    python benchmarks/generation.py --device cuda         # on a GPU
-
-Workload: the first `--prompts` prompts of the built-in task (`builtin:arithmetic`, chat
-form, rendered with the chat template), `--samples` samples each (sampling, temperature 1,
-`--max-new-tokens` 32), on the built-in tiny Llama (hidden 128, 4 layers; built into a
-temporary folder) or the model given with `--model`.
-
-Two variants of the same call, `generate(model, tok, prompts, SamplingParams(n=4, do_sample=True, ...))`:
-- batched: `batch_size=--batch-size` prompts (x 4 samples) per `model.generate`, left-padded, KV cache;
-- one at a time: `batch_size=1`, i.e. one `model.generate` per prompt (its 4 samples together);
-and, for the cost of seeding every prompt's rows apart (`stages.generation.row_sampling`), a third:
-- batched, HF's sampler: the same batches through `model.generate(do_sample=True, num_return_sequences=4)`
-  directly, which samples the whole batch from torch's global RNG (not prompt-seeded);
-and, for the "hf" backend's decoder (`stages.generation.decoder`, on by default where it applies), a fourth:
-- batched, HF's generate: the batched call with the decoder turned off (every batch through `model.generate`).
-Throughput = generated tokens (up to and including EOS) / wall time, minimum over `--repeats`
-rounds run round-robin so both see the same background load, after an untimed warm-up.
-It also checks that greedy decoding gives identical tokens batched and one at a time.
-Writes benchmarks/RESULTS-generation.md (with --write).
+Workload: the first `--prompts` prompts of the built-in task (chat form), `--samples` samples each
+(temperature 1, `--max-new-tokens` 32), on a fresh built-in Llama (hidden 128, 4 layers) or `--model`.
+Variants of the same call, `generate(model, tok, prompts, SamplingParams(n=4, do_sample=True, ...))`:
+- batched (backend auto) against one prompt per call (`batch_size=1`): what batching buys;
+- batched through HF's own batch sampler (`model.generate(do_sample=True)`, torch's global RNG) against
+  `backend="hf"`: what seeding each prompt's rows apart (`stages.generation.row_sampling`) costs;
+- batched with `backend="hf"` and `backend="decoder"`: what the CPU decoder buys over HF `generate`.
+Throughput = generated tokens (EOS included) / wall time, the best of `--repeats` rounds run round-robin
+after an untimed warm-up. It also checks that greedy decoding gives the same tokens batched and one at a time.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import host_load
+
+BATCHED, ONE = "batched (auto)", "one prompt at a time"
 HF_SAMPLER = "batched, HF's sampler"
-HF_GENERATE = "batched, HF's generate"
-
-
-def hf_generate_only(fn):
-    """`fn()` with the "hf" backend's decoder turned off: every batch through HF's `model.generate`."""
-    from stages.generation.decoder import Decoder
-
-    real = Decoder.for_model
-    Decoder.for_model = classmethod(lambda cls, model, capacity: None)
-    try:
-        return fn()
-    finally:
-        Decoder.for_model = real
+BACKENDS = {"batched, backend hf": "hf", "batched, backend decoder": "decoder"}
 
 
 def build_model(args, folder: Path):
@@ -113,7 +91,7 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="a model folder (e.g. an SFT model); default: the built-in tiny model")
     ap.add_argument("--hidden-size", type=int, default=128)
@@ -125,9 +103,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true", help="1 repeat, no greedy check")
-    ap.add_argument("--write", action="store_true", help="write benchmarks/RESULTS-generation.md")
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true", help="hidden 32, 1 layer, 8 prompts, 8 tokens, 1 repeat")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.hidden_size, args.num_layers, args.prompts, args.max_new_tokens, args.repeats = 32, 1, 8, 8, 1
 
     import torch
 
@@ -136,13 +115,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    repeats = 1 if args.quick else args.repeats
+    repeats = args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         path, model, tok = build_model(args, Path(tmp))
         prompts = task_prompts(args.prompts)
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.samples, do_sample=True, seed=0)
-        variants = {"batched": args.batch_size, "one prompt at a time": 1, HF_SAMPLER: args.batch_size,
-                    HF_GENERATE: args.batch_size}
+        variants = {BATCHED: args.batch_size, ONE: 1, HF_SAMPLER: args.batch_size,
+                    **{name: args.batch_size for name in BACKENDS}}
+        runnable = {name: b for name, b in BACKENDS.items() if b != "decoder" or args.device == "cpu"}
+        variants = {k: v for k, v in variants.items() if k not in BACKENDS or k in runnable}
         for bs in variants.values():  # warm-up: allocator, kernels, first-call overheads
             generate(model, tok, prompts[:2], sampling, batch_size=bs)
         best: dict[str, tuple[float, int, float]] = {}
@@ -151,104 +132,35 @@ def main() -> None:
                 if name == HF_SAMPLER:
                     comps, secs = timed(lambda: hf_batch_sampler(model, tok, prompts, sampling, bs))
                     finished = sum(bool(c) and c[-1] in (tok.eos_token_id,) for c in comps) / len(comps)
-                elif name == HF_GENERATE:
-                    gens, secs = timed(lambda: hf_generate_only(lambda: generate(model, tok, prompts, sampling,
-                                                                                 batch_size=bs)))
-                    comps, finished = gens.completion_ids, sum(gens.finished) / len(gens)
                 else:
-                    gens, secs = timed(lambda: generate(model, tok, prompts, sampling, batch_size=bs))
+                    backend = BACKENDS.get(name, "auto")
+                    gens, secs = timed(lambda: generate(model, tok, prompts, sampling, batch_size=bs,
+                                                        backend=backend))
                     comps, finished = gens.completion_ids, sum(gens.finished) / len(gens)
                 tokens = sum(map(len, comps))
                 if name not in best or secs < best[name][0]:
                     best[name] = (secs, tokens, finished)
         same_greedy = None
-        if not args.quick:
+        if not args.tiny:
             greedy, check = SamplingParams(max_new_tokens=args.max_new_tokens), prompts[:32]
             batched = generate(model, tok, check, greedy, batch_size=args.batch_size).completion_ids
             single = [generate(model, tok, [p], greedy).completion_ids[0] for p in check]
             same_greedy = batched == single
 
-    rows = []
+    print(f"model {path}, {args.prompts} prompts x {args.samples} samples, {args.max_new_tokens} new tokens, "
+          f"device {args.device}, {args.threads} thread(s), 1-min load {host_load():.2f}")
+    rate = {}
     for name, (secs, tokens, finished) in best.items():
-        rows.append((name, variants[name], secs, tokens, tokens / secs, finished))
-        print(f"{name:>22}: batch_size={variants[name]:>3}  {secs:7.2f} s  {tokens:6d} tokens  "
+        rate[name] = tokens / secs
+        print(f"{name:>25}: batch_size={variants[name]:>3}  {secs:7.2f} s  {tokens:6d} tokens  "
               f"{tokens / secs:9.0f} tokens/s  finished {finished:.0%}")
-    speedup = rows[0][4] / rows[1][4]
-    print(f"speed-up batched / one at a time: {speedup:.1f}x (target >= 5x) -> {'MET' if speedup >= 5 else 'NOT MET'}")
-    print(f"per-prompt seeded sampler / HF's batch sampler, tokens/s: {rows[0][4] / rows[2][4]:.2f}")
-    print(f"with the decoder / HF's generate, tokens/s: {rows[0][4] / rows[3][4]:.2f}")
+    print(f"batched / one at a time, tokens/s: {rate[BATCHED] / rate[ONE]:.2f}x")
+    print(f"per-prompt seeded sampler / HF's batch sampler (both through HF generate), tokens/s: "
+          f"{rate['batched, backend hf'] / rate[HF_SAMPLER]:.2f}x")
+    if "batched, backend decoder" in rate:
+        print(f"backend decoder / backend hf, tokens/s: "
+              f"{rate['batched, backend decoder'] / rate['batched, backend hf']:.2f}x")
     if same_greedy is not None:
         print(f"greedy tokens identical batched vs one at a time (32 prompts): {same_greedy}")
-    if args.write:
-        write_results(args, path, rows, speedup, same_greedy, repeats)
+    return 0
 
-
-def write_results(args, path, rows, speedup, same_greedy, repeats) -> None:
-    import torch
-
-    model_desc = (f"`{args.model}`" if args.model else
-                  f"built-in tiny Llama (hidden {args.hidden_size}, {args.num_layers} layers, vocab 384)")
-    lines = [
-        "# stages.generation benchmark (HF backend)",
-        "",
-        "Command (from the repository root):",
-        "",
-        "```",
-        f"OMP_NUM_THREADS={args.threads} python benchmarks/generation.py --write"
-        + (f" --repeats {args.repeats}" if args.repeats != 2 else "")
-        + (f" --model {args.model}" if args.model else ""),
-        "```",
-        "",
-        f"Machine: {os.cpu_count()} vCPUs ({platform.processor() or platform.machine()}), device {args.device}, "
-        f"torch {torch.__version__} with {args.threads} thread(s). The machine is shared with other jobs, so "
-        "absolute figures are noisy; the variants ran round-robin in one process and each figure is the best "
-        f"of {repeats} round(s).",
-        "",
-        f"Workload: {args.prompts} built-in task prompts x {args.samples} samples (do_sample, temperature 1), "
-        f"max_new_tokens {args.max_new_tokens}, model: {model_desc}.",
-        "",
-        "| variant | prompts per generate call | wall s | generated tokens | tokens/s | finished (EOS) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, bs, secs, tokens, tps, finished in rows:
-        lines.append(f"| {name} | {bs} | {secs:.2f} | {tokens} | {tps:.0f} | {finished:.0%} |")
-    lines += [
-        "",
-        f"Speed-up batched / one prompt at a time: **{speedup:.1f}x** (target >= 5x: "
-        f"{'met' if speedup >= 5 else 'NOT met'}).",
-        f"Per-prompt seeded rows (`stages.generation.row_sampling`) / HF's batch sampler on the same batches: "
-        f"**{rows[0][4] / rows[2][4]:.2f}x** the tokens/s.",
-        f"The \"hf\" backend's decoder (`stages.generation.decoder`) / the same calls through HF's `generate`: "
-        f"**{rows[0][4] / rows[3][4]:.2f}x** the tokens/s.",
-    ]
-    if same_greedy is not None:
-        lines.append(f"Greedy decoding gives identical tokens batched and one at a time (first 32 prompts): "
-                     f"{same_greedy}.")
-    lines += [
-        "",
-        "## How to read it",
-        "",
-        "One prompt per call runs `max_new_tokens` sequential decoder steps per prompt, each a tiny matrix "
-        "product dominated by Python and kernel-launch overhead; batching runs the same number of steps for "
-        f"{args.batch_size} prompts x {args.samples} samples at once, so the overhead is shared. A fresh "
-        "model rarely emits EOS, so nearly every completion runs to max_new_tokens and both variants generate "
-        "about the same number of tokens; with a trained model (`--model`), sequences stop at different "
-        "times and a batch keeps stepping until its longest member is done, which should lower the batched gain "
-        "somewhat (not measured here; prompts are sorted by length first to keep left padding small).",
-        "",
-        "The baseline already generates each prompt's samples together (one `generate` call per prompt with "
-        "`num_return_sequences`); one call per *sequence* would be slower still. The batched variant is "
-        "compute-bound on one CPU thread: under cProfile its time goes to the linear layers, attention and "
-        "the KV-cache concatenation, and batch sizes 64, 128 and 256 took the same time (7.4 s each, one "
-        "measurement while developing); a preallocated static cache gave no gain on CPU. So the ratio moves "
-        "with the background load on the shared cores (a 32-prompt smoke run measured 6.5x), and should "
-        "grow with more threads or on a GPU (not measured here), where the batched forward costs little and "
-        "per-step overhead dominates.",
-        "",
-    ]
-    (REPO / "benchmarks" / "RESULTS-generation.md").write_text("\n".join(lines))
-    print("wrote benchmarks/RESULTS-generation.md")
-
-
-if __name__ == "__main__":
-    main()

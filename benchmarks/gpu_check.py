@@ -1,8 +1,9 @@
 """GPU check: a ~0.5B-parameter model of a real architecture through SFT -> DPO and GRPO, bf16 + LoRA
 (+ QLoRA when bitsandbytes is importable), with this project's own trainers; one command:
 
-    python benchmarks/gpu_check.py                      # every mode, 8 optimizer steps per stage
-    python benchmarks/gpu_check.py --modes lora --steps 4 --json /tmp/gpu_check.json
+    python -m benchmarks gpu_check                      # every mode, 8 optimizer steps per stage
+    python -m benchmarks gpu_check --modes lora --steps 4 --json /tmp/gpu_check.json
+    python -m benchmarks gpu_check --tiny               # a 2-layer model on CPU: the code path, in seconds
 
 The model is Qwen2-0.5B's architecture (24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151,936,
 tied embeddings; 494M parameters) with random weights, built locally (no hub), with the built-in
@@ -24,16 +25,12 @@ import dataclasses
 import gc
 import importlib.util
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.common import skip
 
-SKIPPED = 77  # the exit status test harnesses (automake, meson) read as "skipped"
 MODES = ("lora", "qlora")
 QWEN2_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6,
@@ -170,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--small", action="store_true", help="a 2-layer, hidden-64 Qwen2 instead (a dry run of the code)")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (with --small: checks the code without a GPU)")
+    ap.add_argument("--tiny", action="store_true", help="--small --cpu --steps 2: the code path on CPU in seconds")
     a = ap.parse_args(argv)
+    if a.tiny:
+        a.small, a.cpu, a.steps = True, True, 2
     modes = [m for m in a.modes.split(",") if m]
     if unknown := [m for m in modes if m not in MODES]:
         ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
@@ -179,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cpu" if a.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: skipped: no CUDA GPU is visible (torch.cuda.is_available() is False); "
-              "run it on a machine with an NVIDIA GPU")
-        return SKIPPED
+        return skip("gpu_check", "no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                    "run it on a machine with an NVIDIA GPU, or --tiny for the code path on CPU")
     if "qlora" in modes and (device == "cpu" or importlib.util.find_spec("bitsandbytes") is None):
         print("gpu_check: qlora skipped: " + ("QLoRA needs CUDA" if device == "cpu" else
                                               "bitsandbytes is not importable (pip install bitsandbytes)"))
@@ -204,6 +203,3 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "logs"} for r in results], indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

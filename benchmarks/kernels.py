@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/kernels.py            # full sizes (~2-3 min on 2 CPU cores)
-    python benchmarks/kernels.py --quick    # small sizes, a few seconds
-    python benchmarks/kernels.py --repeats 7 --clp-repeats 3 --device cuda
+    python -m benchmarks kernels            # full sizes (~2-3 min on 2 CPU cores)
+    python -m benchmarks kernels --tiny     # small sizes, a few seconds
+    python -m benchmarks kernels --repeats 7 --clp-repeats 3 --device cuda
 
 Cases:
 
@@ -38,11 +38,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from peak_memory import PeakMemory  # noqa: E402  (benchmarks/ is on sys.path)
-
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, PeakMemory
 
 # name -> (kind, dtype, variant)
 CASES = {
@@ -56,7 +53,7 @@ CASES = {
 }
 SIZES = {
     "full": {"sls": dict(B=8, T=512, V=32000), "clp": dict(N=8192, H=512, V=32000)},
-    "quick": {"sls": dict(B=4, T=256, V=8000), "clp": dict(N=2048, H=256, V=8000)},
+    "tiny": {"sls": dict(B=4, T=256, V=8000), "clp": dict(N=2048, H=256, V=8000)},
 }
 
 
@@ -69,7 +66,6 @@ def _make(kind: str, dtype_name: str, variant: str, sizes: dict, device: str):
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(REPO))
     from stages.kernels import chunked_logprobs, selective_log_softmax
 
     dtype = getattr(torch, dtype_name)
@@ -182,10 +178,10 @@ def _child_time(group: str, size_key: str, device: str, repeats: int) -> list[di
 
 
 def _child_json(extra: list[str], args) -> object:
-    cmd = [sys.executable, __file__, "--device", args.device, *extra]
-    if args.quick:
-        cmd.append("--quick")
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-m", "benchmarks", "kernels", "--device", args.device, *extra]
+    if args.tiny:
+        cmd.append("--tiny")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(extra)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -238,26 +234,28 @@ def _targets(by: dict) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="small sizes, 1 repeat (a smoke run)")
     parser.add_argument("--repeats", type=int, default=5, help="timed selective_log_softmax runs per variant (min)")
     parser.add_argument("--clp-repeats", type=int, default=2, help="timed chunked_logprobs runs per variant (min)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-time", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.tiny and not (args.child_memory or args.child_time):
+        args.repeats, args.clp_repeats = 1, 1
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    size_key = "quick" if args.quick else "full"
+    size_key = "tiny" if args.tiny else "full"
     if args.child_memory:
         print(json.dumps(_child_memory(args.child_memory, size_key, args.device)))
-        return
+        return 0
     if args.child_time:
         print(json.dumps(_child_time(args.child_time, size_key, args.device, args.repeats)))
-        return
+        return 0
 
     start = time.perf_counter()
     memory = {}
@@ -273,14 +271,11 @@ def main() -> None:
     cpu = os.cpu_count()
     print(f"device={args.device} cpus={cpu} torch threads={results[0]['threads']} "
           f"repeats={args.repeats} (chunked_logprobs {args.clp_repeats}) memory method={results[0]['method']} "
-          f"({'quick' if args.quick else 'full'} sizes, {time.perf_counter() - start:.0f} s)")
+          f"({size_key} sizes, {time.perf_counter() - start:.0f} s)")
     print()
     print("\n".join(_table(results)))
     print()
-    if args.quick:
-        print("(quick sizes: the chunk budgets are sized for the full shapes, so the targets below are only meaningful without --quick)")
+    if args.tiny:
+        print("(tiny sizes: the chunk budgets are sized for the full shapes, so the targets below are only meaningful without --tiny)")
     print("\n".join(_targets(by)))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

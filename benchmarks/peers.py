@@ -1,16 +1,16 @@
 """Our trainers against TRL's, the same work on both sides: seconds per step, tokens/s, peak memory.
 
     pip install -e '.[bench]'                          # TRL 1.16 (the library never imports it)
-    OMP_NUM_THREADS=1 python benchmarks/peers.py       # every trainer, fp32 and bf16, 2 rounds of 12 steps
-    python benchmarks/peers.py --trainers dpo grpo --precision fp32 --rounds 3 --steps 20
-    python benchmarks/peers.py --trainers dpo --profile ours      # torch.profiler table of our DPO steps
-    python benchmarks/peers.py --tiny --steps 2 --rounds 1        # the smoke test's settings
+    OMP_NUM_THREADS=1 python -m benchmarks peers      # every trainer, fp32 and bf16, 2 rounds of 12 steps
+    python -m benchmarks peers --trainers dpo grpo --precision fp32 --rounds 3 --steps 20
+    python -m benchmarks peers --trainers dpo --profile ours      # torch.profiler table of our DPO steps
+    python -m benchmarks peers --tiny                             # the smoke test: tiny model, 2 steps, fp32
 
 One process, one torch thread. For each trainer and precision the two sides alternate over
 rounds (ours, TRL, then TRL, ours, ...) so a load change on the shared machine hits both; each
 run builds a fresh model from the same saved folder and trains it on the same rows.
 
-The setup (what the issue compares):
+The setup (the same on both sides):
 - model: a Llama built locally like `builtin:tiny` (`stages.builtin.tiny`): hidden 256, 4 layers,
   4 heads, intermediate 768, byte-level BPE tokenizer with single-digit tokens trained on the
   built-in task's corpus (325 tokens: BPE runs out of merges there), padded with never-used added tokens
@@ -28,7 +28,7 @@ The setup (what the issue compares):
   "grpo", beta 0 (no reference, both defaults), epsilon 0.2, one iteration, group-scaled rewards;
   the reward is the same Python function on both sides (1 when the answer ends the completion);
 - precision: fp32, and bf16 autocast (`bf16=True`); `gradient_checkpointing=False` on both sides
-  (TRL's configs default to bf16 and checkpointing even on CPU, see shared NOTES).
+  (TRL's configs default to bf16 and checkpointing even on CPU).
 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
@@ -51,15 +51,14 @@ import contextlib
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import has_trl, host_load, skip
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 TRAINERS = ("sft", "dpo", "kto", "grpo", "online_dpo", "reward")
@@ -224,7 +223,7 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
     if name == "sft":
         from stages.trainers.sft import SFTConfig, SFTTrainer
 
-        cfg = SFTConfig(**a, max_seq_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
+        cfg = SFTConfig(**a, max_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
         return SFTTrainer(load(model_dir), cfg, processing_class=tokenizer, train_dataset=rows["sft"])
     if name == "dpo":
         from stages.trainers.dpo import DPOConfig, DPOTrainer
@@ -239,21 +238,19 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
             warnings.simplefilter("ignore")
             return KTOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["unpaired"])
     if name == "grpo":
-        from stages.trainers.generation_params import GenerationParams
         from stages.trainers.grpo import GRPOConfig, GRPOTrainer
 
         cfg = GRPOConfig(**a, num_generations=GENERATIONS, beta=0.0, loss_type="grpo", epsilon=0.2,
-                         scale_rewards="group", num_iterations=1,
-                         generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
+                         scale_rewards="group", num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0,
+                         generation_prompts_per_call=64)
         return GRPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
                            train_dataset=rows["prompts"])
     if name == "online_dpo":
-        from stages.trainers.generation_params import GenerationParams
         from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH,
-                              generation=GenerationParams(max_new_tokens=NEW_TOKENS, temperature=1.0, batch_size=64))
-        return OnlineDPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
+        cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, max_new_tokens=NEW_TOKENS,
+                              temperature=1.0, generation_prompts_per_call=64)
+        return OnlineDPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
                                 train_dataset=rows["prompts"])
     if name == "reward":
         from stages.trainers.reward import RewardConfig, RewardTrainer
@@ -391,7 +388,7 @@ def profile(name: str, side: str, model_dir, tokenizer, rows, steps: int, precis
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / 1e6 / active
     print(f"\n## profile: {side} {name} ({precision}), {active} steps, {total * 1000:.1f} ms/step of CPU self time, "
-          f"load {os.getloadavg()[0]:.2f}")
+          f"load {host_load():.2f}")
     print("\nphases (CPU total per step, nested: forward inside generate counts in both):")
     phases = sorted((e for e in events if e.key.startswith("## ") or e.key.startswith("Optimizer.step")
                      or e.key.startswith("autograd::engine::evaluate_function")),
@@ -446,7 +443,7 @@ def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, preci
 
 
 def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple[float, float]) -> str:
-    lines = [f"\n### {precision} (load average {load[0]:.2f} before, {load[1]:.2f} after)\n",
+    lines = [f"\n### {precision} (1-min load {load[0]:.2f} before, {load[1]:.2f} after)\n",
              "| trainer | ours s/step | TRL s/step | ours/TRL speed | ours tokens/s | TRL tokens/s | "
              "ours peak MB | TRL peak MB | ours CPU s/step | TRL CPU s/step | ours/TRL on CPU time |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -466,18 +463,24 @@ def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (ours/TRL, TRL/ours, ...)")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="steps not timed at the start of each run")
-    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both")
-    ap.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 384 (tests)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (ours/TRL, TRL/ours, ...); 2")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run; 12")
+    ap.add_argument("--warmup", type=int, default=None, help="steps not timed at the start of each run; 3")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default=None, help="both")
+    ap.add_argument("--tiny", action="store_true",
+                    help="hidden 64, 2 layers, vocab 384; unless given: 1 round of 3 steps, 1 untimed, fp32")
     ap.add_argument("--profile", choices=tuple(SIDES), default=None,
                     help="profile this side's steps (torch.profiler, CPU) instead of timing both")
     ap.add_argument("--top", type=int, default=20, help="--profile: ops listed")
     args = ap.parse_args(argv)
+    for key, full, tiny in (("rounds", 2, 1), ("steps", 12, 3), ("warmup", 3, 1), ("precision", "both", "fp32")):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else full)
+    if args.profile != "ours" and not has_trl():
+        return skip("peers", "TRL is not installed (pip install -e '.[bench]')")
 
     import torch
     import transformers
@@ -501,12 +504,12 @@ def main(argv: list[str] | None = None) -> None:
         for precision in precisions:
             for name in args.trainers:
                 profile(name, args.profile, model_dir, tokenizer, rows, args.steps, precision, args.warmup, args.top)
-        return
+        return 0
     import trl
 
     print(f"trl {trl.__version__}; {args.rounds} rounds x {args.steps} steps, first {args.warmup} untimed")
     for precision in precisions:
-        load_before = os.getloadavg()[0]
+        load_before = host_load()
         results: dict[str, dict[str, list[dict]]] = {}
         for name in args.trainers:
             sides = ["ours", "trl"] if trl_has(name) else ["ours"]
@@ -517,10 +520,7 @@ def main(argv: list[str] | None = None) -> None:
                     results[name][side].append(res)
                     print(f"  {precision} {name:<10} round {r} {side:<4} {res['s_step']:.4f} s/step "
                           f"(CPU {res['cpu_step']:.4f}) "
-                          f"{res['tok_s']:8.0f} tok/s {res['peak_mb']:6.0f} MB  load {os.getloadavg()[0]:.2f}",
+                          f"{res['tok_s']:8.0f} tok/s {res['peak_mb']:6.0f} MB  load {host_load():.2f}",
                           flush=True)
-        print(table(precision, results, (load_before, os.getloadavg()[0])), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        print(table(precision, results, (load_before, host_load())), flush=True)
+    return 0

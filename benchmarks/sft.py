@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/sft.py              # full sizes (~2.5-3 min on 2 CPU cores)
-    python benchmarks/sft.py --quick      # small models and data, ~30-40 s (smoke test)
-    python benchmarks/sft.py --threads 2  # torch threads per process (default 1, see below)
+    python -m benchmarks sft              # full sizes (~2.5-3 min on 2 CPU cores)
+    python -m benchmarks sft --tiny       # small models and data, ~30-40 s (a smoke run)
+    python -m benchmarks sft --threads 2  # torch threads per process (default 1, see below)
 
 Every model is a `builtin:tiny` Llama (`stages.builtin.tiny.build`) written to a temporary
 folder; every training run is `stages.trainers.sft.SFTTrainer`.
@@ -65,10 +65,7 @@ import time
 import warnings
 from pathlib import Path
 
-from peak_memory import PeakMemory, status_mib  # noqa: E402  (benchmarks/ is on sys.path)
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import ROOT, PeakMemory, host_load, status_mib
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SIZES = {
@@ -80,7 +77,7 @@ SIZES = {
         "ckpt": dict(model=dict(hidden_size=256, num_layers=8, num_heads=4, intermediate_size=1024),
                      batch=8, seq_length=512, warmup=2, repeats=2),
     },
-    "quick": {
+    "tiny": {
         "packing": dict(model=dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512),
                         train_rows=160, eval_rows=32, seq_length=512),
         "lora": dict(model=dict(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=688),
@@ -347,10 +344,12 @@ def build_models(root: Path, size_key: str) -> dict[str, Path]:
 
 
 def _spawn(child: str, root: Path, args) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--child", child, "--workdir", str(root), "--threads", str(args.threads)]
-    if args.quick:
-        cmd.append("--quick")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(args))
+    cmd = [sys.executable, "-m", "benchmarks", "sft", "--child", child, "--workdir", str(root),
+           "--threads", str(args.threads)]
+    if args.tiny:
+        cmd.append("--tiny")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(args),
+                            cwd=ROOT)
 
 
 def _child_env(args) -> dict:
@@ -449,13 +448,13 @@ def targets(padded: dict, packed: dict, mem: dict[str, dict], timing: dict) -> l
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models and data (smoke test, ~30-40 s)")
+    parser.add_argument("--tiny", action="store_true", help="small models and data (a smoke run, ~30-40 s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -463,13 +462,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     logging.disable_progress_bar()
-    size_key = "quick" if args.quick else "full"
+    size_key = "tiny" if args.tiny else "full"
     if args.child:
         print(json.dumps(run_child(args.child, Path(args.workdir), size_key)))
-        return
+        return 0
 
     start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    load_before = host_load()
     sizes = SIZES[size_key]
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as tmp:
         root = Path(tmp)
@@ -486,16 +485,13 @@ def main() -> None:
     model_desc = "; ".join(f"{name}: hidden {s['model']['hidden_size']}, {s['model']['num_layers']} layers"
                            for name, s in sizes.items())
     print(f"device=cpu cpus={os.cpu_count()} torch threads={args.threads} memory method={mem['full']['method']} "
-          f"({size_key} sizes, {time.perf_counter() - start:.0f} s, load average {load_before:.1f} -> "
-          f"{os.getloadavg()[0]:.1f})")
+          f"({size_key} sizes, {time.perf_counter() - start:.0f} s, 1-min load {load_before:.1f} -> "
+          f"{host_load():.1f})")
     print(f"models ({model_desc})")
     print()
     sections = (packing_table(padded, packed), lora_table(mem["full"], mem["lora"], fractions),
                 ckpt_table(mem["ckpt-plain"], mem["ckpt-on"], ckpt, sizes["ckpt"]), targets(padded, packed, mem, ckpt))
     print("\n\n".join("\n".join(section) for section in sections))
-    if args.quick:
-        print("\n(quick sizes: small models and data; the targets are only meaningful without --quick)")
-
-
-if __name__ == "__main__":
-    main()
+    if args.tiny:
+        print("\n(tiny sizes: small models and data; the targets are only meaningful without --tiny)")
+    return 0

@@ -2,24 +2,20 @@
 
     preprocess -> sft -> reward -> score -> reference -> policy -> merge -> evaluate [-> promote]
 
-(reward: the reward model with its quality gate; score: SFT samples scored into pairs;
-reference: the reference log-probs of the DPO pairs, cached apart from the policy's params;
-merge: the policy's adapter merged into a full model; promote, with `promote=True` as in the
-nightly deployment: the merged model replaces models/production only if it is better.)
-
-The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after
-its `upstream` stages, in the table's order. Each task finishes "Cached" when its stage's output
-folder is current (same params, code and inputs, files intact), so rerunning the flow only
-executes what changed downstream of a change. Run it with `align run`, or through the
-deployments (`align serve`, then `prefect deployment run align/full`). With
-`run.parallel_shards` > 1, the work of the stages with shards (`StageSpec.shards`: score's
-prompts, evaluate's models) is first computed by that many shard tasks at once (tasks/shards.py):
-in processes of this machine, or on the workers of the Dask cluster at `run.dask_address`
-(tasks/cluster.py; checked reachable before any stage runs).
+The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after its `upstream`
+stages, in the table's order. Each task finishes "Cached" when its stage's output folder is current (same
+params, code and inputs, files intact), so rerunning the flow only executes what changed downstream of a
+change. With `promote=True` (the nightly deployment) the merged model replaces models/production only if it is
+better. With `run.parallel_shards` > 1, the work of the stages with shards (score's prompts, evaluate's
+models) is first computed by that many shard tasks at once (tasks/shards.py): in processes of this machine, or
+on the workers of the Dask cluster at `run.dask_address` (tasks/cluster.py). Run it with `align run`, or
+through the deployments (`align serve`, then `prefect deployment run align/full`).
 """
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -28,9 +24,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from stages.registry import STAGES
 from stages.runner import output_dir
+from stages.trackers import RUN_ENV
 from tasks.cluster import shard_runner
 from tasks.shards import fan_out
 from tasks.stage import STAGE_TASKS
@@ -42,8 +40,28 @@ def align(params_file: str = "params.yaml", overrides: list[str] | None = None, 
           ) -> dict[str, Any]:
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
     promotion gate (stages/promotion.py)."""
-    params = load_params(params_file, overrides or [])  # every params problem, before any compute
+    params = load_params(params_file, overrides or [], rows=True)  # every params and row problem, before any compute
+    with pipeline_run_name():
+        return _run(params, params_file, overrides, promote)
 
+
+@contextmanager
+def pipeline_run_name():
+    """Name this pipeline run for the trackers (`align-<flow run>`, stages/trackers.py) while the flow runs:
+    its stages, in threads of this process or in subprocesses (accelerate launch, shards), read it from the
+    environment. A name already set by the caller is kept."""
+    from prefect.runtime import flow_run
+
+    previous = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = previous or f"align-{flow_run.name}"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ENV, None)
+
+
+def _run(params: Params, params_file: str, overrides: list[str] | None, promote: bool) -> dict[str, Any]:
     runs = {}
 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here

@@ -6,6 +6,7 @@
     align stage <stage> [--set ...]             one stage, without Prefect (= python -m stages <stage>)
     align status                                which stages are current, and why not
     align dvc-yaml                              print the dvc.yaml derived from the stage table
+    align params [--write]                      params.yaml rendered from the schema (defaults and help)
 
 A failed command ends with `error: <cause>` as its last line (the failed stage, file:line, key or
 fix); the full log with tracebacks is in `<run.output_dir>/logs/`, its path printed just above.
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("server", help="start or stop a background Prefect server on 127.0.0.1")
     srv.add_argument("action", choices=["start", "stop"])
     srv.add_argument("--port", type=int, default=4200)
-    for name in ("stage", "status", "dvc-yaml"):
+    for name in ("stage", "status", "dvc-yaml", "params"):
         sub.add_parser(name, add_help=False, help="see python -m stages --help")
     args, rest = parser.parse_known_args(argv)
 
@@ -51,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.setup()  # before Prefect is imported: its records then go through our console and log-file handlers
     from stages.__main__ import main as stages_main
-    from stages.config import ParamsError, load_params
+    from stages.params_loader import ParamsError, load_params
 
     if args.command == "server":
         return server_command(args.action, args.port)
     if args.command == "stage":
         return stages_main(rest)
-    if args.command in ("status", "dvc-yaml"):
+    if args.command in ("status", "dvc-yaml", "params"):
         rc = stages_main([args.command, *rest])
         if args.command == "status" and rc == 0:  # and whether DVC agrees
             from flows.dvc_sync import lock_status
@@ -68,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
-        params = load_params(args.params, getattr(args, "overrides", []))
+        params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
+        if args.command == "run":  # and what transformers refuses in the training sections, before any stage
+            from stages.preflight import trainer_config_problems
+
+            if problems := trainer_config_problems(params):
+                raise ParamsError(args.params, problems)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

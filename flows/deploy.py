@@ -20,7 +20,7 @@ from prefect.schedules import Cron
 
 from flows import shutdown
 from flows.align import align
-from stages.config import load_params
+from stages.params_loader import load_params
 
 log = logging.getLogger("flows.deploy")
 
@@ -39,7 +39,7 @@ def build_deployments(params_file: str = "params.yaml") -> list:
 
 class BoundedRunner(Runner):
     """Prefect's Runner whose graceful stop on SIGTERM is bounded: after GRACE_S seconds the process and its
-    children end (measured without it: still running 35 s after one SIGTERM)."""
+    children end (Prefect's own graceful stop has no bound, so `align serve` could outlive a SIGTERM)."""
 
     last_line = "align serve: stopped"
 

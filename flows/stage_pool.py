@@ -1,26 +1,16 @@
 """Training stages on a Prefect work pool: the `align-stage` flow and its deployments (the `align` flow's
 call to them, when `run.launch.work_pool` is set, is tasks/pool.py).
 
-The `align` flow runs where it is started. With `run.launch.work_pool = gpu`, its training
-stages (those with `StageSpec.training_rows`: sft, reward, policy) become flow runs of the
-deployment `align-stage/gpu`, which a worker of the pool `gpu` picks up on its own machine;
-the parent task waits for it and fails with it (so its retries apply). Inside, the stage runs as usual: in-process, or through
-`accelerate launch` when `run.launch.num_processes` > 1. Outputs must be visible to both
-sides: a shared `run.output_dir` (NFS, a mounted bucket), or a DVC remote both push to
-and pull from (README "Scale out").
+With `run.launch.work_pool = gpu`, the `align` flow's training stages (sft, reward, policy) become flow runs of
+the deployment `align-stage/gpu`, which a worker of the pool `gpu` picks up on its own machine; the parent task
+waits for it and fails with it (so its retries apply). Inside, the stage runs as usual: in-process, or through
+`accelerate launch`. Outputs must be visible to both sides: a shared `run.output_dir`, or a DVC remote both
+push to and pull from (README "Scale out").
 
-Locally, a process pool (the worker runs stages as subprocesses of itself):
-
-    prefect work-pool create gpu --type process
-    python -m flows.stage_pool deploy --pool gpu        # registers align-stage/gpu from this checkout
+    prefect work-pool create gpu --type process         # or --type kubernetes|docker on a cluster
+    python -m flows.stage_pool deploy --pool gpu        # --image registry/align:tag for kubernetes/docker
     prefect worker start --pool gpu                     # on the GPU machine, in this checkout
     align run --set run.launch.work_pool=gpu
-
-For a cluster, a Kubernetes or Docker pool with an image of this repository:
-
-    prefect work-pool create gpu --type kubernetes      # or: --type docker
-    python -m flows.stage_pool deploy --pool gpu --image registry.example.com/align:latest
-    # the pool's base job template requests the GPUs (nvidia.com/gpu: 8) and mounts run.output_dir
 """
 from __future__ import annotations
 
@@ -32,7 +22,7 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.launch import training_stages
 from tasks.pool import FLOW_NAME
 from tasks.stage import STAGE_TASKS

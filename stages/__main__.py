@@ -1,22 +1,17 @@
 """Run one pipeline stage: `python -m stages <stage> [--params params.yaml] [--set key=value ...]`.
 
-The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params
-first (exit code 2 and every problem listed, nothing written), skips the stage if its
-output folder is current, otherwise builds it atomically with a manifest. A failure ends with
-`error: <stage>: <cause>` as the last line; its traceback is in the log file named just above
-(`<run.output_dir>/logs/`).
+The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates all params first (exit code 2
+and every problem listed, nothing written), skips the stage if its output folder is current, otherwise builds
+it atomically with a manifest. A failure ends with `error: <stage>: <cause>` as the last line; its traceback is
+in the log file named just above (`<run.output_dir>/logs/`). Training stages with `run.launch.num_processes`
+> 1 go through `accelerate launch` (`stages.launch`); everything else runs in this process.
 
-    python -m stages preprocess
     python -m stages sft --set sft.learning_rate=1e-3
     python -m stages status          # which stages are current, and why not
     python -m stages dvc-yaml        # print the dvc.yaml derived from the stage table and params.yaml
+    python -m stages params --write  # params.yaml rendered from the schema (defaults and help)
     python -m stages score --shard 0 --num-shards 4   # one share of score's prompts, on any machine
                                                       # sharing run.output_dir; then `python -m stages score`
-
-Training stages (sft, reward, policy) with `run.launch.num_processes` > 1 (or several machines)
-go through `accelerate launch` (see `stages.launch`); everything else runs in this process.
-
-    python -m stages sft --set run.launch.num_processes=8    # 8 GPUs (DDP; FSDP/DeepSpeed: run.launch.accelerate_config)
 """
 from __future__ import annotations
 
@@ -26,13 +21,15 @@ import logging
 import sys
 from pathlib import Path
 
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.registry import STAGES
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m stages", description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=[*STAGES, "status", "dvc-yaml"], help="stage to run, or a helper command")
+    p.add_argument("stage", choices=[*STAGES, "status", "dvc-yaml", "params"],
+                   help="stage to run, or a helper command (params: print params.yaml rendered from the schema)")
+    p.add_argument("--write", action="store_true", help="params: write the rendering to --params")
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a param by its dotted key, e.g. sft.learning_rate=1e-4 (repeatable)")
@@ -49,8 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     from stages import logs, processes
 
     logs.setup(logging.INFO if processes.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
-    try:
-        params = load_params(args.params, args.overrides)
+    if args.stage == "params":
+        from stages.params_yaml import render
+
+        text = render()
+        Path(args.params).write_text(text) if args.write else sys.stdout.write(text)
+        return 0
+    try:  # status opens no data file or model folder (preflight): it reads the manifests only
+        params = load_params(args.params, args.overrides, preflight=args.stage != "status",
+                             rows=args.stage == "preprocess" and args.shard is None)
+        if args.stage in ("sft", "reward", "policy"):  # what transformers refuses, before the model is built
+            from stages.preflight import trainer_config_problems
+
+            if problems := trainer_config_problems(params):
+                raise ParamsError(args.params, problems)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

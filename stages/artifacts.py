@@ -34,7 +34,7 @@ MANIFEST = "manifest.json"
 # and process ids, so two builds of byte-identical weights differ in them. They stay in the folder and
 # the manifest verifies them (`logs`), but they are kept out of the outputs hash that downstream
 # fingerprints use: a rebuild that reproduces its results leaves everything below it current.
-LOGS = ("log_history.json", "tensorboard")
+LOGS = ("log_history.json", "tensorboard", "dvclive")
 CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
 _CHUNK = 1 << 20
 

@@ -1,51 +1,29 @@
-"""Typed params: `params.yaml` loaded into one dataclass per section.
+"""The params schema: one dataclass per `params.yaml` section, each field with its default, help and check.
 
-`params.yaml` is the single source of truth for every stage. `load_params` reads it,
-applies `--set key=value` overrides (from the command line or from Prefect flow
-parameters), and validates everything before any compute starts. All problems
-(unknown keys, wrong types, out-of-range values, unknown method names) are collected
-and reported together, each with its full dotted key and how to fix it.
+The training sections (`sft`, `reward`, `policy.<method>`) are the trainer configs themselves
+(`stages/trainers/<method>_config.py`, read torch-free: `stages.trainers.arguments`) plus the
+few keys only the pipeline has (`TrainingStage` and a stage's own). Every `TrainingArguments`
+key can be set there. Reading the file and `--set` overrides: `stages.params_loader`; the
+checks that open the user's files and model folder: `stages.preflight`.
 
-Adding a section for a new stage: write a dataclass whose fields use `param(...)`,
-add it to `Params`, and give it a section in `params.yaml`.
+Adding a parameter: a field on the method's config (or on a section below for pipeline-only
+keys), then `align params --write` lists it in params.yaml.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from stages.fields import WARMUP_RATIO, fraction, non_negative, param, positive  # noqa: F401 (re-exported)
+from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
 from stages.reward_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
-from stages.trainers.dpo_params import DPOParams
-from stages.trainers.grpo_params import GRPOParams
-from stages.trainers.kto_params import KTOParams
-from stages.trainers.online_dpo_params import OnlineDPOParams
+from stages.trainers.arguments import as_declared, light_module
 from stages.trainers.generation_params import GenerationParams
-from stages.trainers.ppo_params import PPOParams
-from stages.trainers.reward_params import RewardModelParams
-from stages.trainers.sft_params import SFTParams
 
 
 # A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
 DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
-
-
-class ParamsError(ValueError):
-    """Every problem found in a params file, one per line, each with its dotted key."""
-
-    def __init__(self, source: str, problems: list[str]):
-        self.source = source
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source}: {len(problems)} problem(s) in params; nothing was run or written:\n{lines}")
 
 
 # --------------------------------------------------------------------------- sections
@@ -76,14 +54,6 @@ class ModelConfig:
     trust_remote_code: bool = param(False, help="allow custom modelling code from the model directory")
     builtin: TinyModelConfig = param(default_factory=TinyModelConfig, help="size of builtin:tiny")
 
-    def validate(self) -> list[tuple[str, str]]:
-        if self.name_or_path.startswith("builtin:"):
-            return []
-        from stages.model_source import model_source_problem  # lazy: it imports huggingface_hub on demand only
-
-        problem = model_source_problem(self.name_or_path)
-        return [("name_or_path", f"= {self.name_or_path!r}: {problem}")] if problem else []
-
 
 @dataclass
 class ArithmeticConfig:
@@ -105,33 +75,42 @@ class ArithmeticConfig:
 class DataConfig:
     """Where the rows come from (`stages.data.sources`): one mixed file or built-in task, and/or a file per kind."""
 
-    source: str | None = param("builtin:arithmetic", help="builtin:arithmetic, or one local .jsonl/.json/.parquet/"
-                               ".csv file or datasets.save_to_disk folder whose rows may mix formats (null: none)")
-    sft: str | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a local file")
-    preference: str | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
-                                   "(prompt/completion/label): a local file")
-    prompts: str | None = param(None, help="prompt-only rows for score and the online methods: a local file")
-    eval_source: str | None = param(None, help="held-out eval prompts with references; default: carved from the "
-                                    "SFT rows (or the preference rows' chosen side)")
-    dev_source: str | None = param(None, help="held-out dev prompts with references for model selection "
-                                   "(evaluate.split: dev); default: carved like the eval split; rows whose prompt is "
-                                   "an eval prompt are dropped, training rows with a dev prompt too")
+    source: str | dict | None = param("builtin:arithmetic", help="builtin:arithmetic, or one data source whose rows "
+                                      "may mix formats (null: none). Every data key takes a local .jsonl/.json/"
+                                      ".parquet/.csv file, a datasets.save_to_disk folder, a hub-layout folder or "
+                                      "a glob, or a mapping {path: org/name | folder | glob, name, split, columns, "
+                                      "data_files, revision} read through datasets.load_dataset "
+                                      "(stages.data.hub)")
+    sft: str | dict | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a path or a "
+                                   "mapping (see data.source)")
+    preference: str | dict | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
+                                          "(prompt/completion/label): a path or a mapping (see data.source)")
+    prompts: str | dict | None = param(None, help="prompt-only rows for score and the online methods: a path or a "
+                                       "mapping (see data.source)")
+    eval_source: str | dict | None = param(None, help="held-out eval prompts with references (a path or a mapping, "
+                                           "see data.source); default: carved from the SFT rows (or the preference "
+                                           "rows' chosen side)")
+    dev_source: str | dict | None = param(None, help="held-out dev prompts with references for model selection "
+                                          "(evaluate.split: dev; a path or a mapping, see data.source); default: "
+                                          "carved like the eval split; rows whose prompt is an eval prompt are "
+                                          "dropped, training rows with a dev prompt too")
     on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
                                                   "skip: drop bad rows and count them in the manifest")
+    validate_rows: int = param(100_000, help="params validation reads this many rows of each data file "
+                               "(streamed) and reports bad ones with the params problems (-1: all, 0: off)",
+                               check=lambda v: v >= -1, rule="must be -1 (all rows), 0 (off) or a row count")
     builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
 
     def validate(self) -> list[tuple[str, str]]:
-        from stages.data.sources import missing_files
-
         problems = []
         own = [k for k in ("sft", "preference", "prompts") if getattr(self, k)]
-        if (self.source or "").startswith("builtin:") and own:
+        if isinstance(self.source, str) and self.source.startswith("builtin:") and own:
             problems.append(("source", f"= {self.source!r} together with data.{own[0]}: the built-in task's rows "
                              f"would be mixed into yours; set --set data.source=null to use only your files"))
         if not self.source and not own:
             problems.append(("source", "= null and no data.sft, data.preference or data.prompts: name at least "
                              "one data file (or builtin:arithmetic)"))
-        return problems + [(key.removeprefix("data."), why) for key, why in missing_files(self)]
+        return problems
 
 
 @dataclass
@@ -175,65 +154,6 @@ class LoraParams:
         return []
 
 
-@dataclass
-class PrecisionParams:
-    """How a training stage computes (`sft`, `reward`, `policy`): autocast and activation checkpointing, applied
-    by `stages.pipeline.training`. The weights stay at model.dtype (float32: fp32 master weights) under autocast;
-    the `reference` stage computes the policy's reference log-probs under policy.mixed_precision too."""
-
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
-        "auto", help="autocast of the forward, fp32 master weights: auto (bf16 on GPUs that have it, no on CPU) | "
-        "no | bf16 (GPU or CPU) | fp16 (GPU only)")
-    gradient_checkpointing: bool = param(False, help="recompute activations in backward to save memory")
-    gradient_checkpointing_every: int = positive(1, "checkpoint every k-th decoder block only (1: all)")
-
-
-@dataclass
-class TrainingParams(PrecisionParams):
-    """What every training stage section shares (the trainer, precision, checkpoints, tracking, adapters)."""
-
-    learning_rate: float = positive(3e-3, "peak learning rate")
-    num_train_epochs: float = positive(2.0, "passes over the training rows")
-    max_steps: int = param(-1, help="stop after this many optimizer steps (-1: use num_train_epochs)",
-                           check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    per_device_train_batch_size: int = positive(32, "rows per device per micro-batch")
-    gradient_accumulation_steps: int = positive(1, "micro-batches per optimizer step")
-    warmup_ratio: float = fraction(WARMUP_RATIO, "share of steps with linear warm-up")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = param(
-        "cosine", help="learning-rate schedule")
-    save_steps: int = positive(200, "checkpoint every N steps (a crashed run resumes from the last one)")
-    logging_steps: int = positive(20, "log every N optimizer steps")
-    report_to: list[str] = param(default_factory=lambda: ["tensorboard"],
-                                 help="trackers: tensorboard, wandb, mlflow ([] for none)")
-    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
-
-
-@dataclass
-class SFTSection(SFTParams, TrainingParams):
-    """`sft`: the SFT settings shared with SFTConfig (stages/trainers/sft_params.py), the training settings, and
-    what only the pipeline has."""
-
-    num_train_epochs: float = positive(3.0, "passes over the training rows (built-in task: after 2 epochs the "
-                                       "column sums after a written carry were right in 45% of run.seed 1's "
-                                       "samples, after 3 in 83%; README Figures)")
-    weight_decay: float = non_negative(0.0, "AdamW weight decay")
-    formatting_func: str | None = param(None, help="module:function turning a row into a training text")
-    streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
-    eval_steps: int = non_negative(0, "online evaluation: greedy exact match on eval_samples validation prompts "
-                                   "every N optimizer steps, logged as eval_exact_match (0: off)")
-    eval_samples: int = positive(32, "validation prompts of the online evaluation")
-
-    def validate(self) -> list[tuple[str, str]]:
-        problems = super().validate()
-        if self.streaming and self.max_steps <= 0:
-            problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
-        if self.streaming and self.packing:
-            problems.append(("packing", "= true: packing needs the whole dataset; turn off sft.streaming or packing"))
-        if self.formatting_func is not None and ":" not in self.formatting_func:
-            problems.append(("formatting_func", f"= {self.formatting_func!r}: expected module:function"))
-        return problems
-
-
 # The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
 # The reward model squashed, σ(r) in (0, 1), at weight 0.5: a right answer scores at least 1, a wrong one under
 # 0.5 (score.min_score), whatever scale the reward model learnt (stages.rewards.RewardModelReward).
@@ -255,27 +175,6 @@ def check_reward_functions(names: list[str], weights: list[float] | None) -> lis
         problems.append(("reward_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} reward "
                          "function(s); give one weight per function or null for all 1.0"))
     return problems
-
-
-@dataclass
-class RewardSection(RewardModelParams, TrainingParams):
-    """Reward model: a one-output sequence classifier on the SFT trunk, Bradley-Terry on preference pairs
-    (its own settings shared with RewardConfig: stages/trainers/reward_params.py)."""
-
-    learning_rate: float = positive(6e-4, "peak learning rate (built-in task, batch 8, 8 epochs: 3e-4 left "
-                                    "run.seed 1 at 0.822 on one CPU type, 6e-4 passes seeds 0-3; README Figures)")
-    num_train_epochs: float = positive(8.0, "passes over the training pairs (built-in task, batch 8: the pairs "
-                                       "whose wrong answer contradicts its own column sums are learnt last; README "
-                                       "Figures)")
-    per_device_train_batch_size: int = positive(8, "pairs per device per micro-batch (the reward model needs "
-                                                "updates more than passes: from the 3-epoch SFT trunk, batch 16 for "
-                                                "10 epochs left run.seed 3 at 0.919, batch 8 for 8 epochs at 1.000)")
-    eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
-                                 check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
-    min_accuracy: float = fraction(0.9, "quality gate: held-out pair accuracy below this fails the stage and "
-                                   "stops everything downstream (0: no gate)", open_right=False)
-    calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
-                                     "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
 
 
 @dataclass
@@ -313,115 +212,149 @@ class ScoreParams:
         return problems
 
 
-def _override(help: str, *, integer: bool = False, default: Any = None) -> Any:
-    return param(default, help=f"{help} for this method (null: the policy section's)",
-                 check=(lambda v: v > 0 or v == -1) if integer else (lambda v: v > 0), rule="must be > 0 or null")
+@dataclass
+class TrainingStage:
+    """The keys every training section adds to its method config: how the pipeline loads and runs the model.
+
+    The trainer config (`stages/trainers/<method>_config.py`) is the rest of the section: every
+    `TrainingArguments` key and the method's own. The pipeline sets a few `TrainingArguments` keys itself
+    (PIPELINE_KEYS: the seed, the output folder, the device, the autocast)."""
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto", help="autocast of the forward, fp32 master weights: auto (bf16 on GPUs that have it, no on CPU) | "
+        "no | bf16 (GPU or CPU) | fp16 (GPU only)")
+    gradient_checkpointing_every: int = positive(1, "with gradient_checkpointing: every k-th decoder block only")
+    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
+    warmup_ratio: float | None = deprecated("warmup_steps", "the old name of warmup_steps (a share of the steps "
+                                            "when < 1)")
+
+
+# TrainingArguments keys the pipeline sets from elsewhere: {key: where the user sets it}.
+PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed": "run.seed",
+                 "use_cpu": "run.device", "bf16": "<section>.mixed_precision", "fp16": "<section>.mixed_precision",
+                 "disable_tqdm": "(progress is logged with an ETA)", "save_strategy": "<section>.save_steps",
+                 "logging_nan_inf_filter": "(the NaN/Inf guard needs every value)"}
+# The defaults every training section starts from where they differ from TrainingArguments' (the pipeline saves
+# and logs more often, keeps 2 checkpoints, warms up, and reports to run.report_to: stages/trackers.py).
+STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,
+                  "save_total_limit": 2, "logging_steps": 20, "report_to": None,
+                  "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "num_train_epochs": 1.0}
+# What a key means in a section where the pipeline reads it differently from transformers.
+STAGE_HELP = {"report_to": "trackers of this stage: tensorboard, mlflow, dvclive, wandb, trackio, comet_ml, clearml, "
+                           "none, or a list (null: run.report_to)"}
+
+
+def section(config: str, *extra: type, **defaults: Any) -> type:
+    """A training section: the light `config` ("module:Class", the trainer config itself), the pipeline's
+    `extra` keys, and the pipeline's `defaults` for keys the config declares (STAGE_DEFAULTS first)."""
+    module, _, name = config.partition(":")
+    base = getattr(light_module(module), name)
+    declared = base.__dataclass_fields__
+    fields = []
+    for key, value in {**STAGE_DEFAULTS, **defaults}.items():
+        f = declared[key]
+        meta = {**f.metadata, "help": STAGE_HELP.get(key, f.metadata.get("help", ""))}
+        default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=meta)
+                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type), metadata=meta))
+        fields.append((key, f.type, default))
+    cls = dataclasses.make_dataclass(name.replace("Config", "Section"), fields, bases=(*extra, TrainingStage, base))
+    cls.__module__ = __name__
+    cls.CONFIG = config
+    cls.__doc__ = f"A params section that is `{config.replace(':', '.')}` plus the pipeline's training keys."
+    return cls
 
 
 @dataclass
-class MethodOverrides:
-    """Training settings a method may set for itself: GRPO wants more rows per step, PPO a smaller rate."""
+class SFTStage:
+    formatting_func: str | None = param(None, help="module:function turning a row into a training text")
+    streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
+    eval_samples: int = positive(32, "validation prompts of the online evaluation (eval_steps)")
 
-    learning_rate: float | None = _override("peak learning rate")
-    per_device_train_batch_size: int | None = _override("rows per device per micro-batch (GRPO: completions)",
-                                                        integer=True)
-    max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True)
-    num_train_epochs: float | None = _override("passes over the training rows")
-
-
-# Each method's own settings are declared once, in stages/trainers/<method>_params.py, and shared with its
-# trainer config (DPOConfig, ...). A section adds what only the pipeline has: the training overrides above
-# and, for online methods, the reward functions it builds by name.
-
-
-def _reward_functions(default: list[str], help: str) -> Any:
-    return param(default_factory=lambda: list(default), help=f"{help}: built-ins ({', '.join(REWARD_BUILTINS)}) "
-                 "or module:function dotted paths")
-
-
-def _verified_first_weights() -> Any:
-    """A section's restated `reward_weights` (RESTATED): VERIFIED_FIRST's, beside its own reward_functions."""
-    return param(default_factory=lambda: list(VERIFIED_FIRST_WEIGHTS), help="one weight per reward function (null: "
-                 "all 1.0): the verifiable reward decides, the reward model breaks ties (the trainers' own default: "
-                 "null; the weights go with reward_functions, which only the pipeline names)")
-
-
-# Pipeline defaults chosen on dev (`benchmarks/alignment.py --sweep`); a method field chosen on dev is declared
-# with its choice in stages/trainers/<method>_params.py, except the reward weights (RESTATED, below).
-DEV_CHOICE = "chosen on dev: benchmarks/RESULTS-alignment-sweep-*.md"
-# The method fields a section may restate with another default: the weights of the reward functions, which only
-# the pipeline names (a trainer is handed its functions; its config's weights default to null, all 1.0).
-RESTATED = ("reward_weights",)
-
-
-def _dev_learning_rate(value: float) -> Any:
-    """A method's learning rate chosen on dev (round 3: halved, kept and doubled on the 3-epoch SFT trunk)."""
-    return _override(f"peak learning rate ({value:g} {DEV_CHOICE})", default=value)
+    def validate(self) -> list[tuple[str, str]]:
+        problems = super().validate()
+        if self.streaming and self.max_steps <= 0:
+            problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
+        if self.streaming and self.packing:
+            problems.append(("packing", "= true: packing needs the whole dataset; turn off sft.streaming or packing"))
+        if self.formatting_func is not None and ":" not in self.formatting_func:
+            problems.append(("formatting_func", f"= {self.formatting_func!r}: expected module:function"))
+        return problems
 
 
 @dataclass
-class DPOSection(DPOParams, MethodOverrides):
-    learning_rate: float | None = _dev_learning_rate(5e-5)
+class RewardStage:
+    eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
+                                 check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
+    min_accuracy: float = fraction(0.85, "quality gate: the held-out pair accuracy's lower confidence bound "
+                                   "(reward.gate_confidence) below this fails the stage and stops everything "
+                                   "downstream (0: no gate; stages/gates.py). 0.85 at 95%: on 270 pairs a "
+                                   "measured 0.889 passes, and at least 16 pairs are needed", open_right=False)
+    gate_confidence: float = param(0.95, help="confidence of the gate's one-sided Wilson lower bound (0.5: judge "
+                                   "the accuracy itself)", check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
+    calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
+                                     "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
+
+
+def _reward_functions(*default: str) -> Any:
+    return param(default_factory=lambda: list(default), help="reward functions: built-ins (" + ", ".join(
+        REWARD_BUILTINS) + ") or module:function dotted paths (the trainer's reward_funcs)")
 
 
 @dataclass
-class KTOSection(KTOParams, MethodOverrides):
-    learning_rate: float | None = _dev_learning_rate(5e-5)
+class VerifiedFirst:
+    """The reward functions an online method builds by name; the verifiable reward decides, the reward model breaks
+    ties (their weights: the config's reward_weights)."""
 
-
-@dataclass
-class OnlineDPOSection(OnlineDPOParams, MethodOverrides):
-    reward_functions: list[str] = _reward_functions(list(VERIFIED_FIRST), "rank the two completions "
-                                                    f"with these (over [reward_model] alone, {DEV_CHOICE})")
-    reward_weights: list[float] | None = _verified_first_weights()
+    reward_functions: list[str] = _reward_functions(*VERIFIED_FIRST)
 
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
 @dataclass
-class GRPOSection(GRPOParams, MethodOverrides):
-    learning_rate: float | None = _dev_learning_rate(3e-4)
-    per_device_train_batch_size: int | None = _override("completions per micro-batch (num_generations per prompt)",
-                                                        integer=True, default=128)
-    max_steps: int | None = _override("optimizer steps (-1: use num_train_epochs)", integer=True, default=150)
-    reward_functions: list[str] = _reward_functions(["exact_match"], "score each completion with these")
-
-    def validate(self) -> list[tuple[str, str]]:
-        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
+class ExactMatch(VerifiedFirst):
+    reward_functions: list[str] = _reward_functions("exact_match")
 
 
-@dataclass
-class PPOSection(PPOParams, MethodOverrides):
-    learning_rate: float | None = _dev_learning_rate(3e-5)  # 3e-4 collapses the reward
-    reward_functions: list[str] = _reward_functions(list(VERIFIED_FIRST), "score of each rollout "
-                                                    f"(over [reward_model] alone, {DEV_CHOICE})")
-    reward_weights: list[float] | None = _verified_first_weights()
-
-    def validate(self) -> list[tuple[str, str]]:
-        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
-
+# The pipeline's defaults that differ from the configs' (chosen on the built-in task's dev split, docs/methods.md).
+SFTSection = section("stages.trainers.sft_config:SFTConfig", SFTStage, learning_rate=3e-3, num_train_epochs=3.0)
+RewardSection = section("stages.trainers.reward_config:RewardConfig", RewardStage, learning_rate=6e-4,
+                        num_train_epochs=8.0, per_device_train_batch_size=8)
+DPOSection = section("stages.trainers.dpo_config:DPOConfig", learning_rate=5e-5)
+KTOSection = section("stages.trainers.kto_config:KTOConfig", learning_rate=5e-5)
+OnlineDPOSection = section("stages.trainers.online_dpo_config:OnlineDPOConfig", VerifiedFirst, learning_rate=1e-4,
+                           reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+GRPOSection = section("stages.trainers.grpo_config:GRPOConfig", ExactMatch, learning_rate=3e-4,
+                      per_device_train_batch_size=128, max_steps=150)
+PPOSection = section("stages.trainers.ppo_config:PPOConfig", VerifiedFirst, learning_rate=3e-5,
+                     reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+TRAINING_SECTIONS = {"sft": SFTSection, "reward": RewardSection, "policy.dpo": DPOSection, "policy.kto": KTOSection,
+                     "policy.online_dpo": OnlineDPOSection, "policy.grpo": GRPOSection, "policy.ppo": PPOSection}
 
 POLICY_METHODS = ("dpo", "kto", "online_dpo", "grpo", "ppo", "none")
 
 
 @dataclass
-class PolicyParams(TrainingParams):
-    """Policy optimisation after SFT: one method, its own subsection; the training settings are shared."""
+class PolicyParams:
+    """Policy optimisation after SFT: one method, each with its own section (its trainer config)."""
 
-    learning_rate: float = positive(1e-4, "peak learning rate (DPO wants ~10-50x less than SFT)")
-    num_train_epochs: float = positive(1.0, "passes over the training rows")
     method: Literal["dpo", "kto", "online_dpo", "grpo", "ppo", "none"] = param(
         "dpo", help="dpo | kto | online_dpo | grpo | ppo | none (evaluate then reports base and SFT only)")
     data: Literal["score", "preprocess"] = param("score", help="dpo/kto pairs: score (sampled from SFT and "
                                                  "scored) or preprocess (the preference data of data.source)")
     num_prompts: int = param(-1, help="online methods: train on at most N prompts (-1: all)",
                              check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    dpo: DPOSection = param(default_factory=DPOSection, help="policy.method: dpo")
-    kto: KTOSection = param(default_factory=KTOSection, help="policy.method: kto")
-    online_dpo: OnlineDPOSection = param(default_factory=OnlineDPOSection, help="policy.method: online_dpo")
-    grpo: GRPOSection = param(default_factory=GRPOSection, help="policy.method: grpo")
-    ppo: PPOSection = param(default_factory=PPOSection, help="policy.method: ppo")
+    dpo: DPOSection = param(default_factory=DPOSection, help="policy.method: dpo (stages.trainers.DPOConfig)")
+    kto: KTOSection = param(default_factory=KTOSection, help="policy.method: kto (stages.trainers.KTOConfig)")
+    online_dpo: OnlineDPOSection = param(default_factory=OnlineDPOSection, help="policy.method: online_dpo "
+                                         "(stages.trainers.OnlineDPOConfig)")
+    grpo: GRPOSection = param(default_factory=GRPOSection, help="policy.method: grpo (stages.trainers.GRPOConfig)")
+    ppo: PPOSection = param(default_factory=PPOSection, help="policy.method: ppo (stages.trainers.PPOConfig)")
+
+    @property
+    def trained(self):
+        """The section of the chosen method (None for method none)."""
+        return None if self.method == "none" else getattr(self, self.method)
 
 
 EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "length")
@@ -504,6 +437,10 @@ class PromoteParams:
 
     metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
     min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
+    confidence: float = param(0.95, help="share metrics (accuracy, format): promote only when the one-sided lower "
+                              "bound of candidate - production at this confidence is above min_improvement "
+                              "(0.5: compare the values themselves; stages/gates.py)",
+                              check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
     candidate: str = param("merged", help="row of the evaluate table that is promoted (its model folder is copied)")
     models_dir: str = param("models", help="holds production (the promoted model), production.json, "
                             "history.jsonl and releases/")
@@ -571,6 +508,9 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     seed: int = param(0, help="global seed for training and sampling")
+    report_to: str | list[str] = param(default_factory=lambda: ["tensorboard"], help="trackers of every training "
+                                       "stage whose report_to is null (stages/trackers.py): tensorboard, wandb, "
+                                       "mlflow, trackio, dvclive, comet_ml, clearml, none, or a list")
     output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
     device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
     threads: int | Literal["auto"] = param(1, help="torch's intra-op CPU threads in every stage, shard and launched "
@@ -611,26 +551,19 @@ class Params:
     promote: PromoteParams = field(default_factory=PromoteParams)
 
     def validate(self) -> list[tuple[str, str]]:
-        """Rules across sections, and what the data holds against what the chosen stages and methods need."""
-        from stages.data.sources import needs, peek
+        """Rules across sections (what the user's files hold: `stages.preflight`)."""
+        from stages.trackers import problems as tracker_problems
 
-        problems = list(needs(self, peek(self.data)))
-        if self.score.enabled and self.score.source == "dataset" and self.score.dataset and \
-                not Path(self.score.dataset).expanduser().exists():
-            problems.append(("score.dataset", f"= {self.score.dataset!r}: no such file (relative paths are from "
-                             f"the working directory {Path.cwd()})"))
+        problems = tracker_problems(self)  # a tracker that is not installed: the pip command
         if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
-        m = self.merge
-        adapters = len(m.adapters) + (self.policy.lora.enabled if self.policy.method != "none" else self.sft.lora.enabled)
+        m, trained = self.merge, self.policy.trained
+        adapters = len(m.adapters) + (trained.lora.enabled if trained is not None else self.sft.lora.enabled)
         if m.weights is not None and len(m.weights) != adapters:
             problems.append(("merge.weights", f"= {m.weights}: {len(m.weights)} weight(s) for {adapters} adapter(s) "
                              f"(the {'policy' if self.policy.method != 'none' else 'sft'} stage's adapter if it "
                              "trains one, then merge.adapters); give one per adapter or null for all 1.0"))
-        from stages.trainers.adapters import lora_target_problems  # lazy: it loads the model's config
-
-        problems += lora_target_problems(self)
         return problems
 
     def to_dict(self) -> dict[str, Any]:
@@ -646,145 +579,3 @@ class Params:
                 node = node[part]
             out[key] = node
         return out
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[str, Any] | None = None) -> Params:
-    """Read, override and validate params; raise ParamsError listing every problem."""
-    path = Path(path)
-    source = str(path)
-    if not path.exists():
-        raise ParamsError(source, ["file not found; run from the project root or pass --params PATH"])
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ParamsError(source, [f"not valid YAML: {e}"]) from None
-    if not isinstance(raw, dict):
-        raise ParamsError(source, [f"top level must be a mapping of sections, got {type(raw).__name__}"])
-    problems = apply_overrides(raw, overrides or [])
-    params, more = build(Params, raw, "")
-    problems += more
-    if problems:
-        raise ParamsError(source, problems)
-    return params
-
-
-def parse_overrides(overrides: list[str] | dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """`["sft.learning_rate=1e-4"]` or `{"sft.learning_rate": 1e-4}` -> ({dotted: value}, problems)."""
-    if isinstance(overrides, dict):
-        return dict(overrides), []
-    parsed, problems = {}, []
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            problems.append(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. sft.learning_rate=1e-4")
-            continue
-        try:
-            parsed[key.strip()] = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            parsed[key.strip()] = text
-    return parsed, problems
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any]) -> list[str]:
-    parsed, problems = parse_overrides(overrides)
-    for key, value in parsed.items():
-        node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {} if node.get(part) is None else node[part]
-            if not isinstance(node[part], dict):
-                problems.append(f"--set {key}: {part!r} is a value, not a section")
-                break
-            node = node[part]
-        else:
-            node[parts[-1]] = value
-    return problems
-
-
-def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
-    """Instantiate dataclass `cls` from `raw`, collecting every problem with its dotted key."""
-    problems: list[str] = []
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        return cls(), [f"{prefix.rstrip('.') or 'params'} = {raw!r}: must be a mapping of keys"]
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"known keys here: {', '.join(sorted(fields))}"
-            problems.append(f"{prefix}{key}: unknown key; {hint}")
-    values = {}
-    for name, f in fields.items():
-        if name not in raw:
-            continue
-        key, value, hint = f"{prefix}{name}", raw[name], hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name], more = build(hint, value, key + ".")
-            problems += more
-            continue
-        ok, value, expected = coerce(value, hint)
-        if not ok:
-            problems.append(f"{key} = {raw[name]!r}: expected {expected}; {f.metadata.get('help', '')}".rstrip("; "))
-            continue
-        check = f.metadata.get("check")
-        if check is not None and value is not None and not check(value):
-            problems.append(f"{key} = {raw[name]!r}: {f.metadata['rule']} ({f.metadata['help']})")
-            continue
-        values[name] = value
-    obj = cls(**values)
-    validate = getattr(obj, "validate", None)
-    if validate is not None and not problems:
-        problems += [f"{prefix}{k} {msg}" for k, msg in validate()]
-    return obj, problems
-
-
-def coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
-    """Check `value` against a type hint; ints are accepted for floats. Returns (ok, value, expected)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return value in args, value, "one of " + ", ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return True, None, "null"
-        expected = []
-        for alternative in (a for a in args if a is not type(None)):
-            ok, coerced, what = coerce(value, alternative)
-            if ok:
-                return True, coerced, what
-            expected.append(what)
-        return False, value, " or ".join(expected + (["null"] if type(None) in args else []))
-    if origin is dict:
-        key_type, value_type = args
-        expected = f"a mapping of {key_type.__name__} to {value_type.__name__}"
-        if not isinstance(value, dict):
-            return False, value, expected
-        results = {k: coerce(v, value_type) for k, v in value.items()}
-        ok = all(isinstance(k, key_type) for k in value) and all(r[0] for r in results.values())
-        return ok, {k: r[1] for k, r in results.items()}, expected
-    if origin is list:
-        (item,) = args
-        if not isinstance(value, list):
-            return False, value, f"a list of {item.__name__}"
-        results = [coerce(v, item) for v in value]
-        return all(r[0] for r in results), [r[1] for r in results], f"a list of {item.__name__}"
-    if hint is bool:
-        return isinstance(value, bool), value, "true or false"
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                return False, value, "a number"
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value, "a number"
-    if hint is str:
-        return isinstance(value, str), value, "a string"
-    raise TypeError(f"unsupported param type {hint!r}")

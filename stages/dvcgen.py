@@ -7,7 +7,10 @@ named in params.yaml, and lists only the params keys that stage reads. Its DVC-c
 its folder and its flat `metrics/<stage>.json`; evaluate's headline per model
 (`metrics/models/<model>.json`, the declared DVC metrics) are small uncached outputs that git
 tracks (see .gitignore), so `dvc metrics diff` and `dvc exp show` compare commits and
-experiments. `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
+experiments. A training stage reporting to DVCLive (`report_to: [dvclive]`, stages/trackers.py) writes
+`<stage>/dvclive/` inside its output; its metrics.json and plots are declared at the top level, so `dvc
+exp show` and `dvc plots diff` show each stage's training curves (regenerate dvc.yaml after changing
+report_to). `tests/test_dvc.py` checks that the committed `dvc.yaml` matches this.
 """
 from __future__ import annotations
 
@@ -37,14 +40,28 @@ def dvc_stages(output_dir: str = OUTPUT_DIR, params: Params | None = None) -> di
         if spec.name == "evaluate":  # the headline per model: what `dvc metrics show/diff` and `dvc exp show` print
             out[spec.name]["metrics"] = [m for path in headline_paths(output_dir).values()
                                          for m in uncached(path.as_posix())]
-    return {"stages": out, "plots": dvc_plots(output_dir)}
+    live = dvclive_stages(params)  # their DVCLive files: top-level metrics and plots (not outs of their own)
+    return {"stages": out, **({"metrics": [f"{output_dir}/{s}/dvclive/metrics.json" for s in live]} if live else {}),
+            "plots": [*dvc_plots(output_dir), *({f"{output_dir}/{s}/dvclive/plots/metrics": {"x": "step"}}
+                                                for s in live)]}
+
+
+def dvclive_stages(params: Params | None) -> list[str]:
+    """The training stages that report to DVCLive with these params (stages/trackers.py)."""
+    from stages.trackers import stage_trackers
+
+    return [] if params is None else [s for s in TRAINING_STAGES if "dvclive" in stage_trackers(params, s)]
 
 
 def input_files(spec, params: Params | None) -> list[str]:
     """The files and folders named by the stage's input keys that exist (a builtin or a hub id is no file)."""
     if params is None:
         return []
-    return [v for v in params.select(spec.inputs).values() if isinstance(v, str) and Path(v).expanduser().exists()]
+    from stages.data.hub import local_paths
+    from stages.registry import DATA_FILES
+
+    return [path for key, v in params.select(spec.inputs).items() for path in (
+        local_paths(v) if key in DATA_FILES else [v] if isinstance(v, str) and Path(v).expanduser().exists() else [])]
 
 
 def uncached(path: str) -> list[dict]:

@@ -17,8 +17,8 @@ import typing
 from dataclasses import field
 from typing import Any, Callable, Literal
 
-# Linear warm-up as a share of the steps: params.yaml's training sections (stages.config.TrainingParams) and
-# SFTConfig, whose TrainingArguments default would be 0 (benchmarks/RESULTS-sft-seeds.md).
+# Linear warm-up as a share of the steps: the training sections' default (stages.config.STAGE_DEFAULTS) and
+# SFTConfig's, where TrainingArguments' would be 0 (docs/decisions.md).
 WARMUP_RATIO = 0.05
 
 
@@ -95,3 +95,44 @@ class SectionsAsDicts:
     def to_dict(self) -> dict[str, Any]:
         return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                 for k, v in super().to_dict().items()}
+
+
+def deprecated(new: str | dict[str, str], help: str) -> Any:
+    """An old field name kept for one release: its value moves to `new` (a field name, or for a nested section
+    a mapping {old sub-key: new field}) with a FutureWarning naming the new key (`move_deprecated`)."""
+    return field(default=None, metadata={"help": f"deprecated: {help}", "deprecated": new, "check": None,
+                                         "rule": ""})
+
+
+def deprecations(cls: type) -> dict[str, str | dict[str, str]]:
+    """{old field: new field or {old sub-key: new field}} of a config class."""
+    return {f.name: f.metadata["deprecated"] for f in dataclasses.fields(cls) if f.metadata.get("deprecated")}
+
+
+def move_deprecated(values: dict[str, Any], renames: dict[str, Any], prefix: str = "",
+                    defaults: dict[str, Any] | None = None) -> list[str]:
+    """Move the deprecated keys of `values` to their new names in place; -> one warning per key moved.
+
+    A key set under both names is an error (ValueError naming both); a nested old section (e.g.
+    `generation: {max_new_tokens: 8}`) is flattened to its new fields."""
+    messages = []
+    for old, new in renames.items():
+        value = values.pop(old, None)
+        if value is None:
+            continue
+        if isinstance(new, str):
+            moved = {new: value}
+        else:
+            value = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+            unknown = sorted(set(value) - set(new))
+            if unknown:
+                raise ValueError(f"{prefix}{old}.{unknown[0]}: unknown key of the deprecated {prefix}{old} section; "
+                                 f"its keys are now flat: {', '.join(f'{k} -> {prefix}{v}' for k, v in new.items())}")
+            moved = {new[k]: v for k, v in value.items()}
+        for key, v in moved.items():
+            if key in values and values[key] not in (None, (defaults or {}).get(key)) and values[key] != v:
+                raise ValueError(f"{prefix}{old} (deprecated) and {prefix}{key} are both set: keep {prefix}{key} only")
+            values[key] = v
+        messages.append(f"{prefix}{old} is deprecated and will be removed in the next release: use "
+                        + (f"{prefix}{new}" if isinstance(new, str) else ", ".join(f"{prefix}{v}" for v in moved)))
+    return messages

@@ -1,22 +1,15 @@
 """Which project code a module runs, read from its import statements (nothing is imported).
 
-A stage's code is `closure(entry_module)`: the entry module, every project module it imports,
-transitively, and the package `__init__.py` files that importing them runs. All of these count:
+A stage's code is `closure(entry_module)`: the entry module, every project module it imports, transitively
+(module-level and lazy imports inside functions, absolute and relative, submodules and names), and the package
+`__init__.py` files that importing them runs. Imports under `if TYPE_CHECKING:` never run and are skipped. A
+module that loads project files by path rather than by import (`evaluate.load` of stages/metrics/bleu/bleu.py)
+names them in a module-level `CODE_FILES = ("bleu/bleu.py", ...)` (relative to its folder), read here as a
+literal. User code named in params ("mypkg.rewards:score") is the user's, and the standard library and
+third-party packages are versioned by the manifest, not hashed.
 
-    import stages.data.io                    # stages/data/io.py (and stages/data/__init__.py)
-    from stages.generation import hf         # a submodule: stages/generation/hf.py
-    from stages.data import read_jsonl       # a name: stages/data/__init__.py
-    from .common import Generations          # relative to the importing module's package
-    def f(): from stages.metrics import report   # lazy: runs when the stage calls f
-
-Imports under `if TYPE_CHECKING:` never run and are skipped. A module that loads project files
-by path rather than by import (`evaluate.load` of stages/metrics/bleu/bleu.py) names them in a
-module-level `CODE_FILES = ("bleu/bleu.py", ...)` (relative to its folder), read here as a literal.
-Imports of user code named in params ("mypkg.rewards:score") are the user's, not the project's,
-and the standard library and third-party packages are versioned by the manifest, not hashed.
-
-`tests/stages/test_imports.py` checks the analysis against what importing each stage really loads,
-and walks `import_graph` of stages/, tasks/ and flows/ for cycles.
+`tests/stages/test_imports.py` checks the analysis against what importing each stage really loads, and walks
+`import_graph` of stages/, tasks/ and flows/ for cycles.
 """
 from __future__ import annotations
 
@@ -63,15 +56,16 @@ def module_index(packages: tuple[str, ...] = LIBRARY, root: Path = CODE_ROOT) ->
     return out
 
 
-def statements(path: Path, name: str) -> list[Statement]:
-    """Every import statement of module `name` (file `path`) that can run, in source order."""
-    return _parse(path.read_bytes(), name, path.name == "__init__.py", str(path))[0]
+def statements(path: Path, name: str, type_checking: bool = False) -> list[Statement]:
+    """Every import statement of module `name` (file `path`) that can run, in source order (`type_checking`: those
+    under `if TYPE_CHECKING:` too, which a type checker follows)."""
+    return _parse(path.read_bytes(), name, path.name == "__init__.py", str(path), type_checking)[0]
 
 
-def imports(name: str, index: dict[str, Path]) -> list[Import]:
+def imports(name: str, index: dict[str, Path], type_checking: bool = False) -> list[Import]:
     """The imports of module `name` that name a module of `index` (from `module_index`), in source order."""
     out = []
-    for s in statements(index[name], name):
+    for s in statements(index[name], name, type_checking):
         # `from pkg import x` imports pkg and, when x is a submodule, pkg.x; `import a.b` imports a.b
         targets = [f"{s.module}.{n}" for n in s.names if f"{s.module}.{n}" in index]
         if len(targets) < len(s.names) or not s.names:
@@ -92,7 +86,8 @@ def code_files(name: str, index: dict[str, Path]) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse(source: bytes, name: str, is_package: bool, filename: str) -> tuple[list[Statement], tuple[str, ...]]:
+def _parse(source: bytes, name: str, is_package: bool, filename: str,
+           type_checking: bool = False) -> tuple[list[Statement], tuple[str, ...]]:
     """(the import statements that can run, the CODE_FILES literal) of one module's source."""
     tree = ast.parse(source, filename=filename)
     package = name if is_package else name.rpartition(".")[0]
@@ -101,6 +96,8 @@ def _parse(source: bytes, name: str, is_package: bool, filename: str) -> tuple[l
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.body if type_checking else ():
+                    visit_one(sub, True)
                 for sub in child.orelse:  # only the else branch runs
                     visit_one(sub, lazy)
             else:
@@ -170,10 +167,12 @@ def _closure(entry: str, root: Path, stats: tuple) -> tuple[str, ...]:
     return tuple(sorted(f.relative_to(root).as_posix() for f in files))
 
 
-def import_graph(packages: tuple[str, ...], root: Path = CODE_ROOT) -> dict[str, list[Import]]:
-    """module -> its imports of modules of `packages`, for every module of `packages` (TYPE_CHECKING excluded)."""
+def import_graph(packages: tuple[str, ...], root: Path = CODE_ROOT,
+                 type_checking: bool = False) -> dict[str, list[Import]]:
+    """module -> its imports of modules of `packages`, for every module of `packages` (`if TYPE_CHECKING:` imports
+    only with `type_checking`)."""
     index = module_index(packages, root)
-    return {name: imports(name, index) for name in index}
+    return {name: imports(name, index, type_checking) for name in index}
 
 
 def find_cycle(graph: dict[str, list[Import]]) -> list[Import | str] | None:

@@ -1,22 +1,17 @@
 """Memory-lean log-probability kernels for policy-gradient and preference training.
 
 Every trainer needs ``log p(token | context)`` for the sampled tokens, and the naive
-``logits.log_softmax(-1).gather(-1, index)`` materialises a second full ``(B, T, V)``
-tensor (plus a third one in backward) just to read ``B * T`` numbers out of it. With
-V = 150k, B = 8 and T = 2048 that is ~10 GB per copy in float32. The functions here
-compute the same values while only ever holding a budget-sized chunk of rows:
+``logits.log_softmax(-1).gather(-1, index)`` materialises a second full ``(B, T, V)`` tensor (plus a third in
+backward) just to read ``B * T`` numbers out of it. The functions here compute the same values while only ever
+holding a budget-sized chunk of rows:
 
 - :func:`selective_log_softmax` - ``log_softmax(logits)[index]`` from logits you already have;
-- :func:`chunked_logprobs` - the same straight from the last hidden states and the
-  lm-head weight, so the ``(N, V)`` logits never exist for all tokens at once;
+- :func:`chunked_logprobs` - the same from the last hidden states and the lm-head weight, so the ``(N, V)``
+  logits never exist for all tokens at once;
 - :func:`entropy_from_logits` - per-row entropy of ``softmax(logits)``.
 
-All three are vectorised over chunks of rows (never a Python loop over single rows) and
-have hand-written backward passes (``torch.autograd.Function``) that recompute each
-chunk's softmax instead of letting autograd keep one intermediate per chunk alive, which
-would add up to the very full-size tensor the chunking avoids.
-
-Only torch is imported; the module has no Prefect/DVC dependency.
+All three are vectorised over chunks of rows and have hand-written backward passes that recompute each chunk's
+softmax, instead of letting autograd keep one intermediate per chunk alive. Only torch is imported.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ __all__ = [
 ]
 
 # Budget for one chunk's working tensor. On CPU a small, cache-friendly chunk in a reused
-# buffer is *faster* than the full-size naive op (measured in benchmarks/kernels.py), so
+# buffer is *faster* than the full-size naive op (`python -m benchmarks kernels`), so
 # the budget is small. On accelerators every chunk costs a few kernel launches, so a
 # larger budget keeps the launch overhead negligible while still being a small fraction
 # of a full (B, T, V) tensor.

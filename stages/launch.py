@@ -1,28 +1,19 @@
 """Run a training stage on many processes and machines through `accelerate launch`.
 
 A training stage (sft, reward, policy) runs in-process when `run.launch.num_processes` and
-`run.launch.num_machines` are 1 (the default, the quickstart). Otherwise it is started as
-
-    python -m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml \\
-        --num_processes 8 --num_machines 1 --machine_rank 0 --main_process_port 29500 ... \\
-        -m stages sft --params <the run's params, resolved>
-
-(the same as `accelerate launch ...`), each rank running the unchanged stage code: the
-`transformers.Trainer` shards the data and reduces gradients (DDP, FSDP or DeepSpeed, as
-the config file says); only global rank 0 writes the output folder and its manifest
-(`stages.runner`). The launcher runs in its own process group; its output is streamed line
-by line (`[defaultN]:` prefixes the lines of local rank N), a deadline kills every
-process it started, and a non-zero exit raises `LaunchFailed` with the failing rank's last
-lines. When one rank crashes, torchrun ends the others.
+`run.launch.num_machines` are 1 (the default). Otherwise it is started as `python -m
+accelerate.commands.launch --config_file <run.launch.accelerate_config> --num_processes N ... -m stages <stage>
+--params <the run's resolved params>`, each rank running the unchanged stage: the Trainer shards the data and
+reduces gradients (DDP, FSDP or DeepSpeed, as the config says); only global rank 0 writes the output folder and
+its manifest. The launcher runs in its own process group; its output is streamed line by line (`[defaultN]:`
+prefixes local rank N's lines), a deadline kills every process it started, and a non-zero exit raises
+`LaunchFailed` with the failing rank's last lines.
 
     python -m stages sft --set run.launch.num_processes=8            # 1 machine, 8 GPUs
-    python -m stages.launch sft --set run.launch.accelerate_config=configs/accelerate/single_process.yaml
-    # 2 machines x 8 GPUs: the same command on each, machine_rank 0 and 1
-    python -m stages sft --set run.launch.num_machines=2 --set run.launch.num_processes=16 \\
-        --set run.launch.main_process_ip=10.0.0.1 --set run.launch.machine_rank=0
+    python -m stages.launch sft --print --set run.launch.num_processes=8   # show the command only
 
-On CPU (no CUDA) the DDP config gives gloo processes: `accelerate launch --cpu` would start
-a single process, so `--cpu` is never passed; Trainer's `use_cpu` picks gloo itself.
+On CPU the DDP config gives gloo processes: `accelerate launch --cpu` would start a single process, so `--cpu`
+is never passed; Trainer's `use_cpu` picks gloo itself.
 """
 from __future__ import annotations
 
@@ -38,7 +29,8 @@ import yaml
 
 from stages import artifacts, runner
 from stages.artifacts import CODE_ROOT
-from stages.config import LaunchConfig, Params, load_params
+from stages.config import LaunchConfig, Params
+from stages.params_loader import load_params
 from stages.processes import LAUNCHED_ENV, LaunchFailed, inside_launch, run_command, stage_target
 from stages.registry import STAGES, get_stage, resolve
 

@@ -1,25 +1,16 @@
 """Merging LoRA adapters into a full model: one adapter, several weighted, or a chain; pruning; checks; lineage.
 
-    from stages.merge import AdapterSpec, merge_adapters
     model, report = merge_adapters("base-folder", [AdapterSpec("adapter-folder")], probe=probe_batch(tok, texts))
-    model.save_pretrained("out")            # a plain causal LM: AutoModelForCausalLM.from_pretrained("out")
 
-Combinations (`COMBINATIONS`): PEFT's `add_weighted_adapter` types (`linear`, `cat`, `ties`,
-`dare_linear`, `dare_ties`, `svd`) over adapters trained on one base, each with its weight;
-and `sequential`: merge adapter 0 into the base, then adapter 1 into that, ... (adapters
-trained one on top of the other). One adapter is always merged exactly: ΔW = w · s · B·A.
+Combinations (`COMBINATIONS`): PEFT's `add_weighted_adapter` types (`linear`, `cat`, `ties`, `dare_linear`,
+`dare_ties`, `svd`) over adapters trained on one base, and `sequential` (each adapter merged into the result of
+the previous one). One adapter is always merged exactly: ΔW = w · s · B·A. Pruning (`PRUNE_METHODS`) applies
+to the combined adapter before merging: `magnitude` zeroes the smallest entries of each ΔW, `rank` keeps its
+top singular directions.
 
-Pruning (`PRUNE_METHODS`), applied to the combined adapter before merging:
-  magnitude  zero the `fraction` of entries of each ΔW = s · B·A with the smallest |value|
-  rank       keep the top (1 - fraction) · r singular directions of each ΔW (a lower-rank update)
-
-Every merge runs in float32 (the model is upcast, merged, then cast to `dtype`), and is
-checked: the merged model's logits on a probe batch must equal the adapter model's (the
-PEFT model just before `merge_and_unload`) within `tolerance`; the max difference is
-reported, with the difference to the first adapter alone (what combining and pruning changed).
-
-Every check that needs only the adapters' config files (`check_adapters`) runs before any
-model is loaded.
+Every merge runs in float32 (upcast, merged, then cast to `dtype`) and is checked: the merged model's logits on
+a probe batch must equal the adapter model's within `tolerance`. Every check that needs only the adapters'
+config files (`check_adapters`) runs before any model is loaded.
 """
 from __future__ import annotations
 

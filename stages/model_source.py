@@ -15,28 +15,30 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 HUB_TIMEOUT_S = 3.0
 
 
-def model_source_problem(name: str, *, cache_dir: str | Path | None = None) -> str | None:
+def model_source_problem(name: str, *, cache_dir: str | Path | None = None, trust_remote_code: bool = False
+                         ) -> str | None:
     """Why `name` (not a builtin) cannot be loaded, or None: checked in seconds, before any training.
 
     A folder must hold a config.json. A name that is not a folder is taken for a hub id only if it
     looks like one (`org/name`) and is in the local Hugging Face cache or the hub answers within
     HUB_TIMEOUT_S: `from_pretrained` would otherwise retry for about a minute and then report a network
     error that never mentions the missing folder. When the hub does not answer, a cached id is loaded
-    with HF_HUB_OFFLINE set, so that it does not retry either.
+    with HF_HUB_OFFLINE set, so that it does not retry either. A model whose config or tokenizer config needs
+    custom code (`auto_map`) is refused unless `trust_remote_code` (`remote_code_problem`).
     """
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").exists():
             return ("folder has no config.json; point it at a Hugging Face model directory (one written by "
                     "save_pretrained)")
-        return None
+        return None if trust_remote_code else remote_code_problem(path)
     where = f"no folder {path.resolve()}"
     if not HUB_ID.match(name):  # ./x, ../x, ~/x, /x, a/b/c, x
         return f"{where}; not a hub id (org/name) either, so the hub was not tried. Fix the path"
     if in_hub_cache(name, cache_dir):
         if not hub_reachable():
             go_offline()
-        return None
+        return None if trust_remote_code else remote_code_problem(cached_folder(name, cache_dir))
     fix = (f"Fix the path, or download the model where the hub is reachable (`hf download {name} --local-dir "
            f"models/{name.split('/')[-1]}`) and point model.name_or_path at that folder")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
@@ -47,6 +49,37 @@ def model_source_problem(name: str, *, cache_dir: str | Path | None = None) -> s
         return (f"{where}, and hub id {name!r} is not in the local Hugging Face cache; the hub ({url}) is not "
                 f"reachable ({reason}). {fix}")
     return None
+
+
+CODE_CONFIGS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def remote_code_problem(folder: Path | None) -> str | None:
+    """Why a model folder cannot load without model.trust_remote_code: one of its configs names custom classes
+    (`auto_map`), whose code `from_pretrained` would import from the folder (or fetch from the hub) and run.
+    Checked before anything is loaded, so no such code runs and no download is attempted."""
+    import json
+
+    for name in CODE_CONFIGS if folder is not None else ():
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if auto_map:
+            classes = ", ".join(f"{k} -> {v if isinstance(v, str) else v[0]}" for k, v in dict(auto_map).items())
+            return (f"{name} needs custom code (auto_map: {classes}), and model.trust_remote_code is false: "
+                    "loading would run code from the model folder. Read that code, then set model.trust_remote_code: "
+                    "true if you trust it, or use a model transformers supports natively")
+    return None
+
+
+def cached_folder(repo_id: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The snapshot folder of a cached hub id (where its config.json lies)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir)
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def in_hub_cache(repo_id: str, cache_dir: str | Path | None = None) -> bool:

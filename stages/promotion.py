@@ -8,12 +8,14 @@
 
 `run_gate(params)` reads stage evaluate's table and stage merge's model, compares the
 candidate row (`promote.candidate`, default merged) with production on `promote.metric`
-(higher is better) and promotes only when it is better by more than `promote.min_improvement`.
+(higher is better) and promotes only when it is better by more than `promote.min_improvement`;
+on a share metric (accuracy, format) "better" is the one-sided lower bound of the difference at
+`promote.confidence` (`stages.gates`), so a lead a few eval prompts could give does not promote.
 Production's value is its recorded one when it was measured on the same evaluation
 (`eval_key`: the eval data and evaluate settings); otherwise production is re-evaluated on
 the current eval set first. A candidate identical to production (same content hash) is a
 no-op, so an unchanged nightly run promotes nothing. With `promote.hub.model_id` set and
-HF_TOKEN in the environment, the promoted model is pushed with transformers' `push_to_hub`;
+HF_TOKEN in the environment, the promoted folder (model card and lineage.json included) is uploaded;
 the token is read from the environment only and never written anywhere.
 """
 from __future__ import annotations
@@ -48,17 +50,41 @@ def column(metric: str) -> str:
     return COLUMN.get(metric, metric)
 
 
-def decide(candidate: float | None, production: float | None, *, metric: str, min_improvement: float) -> Decision:
-    """Promote when there is no production value, or candidate > production + min_improvement (higher is better)."""
+SHARES = ("accuracy", "format")  # metrics that are a share of the eval prompts: judged with a confidence bound
+
+
+def decide(candidate: float | None, production: float | None, *, metric: str, min_improvement: float,
+           n_candidate: int | None = None, n_production: int | None = None, confidence: float = 0.5) -> Decision:
+    """Promote when there is no production value, or the candidate is better by more than `min_improvement`
+    (higher is better).
+
+    For a share metric (SHARES) measured on known counts (the table's `n`), "better" is the one-sided lower
+    bound of candidate − production at `confidence` (`stages.gates.difference_lower`), so a lead that a few
+    prompts could give does not promote; otherwise (and at confidence 0.5) the values themselves."""
     if candidate is None:
         return Decision(False, f"the candidate has no {metric} value; nothing to compare", metric, None, production)
     if production is None:
         return Decision(True, f"no production model yet; {metric} = {candidate}", metric, candidate, None)
-    if candidate > production + min_improvement:
+    difference = candidate - production
+    if metric in SHARES and n_candidate and n_production and confidence > 0.5:
+        from stages.gates import count_of, difference_lower
+
+        lower = difference_lower(count_of(candidate, n_candidate), n_candidate, count_of(production, n_production),
+                                 n_production, confidence)
+        judged = (f"{metric} {candidate} on {n_candidate} prompts against production's {production} on "
+                  f"{n_production} (difference {difference:+.4g}; one-sided {confidence:.0%} lower bound "
+                  f"{lower:+.4g})")
+        if lower > min_improvement:
+            return Decision(True, f"{judged} beats production by more than {min_improvement}", metric, candidate,
+                            production)
+        return Decision(False, f"{judged}: not shown better by more than {min_improvement} at {confidence:.0%} "
+                        "confidence; production kept (more eval prompts narrow the bound; promote.confidence "
+                        "0.5 compares the values themselves)", metric, candidate, production)
+    if difference > min_improvement:
         return Decision(True, f"{metric} {candidate} beats production's {production} by "
-                        f"{candidate - production:.4g} > {min_improvement}", metric, candidate, production)
+                        f"{difference:.4g} > {min_improvement}", metric, candidate, production)
     return Decision(False, f"{metric} {candidate} does not beat production's {production} by more than "
-                    f"{min_improvement} (difference {candidate - production:+.4g}); production kept",
+                    f"{min_improvement} (difference {difference:+.4g}); production kept",
                     metric, candidate, production)
 
 
@@ -70,11 +96,14 @@ def current(models_dir: str | Path) -> dict[str, Any] | None:
 
 def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_dir: str | Path, *, metric: str,
          min_improvement: float, eval_key: str, lineage: dict[str, Any] | None = None,
-         evaluate_production: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+         stages: dict[str, dict[str, str]] | None = None,
+         evaluate_production: Callable[[str], dict[str, Any]] | None = None, confidence: float = 0.5
+         ) -> dict[str, Any]:
     """Decide, promote if better, record the decision in history.jsonl; returns the decision and production.
 
     evaluate_production(path) -> table row: re-measures production when its record was made on
     another evaluation (eval_key differs); without it the recorded value is used (and said so).
+    `confidence`: see `decide` (the rows' `n` are the counts).
     """
     from stages.merge import model_identity
 
@@ -89,22 +118,25 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
         decision = Decision(False, f"the candidate is the production model ({prod['version']}); nothing to do",
                             metric, candidate_metrics.get(col), prod["metrics"].get(col))
     else:
-        production_value = None
+        production_value = production_n = None
         if prod is not None:
-            production_value = prod["metrics"].get(col)
+            production_value, production_n = prod["metrics"].get(col), prod["metrics"].get("n")
             if prod.get("eval_key") != eval_key:
                 if evaluate_production is not None:
-                    production_value = evaluate_production(str(models_dir / POINTER)).get(col)
+                    row = evaluate_production(str(models_dir / POINTER))
+                    production_value, production_n = row.get(col), row.get("n")
                     note = " (production re-evaluated on the current eval set)"
                 else:
                     note = " (production's value was recorded on another eval set)"
         decision = decide(candidate_metrics.get(col), production_value, metric=metric,
-                          min_improvement=min_improvement)
+                          min_improvement=min_improvement, n_candidate=candidate_metrics.get("n"),
+                          n_production=production_n, confidence=confidence)
         decision.reason += note
     event = {"at": now, "event": "promoted" if decision.promote else "kept", **asdict(decision),
              "candidate_hash": identity, "production_version": prod["version"] if prod else None}
     if decision.promote:
-        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, eval_key=eval_key,
+        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, stages=stages,
+                         eval_key=eval_key,
                          identity=identity, at=now)
         event.update(version=record["version"], previous=prod)
         prod = record
@@ -114,6 +146,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
 
 
 def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
+            stages: dict[str, dict[str, str]] | None = None,
             eval_key: str, identity: str, at: str) -> dict[str, Any]:
     """Copy the model to releases/<version>, repoint `production` at it, rewrite production.json (atomically)."""
     version = f"{at[:19].replace(':', '').replace('-', '')}-{identity.split(':')[-1][:12]}"
@@ -124,6 +157,10 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         tmp = releases / f".{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
+        from stages import model_card
+
+        model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version,  # README.md, lineage.json
+                            stages=stages)
         os.replace(tmp, final)
     link_tmp = models_dir / f".{POINTER}.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
@@ -140,7 +177,8 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
 
 def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = True, env=os.environ
                 ) -> dict[str, Any]:
-    """Push the model and tokenizer with transformers' push_to_hub when configured; else say why not.
+    """Push the promoted folder as it is (weights, tokenizer, model card README.md, lineage.json) with
+    huggingface_hub's upload_folder when configured; else say why not.
 
     The token comes from `env[HF_TOKEN]` and is passed to the call only (never logged or recorded).
     """
@@ -149,12 +187,12 @@ def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = 
     token = env.get(TOKEN_ENV)
     if not token:
         return {"pushed": False, "reason": f"{TOKEN_ENV} is not in the environment; set it to push to {model_id}"}
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from huggingface_hub import HfApi
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model.push_to_hub(model_id, token=token, private=private)
-    tokenizer.push_to_hub(model_id, token=token, private=private)
+    api = HfApi(token=token)
+    api.create_repo(model_id, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(Path(model_dir).resolve()), repo_id=model_id,
+                      commit_message=f"align: promote {Path(model_dir).resolve().name}")
     return {"pushed": True, "model_id": model_id}
 
 
@@ -198,8 +236,11 @@ def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     lineage_file = output_dir(params, "merge") / "lineage.json"
     lineage = json.loads(lineage_file.read_text()) if pr.candidate == "merged" and lineage_file.is_file() else None
     result = gate(folder, table[pr.candidate], pr.models_dir, metric=pr.metric, min_improvement=pr.min_improvement,
-                  eval_key=eval_key(manifest), lineage=lineage,
-                  evaluate_production=lambda path: evaluate_production(params, path))
+                  eval_key=eval_key(manifest), lineage=lineage, stages={
+                      s: {"fingerprint": m["fingerprint"], "outputs_hash": m["outputs"]["hash"]}
+                      for s, m in (("merge", artifacts.read_manifest(output_dir(params, "merge")) or {}),
+                                   ("evaluate", manifest)) if m},
+                  evaluate_production=lambda path: evaluate_production(params, path), confidence=pr.confidence)
     result["hub"] = (push_to_hub(Path(pr.models_dir) / POINTER, pr.hub.model_id, private=pr.hub.private, env=env)
                      if result["event"] == "promoted" else {"pushed": False, "reason": "nothing promoted"})
     result["report"] = str(evaluate_dir / "report.md")

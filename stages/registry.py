@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from stages import imports
 from stages.artifacts import CODE_ROOT
+from stages.config import POLICY_METHODS
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "dat
 MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
 # Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
 # outputs elsewhere count as current; tests/stages/test_registry_params.py checks that nothing else is read).
-RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads")
+RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads",
+                # where a run reports (score and evaluate log to the training stages' trackers: stages.trackers)
+                "run.report_to", "sft.report_to", "reward.report_to",
+                *(f"policy.{m}.report_to" for m in POLICY_METHODS if m != "none"))
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -74,7 +78,7 @@ STAGES: dict[str, StageSpec] = {
             name="sft",
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
-            params=("model", "sft", "run.seed"),
+            params=("model", "sft", "run.seed", "run.report_to"),
             inputs=("model.name_or_path",),
             training_rows="stages.pipeline.sft:training_rows",
         ),
@@ -82,7 +86,7 @@ STAGES: dict[str, StageSpec] = {
             name="reward",
             entry="stages.pipeline.reward:run",
             upstream=("preprocess", "sft"),
-            params=(*MODEL_LOADING, "reward", "run.seed"),
+            params=(*MODEL_LOADING, "reward", "run.seed", "run.report_to"),
             training_rows="stages.pipeline.reward:training_rows",
         ),
         StageSpec(
@@ -100,13 +104,13 @@ STAGES: dict[str, StageSpec] = {
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
                     "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
                     # the policy's numerics, which its reference log-probs must share
-                    "policy.mixed_precision", "policy.lora.enabled", "policy.lora.quantization"),
+                    "policy.dpo.mixed_precision", "policy.dpo.lora.enabled", "policy.dpo.lora.quantization"),
         ),
         StageSpec(
             name="policy",
             entry="stages.pipeline.policy:run",
             upstream=("preprocess", "sft", "reward", "score", "reference"),
-            params=(*MODEL_LOADING, "policy", "run.seed"),
+            params=(*MODEL_LOADING, "policy", "run.seed", "run.report_to"),
             training_rows="stages.pipeline.policy:training_rows",
         ),
         StageSpec(

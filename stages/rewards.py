@@ -1,29 +1,25 @@
 """Reward functions for RL stages and scoring: built-ins, user functions by import path, weighted sums.
 
-A reward function is any callable `f(prompts, completions, **columns) -> list[float | None]`,
-one value per completion; None means "not scored" (e.g. no reference answer for that row),
-never zero. `completions` are the strings of `stages.utils.decode_and_strip_padding` (the
-reasoning block already removed); `columns` are the dataset's extra columns (`answer`, a
-reference `completion`, ...) repeated per completion, plus `completion_ids`, `reasoning` and
-`finished` from generation when available. Functions must accept (and may ignore) any column:
-end the signature with `**_`.
+A reward function is any callable `f(prompts, completions, **columns) -> list[float | None]`, one value per
+completion (called by keyword, as TRL calls it, when it names a `completions` parameter); None means "not
+scored" (e.g. no reference answer), never zero. `completions` are the strings of
+`stages.utils.decode_and_strip_padding` (the reasoning block removed); `columns` are the dataset's extra
+columns (`answer`, ...) repeated per completion, plus `completion_ids`, `reasoning` and `finished` from
+generation. Functions must accept (and may ignore) any column: end the signature with `**_`.
 
-Built-ins (`BUILTIN_REWARDS`):
-  exact_match       1.0 if the last integer of the completion equals the reference answer, else 0.0
-  reasoning_format  1.0 for a closed, non-empty reasoning block followed by a non-empty answer, else 0.0
-  length_penalty    -min(length / max, 1) in [-1, 0]: tokens when `completion_ids` is given, else characters
-  reward_model      a trained reward model (`reward_model_path`) scoring prompt + completion
-  reward_model_prob the same squashed to (0, 1), σ(r): a bounded tie-breaker beside a verifiable
-                    reward (weight w < 1: a right answer always outscores a wrong one, whatever r)
-
-Anything else is a dotted path `package.module:function` (imported, never eval'd).
-`RewardFunctions` runs several, checks every output and sums them with weights.
+Built-ins (`BUILTIN_REWARDS`): `exact_match` (the completion's last integer equals the answer),
+`reasoning_format` (a closed, non-empty reasoning block and an answer), `length_penalty` (-min(length / max,
+1)), `reward_model` (a trained reward model scoring prompt + completion) and `reward_model_prob` (σ(r), in
+(0, 1): a bounded tie-breaker beside a verifiable reward). Anything else is a dotted path
+`package.module:function` (imported, never eval'd). `RewardFunctions` runs several, checks every output and
+sums them with weights.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import math
+import os
 import numbers
 import re
 from typing import Any, Callable
@@ -162,9 +158,11 @@ def load_reward_function(name: str, *, reward_model_path: str | None = None, dev
         return RewardModelReward(reward_model_path, device=device, squash=name == "reward_model_prob")
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if os.path.isdir(name):  # a trained reward model's folder, as TRL's reward_funcs takes one
+        return RewardModelReward(name, device=device)
     if ":" not in name:
         raise ValueError(f"{key} = {name!r}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import "
-                         "path module:function (e.g. mypkg.rewards:score)")
+                         "path module:function (e.g. mypkg.rewards:score) nor a reward model's folder")
     module_name, _, attr = name.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(f"{key} = {name!r}: expected exactly one module:function, e.g. mypkg.rewards:score")
@@ -232,7 +230,7 @@ class RewardFunctions:
         scores: dict[str, list[float | None]] = {}
         for name, fn in self.functions:
             try:
-                out = fn(prompts, completions, **columns)
+                out = _call(fn, prompts, completions, columns)
             except Exception as e:  # a user's function: say which one, keep the original traceback chained
                 raise ValueError(f"reward function {name!r} raised {type(e).__name__}: {e}; it is called as "
                                  "f(prompts, completions, **columns) -> list[float | None]") from e
@@ -242,6 +240,18 @@ class RewardFunctions:
             row = [scores[name][i] for name, _ in self.functions]
             totals.append(None if any(v is None for v in row) else sum(w * v for w, v in zip(self.weights, row)))
         return totals, scores
+
+
+def _call(fn, prompts: list, completions: list, columns: dict):
+    """fn(prompts=..., completions=..., **columns) when fn names a `completions` parameter (TRL's convention:
+    `def reward(completions, **kwargs)`), else fn(prompts, completions, **columns)."""
+    try:
+        keywords = "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        keywords = False
+    if keywords:
+        return fn(prompts=prompts, completions=completions, **columns)
+    return fn(prompts, completions, **columns)
 
 
 def _check_output(name: str, out: Any, n: int) -> list[float | None]:
@@ -288,6 +298,9 @@ def build_reward_functions(spec, weights: list[float] | None = None, *, key: str
                                                      key=f"{key}[{i}]")))
         elif _is_pair(item):
             named.append((item[0], item[1]))
+        elif hasattr(item, "config") and hasattr(item, "forward"):  # a model object (TRL takes those too)
+            raise ValueError(f"{key}[{i}] is a {type(item).__name__} object; give a reward model as its folder "
+                             "(a string), which holds its tokenizer too")
         elif callable(item):
             named.append((getattr(item, "__name__", type(item).__name__), item))
         else:

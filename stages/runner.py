@@ -18,6 +18,7 @@ Reliability contract:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -38,7 +39,7 @@ from stages import artifacts, seeding
 from stages.config import Params
 from stages.errors import QualityGateFailed, StageFailed  # noqa: F401 (raised by stages, caught by callers)
 from stages.processes import process_rank, run_command, stage_target
-from stages.registry import STAGES, StageSpec, get_stage, resolve
+from stages.registry import DATA_FILES, STAGES, StageSpec, get_stage, resolve
 
 log = logging.getLogger("stages")
 
@@ -58,6 +59,7 @@ class StageContext:
     inputs: dict[str, Path]  # upstream stage name -> its (verified) output folder
     log: logging.Logger
     work: Path  # persists across crashed attempts of this fingerprint (checkpoints); removed on success
+    stage: str = ""  # the stage's name (its trackers' run name, its model card)
 
 
 @dataclass
@@ -107,15 +109,36 @@ def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
     its upstream outputs' hashes and the content of the user's files it reads (StageSpec.inputs)."""
     spec = get_stage(name)
     code = artifacts.code_hash(spec.code(root), root)
-    inputs = {**upstream_hashes, **input_hashes(spec, params)}
-    return artifacts.fingerprint(name, params.select(spec.params), code, inputs)
+    files = input_hashes(spec, params)
+    inputs = {**upstream_hashes, **files}
+    return artifacts.fingerprint(name, _by_content(params.select(spec.params), files), code, inputs)
 
 
 def input_hashes(spec: StageSpec, params: Params) -> dict[str, str]:
-    """{"file:<key>": content hash} of the user's files the stage reads (StageSpec.inputs) that exist."""
-    values = params.select(spec.inputs)
-    hashes = {key: artifacts.input_hash(value) for key, value in values.items() if isinstance(value, str)}
+    """{"file:<key>": content hash} of the user's inputs the stage reads (StageSpec.inputs) that exist: for a data
+    key, the hash of the rows it gives (`stages.data.hub.rows_hash`: the same rows hash alike as a .jsonl file, a
+    hub-layout folder, a glob or a cached hub id); for anything else (a model folder), its files' bytes."""
+    from stages.data.hub import rows_hash
+
+    hashes = {key: rows_hash(key, value) if key in DATA_FILES else
+              artifacts.input_hash(value) if isinstance(value, str) else None
+              for key, value in params.select(spec.inputs).items()}
     return {f"file:{key}": h for key, h in hashes.items() if h is not None}
+
+
+def _by_content(selected: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+    """The selected params with every data key whose rows are hashed in `files` replaced by a marker: its rows
+    identify it, not where they lie or how they are spelled (a path, a folder, a mapping with a column map)."""
+    for entry in files:
+        key = entry.removeprefix("file:")
+        if key not in DATA_FILES:
+            continue
+        section, _, leaf = key.rpartition(".")
+        if key in selected:
+            selected[key] = "rows"
+        elif isinstance(selected.get(section), dict):
+            selected[section][leaf] = "rows"
+    return selected
 
 
 def _expected_fingerprint(name: str, params: Params, memo: dict[str, str | None] | None = None) -> str | None:
@@ -184,10 +207,12 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     code = spec.code()
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{name}"), work=work)
+                           log=logging.getLogger(f"stages.{name}"), work=work, stage=name)
         seeding.prepare(params.run)  # before the stage draws anything (a fresh head, LoRA, dropout)
+        _generation_backends()  # forget what ran before this stage in the process
         try:
             metrics = fn(ctx) or {}
+            backends = sorted(set(_generation_backends()) | _shard_backends(work))
             manifest = artifacts.write_manifest(tmp, {
                 "stage": name,
                 "fingerprint": state.fingerprint,
@@ -201,6 +226,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
                 "wall_time_s": round(time.perf_counter() - t0, 3),
                 "versions": _versions(),
                 "determinism": seeding.environment(params.run.device),
+                **({"generation": {"backends": backends}} if backends else {}),
             })
         except Exception as e:  # a full disk is measured here, before atomic_output removes the partial output
             if artifacts.is_disk_full(e, tmp):
@@ -237,9 +263,13 @@ def run_shard(name: str, params: Params, shard: int, num_shards: int) -> dict[st
     log.info("%s: computing shard %d of %d into %s", name, shard, num_shards, work)
     with tempfile.TemporaryDirectory(prefix=f"{name}-shard{shard}-") as tmp:  # a shard publishes no output
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{name}"), work=work)
+                           log=logging.getLogger(f"stages.{name}"), work=work, stage=name)
         seeding.prepare(params.run, sharing=num_shards)
+        _generation_backends()
         summary = fn(ctx, shard, num_shards) or {}
+        backends = _generation_backends()
+    if backends:  # for the manifest the stage writes when it assembles the shares
+        artifacts.write_json_atomic(work / "generation" / f"shard-{shard}-of-{num_shards}.json", backends)
     return {**row, "executed": True, **summary}
 
 
@@ -256,6 +286,18 @@ def run_shard_process(name: str, params: Params, shard: int, num_shards: int, *,
         params_file.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
         cmd = [sys.executable, *stage_target(name, params_file), "--shard", str(shard), "--num-shards", str(num_shards)]
         run_command(cmd, on_line=on_line, timeout_s=timeout_s, env=env)
+
+
+def _generation_backends() -> list[str]:
+    """The generation backends ("hf", "decoder", "vllm") that produced completions in this process since the
+    last call (`stages.generation.common.take_backends`); none when generation was never imported."""
+    common = sys.modules.get("stages.generation.common")
+    return common.take_backends() if common is not None else []
+
+
+def _shard_backends(work: Path) -> set[str]:
+    """The backends the stage's shares computed by `run_shard` used (their record in the work folder)."""
+    return {name for f in sorted((work / "generation").glob("*.json")) for name in json.loads(f.read_text())}
 
 
 def _shard_entry(spec: StageSpec):
@@ -278,7 +320,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
     work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-rank{process_rank()}-") as tmp:
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
-                           log=logging.getLogger(f"stages.{spec.name}"), work=work)
+                           log=logging.getLogger(f"stages.{spec.name}"), work=work, stage=spec.name)
         seeding.prepare(params.run)
         metrics = _entry(spec)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}

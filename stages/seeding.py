@@ -81,10 +81,10 @@ def resolve_threads(threads: int | str, sharing: int = 1) -> int:
 def set_threads(threads: int | str, sharing: int = 1) -> int:
     """Set torch's intra-op threads from `run.threads` (see `resolve_threads`); returns the count.
 
-    One thread is the default because the measured alternative is worse on a shared machine: with
-    one thread per core, a second CPU-bound process makes OpenMP threads wait on a busy core and
-    steps 10-60x slower, where one thread keeps its core's speed; and outputs then do not depend
-    on the machine's core count (float sums are split across threads)."""
+    One thread is the default because one thread per core collapses on a shared machine: a second
+    CPU-bound process makes OpenMP threads wait on a busy core, where one thread keeps its core's speed
+    (docs/decisions.md); and outputs then do not depend on the machine's core count (float sums are
+    split across threads)."""
     import torch
 
     n = resolve_threads(threads, sharing)

@@ -1,20 +1,16 @@
 """What our own code must do differently when the model's parameters are sharded (FSDP, DeepSpeed ZeRO-3).
 
-Under FSDP2 (`torch.distributed.fsdp.fully_shard`, what configs/accelerate/fsdp.yaml selects) and
-DeepSpeed ZeRO-3 each rank holds a slice of every parameter; the engine gathers a module's
-parameters around that module's own forward and reduces its gradients after its backward. Our
-code reads the output layer's weight *outside* the forward (chunked log-probs from hidden
-states, `stages.trainers.logprobs`), deep-copies the model (the frozen reference) and generates
-token by token. Each needs its own answer:
+Under FSDP2 (`fully_shard`, what configs/accelerate/fsdp.yaml selects) and DeepSpeed ZeRO-3 each rank holds a
+slice of every parameter; the engine gathers a module's parameters around that module's own forward and
+reduces its gradients after its backward. Our code reads the output layer's weight outside the forward, copies
+the model for the frozen reference and generates token by token, so:
 
-- chunked log-probs with gradients: the engine would not reduce-scatter a gradient that
-  reaches the head's weight outside its forward, so the trainers take the logits path
-  (`lm_head_for_chunking` returns None); without gradients (reference log-probs, eval) the
-  head's weight is gathered for the call (`gathered_head`);
-- the frozen reference is never deep-copied from sharded parameters (`frozen_reference` loads
-  it from the model's checkpoint folder and shards it the same way, see `sharded_reference`);
-- generation runs every rank's forward in lockstep (`synced_gpus`), since each forward is a
-  collective: a rank whose prompts finished early would otherwise leave the others waiting.
+- chunked log-probs with gradients take the logits path (`lm_head_for_chunking` returns None: the engine would
+  not reduce a gradient reaching the head outside its forward); without gradients the head's weight is
+  gathered for the call (`gathered_head`);
+- the frozen reference is loaded from the model's checkpoint folder and sharded the same way
+  (`frozen_reference`, `sharded_reference`), never deep-copied from shards;
+- generation runs every rank's forwards in lockstep (`synced_gpus`), since each forward is a collective.
 
 FSDP1 (`FullyShardedDataParallel` wrappers) flattens parameters; it always takes the logits path.
 """

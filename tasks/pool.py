@@ -2,6 +2,7 @@
 (flows/stage_pool.py registers it; a worker of the pool runs it on its own machine), waited for."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ from prefect import get_run_logger
 
 from stages import artifacts
 from stages.config import Params
+from stages.trackers import RUN_ENV
 
 FLOW_NAME = "align-stage"  # the flow of flows/stage_pool.py; its deployments are named after their pool
 POLL_S = 1.0  # how often the waiting task asks the server for the flow run's state (Prefect's default, 5 s, adds
@@ -22,8 +24,9 @@ def run_on_pool(stage: str, params: Params) -> dict[str, Any]:
     pool = params.run.launch.work_pool
     name = f"{FLOW_NAME}/{pool}"
     get_run_logger().info("%s: sent to work pool %r (deployment %s)", stage, pool, name)
+    env = {RUN_ENV: os.environ[RUN_ENV]} if os.environ.get(RUN_ENV) else {}  # the trackers' pipeline run name
     run = run_deployment(name=name, parameters={"stage": stage, "params": params.to_dict()}, timeout=None,
-                         poll_interval=POLL_S)
+                         poll_interval=POLL_S, job_variables={"env": env} if env else None)
     if not run.state.is_completed():
         raise RuntimeError(f"{stage}: flow run {run.name} on work pool {pool!r} ended {run.state.name}: "
                            f"{run.state.message}; its logs are in the Prefect UI")

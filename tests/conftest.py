@@ -36,11 +36,15 @@ SMALL = {
     "reward": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "min_accuracy": 0.0},
     "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6},  # the small model is never right:
               "reward_functions": ["reward_model"], "reward_weights": None, "min_score": None},  # RM-only pairs
-    "policy": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "num_prompts": 16,
-               "grpo": {"num_generations": 2, "max_steps": 3, "per_device_train_batch_size": 4,
-                        "generation": {"max_new_tokens": 6}},
-               "online_dpo": {"generation": {"max_new_tokens": 6}},
-               "ppo": {"generation": {"max_new_tokens": 6}}},
+    "policy": {"num_prompts": 16,
+               **{m: {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1}
+                  for m in ("dpo", "kto", "online_dpo", "ppo")},
+               "grpo": {"num_generations": 2, "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
+                        "max_completion_length": 6},
+               "online_dpo": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1,
+                              "max_new_tokens": 6},
+               "ppo": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1,
+                       "max_completion_length": 6}},
     "evaluate": {"max_new_tokens": 4},
 }
 
@@ -74,7 +78,7 @@ def small_params(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def built_pipeline(tmp_path_factory):
     """Every stage built once on small settings (for tests that only read outputs)."""
-    from stages.config import load_params
+    from stages.params_loader import load_params
     from stages.runner import run_stage
 
     folder = tmp_path_factory.mktemp("pipeline")

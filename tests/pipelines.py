@@ -58,3 +58,26 @@ def run_pipeline(params, stages=STAGE_ORDER) -> dict[str, dict]:
 
 def evaluate_table(params) -> list[dict]:
     return json.loads((Path(params.run.output_dir) / "evaluate" / "metrics.json").read_text())
+
+
+def hub_layout_folder(folder: Path, splits: dict[str, list[dict]], shards: dict[str, int] | None = None,
+                      rename: dict[str, str] | None = None) -> Path:
+    """A dataset folder as the hub lays it out: data/<split>-0000i-of-0000n.parquet per split and a README.md
+    whose `configs:` name each split's files. `rename`: {column in the rows: column written}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    rename = rename or {}
+    config = ["---", "configs:", "- config_name: default", "  data_files:"]
+    for split, rows in splits.items():
+        n = (shards or {}).get(split, 1)
+        size = -(-len(rows) // n)
+        columns = list(dict.fromkeys(k for r in rows for k in r))  # a field some rows lack is null in the others
+        for i in range(n):
+            part = rows[i * size:(i + 1) * size]
+            table = pa.table({rename.get(k, k): [r.get(k) for r in part] for k in columns})
+            pq.write_table(table, folder / "data" / f"{split}-{i:05d}-of-{n:05d}.parquet")
+        config += [f"  - split: {split}", f"    path: data/{split}-*"]
+    (folder / "README.md").write_text("\n".join(config + ["---", "", "# A dataset in the hub's layout", ""]))
+    return folder

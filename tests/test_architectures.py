@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.data import read_jsonl
 from tests import architectures
 from tests.conftest import write_params

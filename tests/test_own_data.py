@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.data import DataError, read_jsonl
 from stages.runner import run_stage
 from tests.conftest import write_params
@@ -31,11 +31,12 @@ def test_sft_only_stops_at_params_validation_naming_the_fix_then_runs_with_it(tm
     with pytest.raises(ParamsError) as e:
         load_params(params_file)
     assert ("score.reward_functions = ['reward_model'] includes reward_model, but there is no preference data to "
-            "train one: set --set score.reward_functions=[exact_match], or give data.preference") in str(e.value)
+            "train one: set --set policy.method=grpo --set score.enabled=false (GRPO learns from the rule reward on "
+            "every sample), or keep policy.method = dpo with --set score.reward_functions=[exact_match] if") in str(e.value)
     assert not (tmp_path / "artifacts").exists()  # nothing built, not even the model
 
-    # the fix named, and an online method with the rule reward (the tiny model's pairs would all tie)
-    params = load_params(params_file, ["score.reward_functions=[exact_match]", "policy.method=grpo"])
+    # the fix named first: an online method with the rule reward (the tiny model's rule-scored pairs would all tie)
+    params = load_params(params_file, ["policy.method=grpo", "score.enabled=false"])
     manifests = run_pipeline(params)
     assert manifests["reward"]["metrics"] == {"trained": False, "reason": "no preference pairs in preference.jsonl"}
     assert [r["model"] for r in evaluate_table(params)] == ["base", "sft", "policy", "merged"]
@@ -43,8 +44,8 @@ def test_sft_only_stops_at_params_validation_naming_the_fix_then_runs_with_it(tm
 
 def test_sft_only_default_params_name_the_weights_too(tmp_path):
     files = arithmetic_files(tmp_path)
-    with pytest.raises(ParamsError, match=r"set --set score\.reward_functions=\[exact_match\] --set "
-                                          r"score\.reward_weights=\[1\.0\], or give data\.preference"):
+    with pytest.raises(ParamsError, match=r"with --set score\.reward_functions=\[exact_match\] --set "
+                                          r"score\.reward_weights=\[1\.0\] if the SFT model's samples"):
         load_params(write_params(tmp_path, {"data": {"source": None, "sft": str(files["sft"])}}, small=False))
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.pipeline import training
 from tests.conftest import write_params
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.pipeline.training import complete_checkpoint
 from tests.conftest import ROOT, write_params
 
@@ -133,8 +133,9 @@ def upstream_of_policy(built_pipeline):
 
 @pytest.mark.slow
 def test_dpo_killed_mid_run_resumes_to_the_same_result(tmp_path, built_pipeline):
-    check_killed_then_resumed(tmp_path, "policy", {"policy": {"method": "dpo", "max_steps": STEPS, "save_steps": SAVE,
-                                                              "logging_steps": 1, "per_device_train_batch_size": 2}},
+    check_killed_then_resumed(tmp_path, "policy", {"policy": {"method": "dpo", "dpo": {
+                                  "max_steps": STEPS, "save_steps": SAVE, "logging_steps": 1,
+                                  "per_device_train_batch_size": 2}}},
                               upstream_of_policy(built_pipeline))
 
 
@@ -155,8 +156,8 @@ def test_grpo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp
     """Two updates per generation (num_iterations 2) and two micro-batches per step, checkpoints every 3 steps:
     a resume at step 3 (the first checkpoint) falls between the two updates of one generation, so the rerun
     must reuse the buffered samples of the killed run (and their log-probs at sampling time), not draw new ones."""
-    section = {"method": "grpo", "save_steps": 3, "logging_steps": 1, "gradient_accumulation_steps": 2,
-               "grpo": {"max_steps": 8, "num_iterations": 2, "reward_functions": ["reward_model"]}}
+    section = {"method": "grpo", "grpo": {"save_steps": 3, "logging_steps": 1, "gradient_accumulation_steps": 2,
+                                          "max_steps": 8, "num_iterations": 2, "reward_functions": ["reward_model"]}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
                                         steps=8, save=3, keys=("loss", "reward"), tolerance=1e-6)
     print(f"\nGRPO resume: {figures}")
@@ -167,8 +168,8 @@ def test_grpo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp
 def test_ppo_killed_mid_run_resumes_to_the_same_samples_rewards_and_weights(tmp_path, built_pipeline):
     """A rollout and its PPO epochs are one Trainer step, so no rollout outlives a checkpoint: the samples follow
     from the step's seed, the minibatch shuffles from the restored RNG state."""
-    section = {"method": "ppo", "save_steps": 2, "logging_steps": 1, "ppo": {"max_steps": 6, "num_ppo_epochs": 2,
-                                                                           "num_mini_batches": 2}}
+    section = {"method": "ppo", "ppo": {"save_steps": 2, "logging_steps": 1, "max_steps": 6, "num_ppo_epochs": 2,
+                                        "num_mini_batches": 2}}
     figures = check_killed_then_resumed(tmp_path, "policy", {"policy": section}, upstream_of_policy(built_pipeline),
                                         steps=6, save=2, keys=("loss", "score"), tolerance=1e-6)
     print(f"\nPPO resume: {figures}")

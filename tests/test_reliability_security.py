@@ -3,6 +3,7 @@ on loopback, secrets never written out, trust_remote_code off unless the params 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 import subprocess
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from stages import runner
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from tests.conftest import ROOT, write_params
 
 SOURCES = sorted(p for d in ("stages", "flows", "tasks") for p in (ROOT / d).rglob("*.py"))
+EVERY_SOURCE = sorted(p for d in ("stages", "flows", "tasks", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -31,6 +34,36 @@ def test_no_unsafe_calls_in_the_code(pattern, why):
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(pattern, line) and not line.lstrip().startswith("#")]
     assert not hits, f"{why}:\n" + "\n".join(hits)
+
+
+def test_every_torch_load_is_weights_only():
+    """No torch.load in the repository (library, flows, benchmarks, tests) may unpickle arbitrary objects: each
+    call, over as many lines as it spans, passes weights_only=True."""
+    offenders = []
+    for path in EVERY_SOURCE:
+        text = path.read_text()
+        for match in re.finditer(r"torch\.load\(", text):
+            depth, end = 1, match.end()
+            while depth and end < len(text):  # the call's closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            call = text[match.start():end]
+            if "weights_only=True" not in call and path.name != "test_reliability_security.py":
+                offenders.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: {call}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_transformers_trainer_loads_every_file_weights_only():
+    """Every torch.load in transformers' Trainer (resume: optimizer, scheduler, scaler, RNG state, and the model
+    weights when a checkpoint has no safetensors) passes weights_only=True; we call trainer.train(resume_from_
+    checkpoint=...) only, never a load with weights_only=False."""
+    import transformers.trainer as trainer_module
+
+    text = inspect.getsource(trainer_module)
+    calls = text.split("torch.load(")[1:]
+    assert len(calls) >= 8
+    for call in calls:
+        assert "weights_only=True" in call[:300], "transformers.trainer: torch.load without weights_only=True"
 
 
 def test_transformers_resumes_checkpoints_with_weights_only():
@@ -137,3 +170,57 @@ def test_trust_remote_code_is_off_unless_the_params_say_so(tmp_path, monkeypatch
     for stage in ("preprocess", "sft"):
         runner.run_stage(stage, trusted)
     assert seen and set(seen) == {True}, seen
+
+
+MARKERS = {"HF_TOKEN": "hf_MARKERsecretHF0123456789", "WANDB_API_KEY": "MARKERsecretWANDB0123456789abcdef",
+           "MLFLOW_TRACKING_PASSWORD": "MARKERsecretMLFLOW0123456789"}
+
+
+def files_holding(folder: Path, markers: dict[str, str]) -> list[tuple[str, str]]:
+    """(file, variable) for every file under `folder` whose bytes hold a marker (as written, or UTF-16 / base64
+    encoded, as a database or a JSON blob might store it)."""
+    import base64
+
+    forms = {name: [v.encode(), v.encode("utf-16-le"), base64.b64encode(v.encode())[:20]]
+             for name, v in markers.items()}
+    found = []
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            found += [(str(path.relative_to(folder)), name) for name, encoded in forms.items()
+                      if any(e in data for e in encoded)]
+    return found
+
+
+@pytest.mark.slow
+def test_a_full_run_writes_no_secret_anywhere(tmp_path):
+    """`align run` of the whole pipeline in a git + DVC project, with HF_TOKEN, WANDB_API_KEY and
+    MLFLOW_TRACKING_PASSWORD set to marker values: no file under the project (params, dvc.lock, artifacts/,
+    logs, manifests, the DVC cache) or under PREFECT_HOME (the Prefect database, results, server log) holds
+    any of them."""
+    import os
+    import sys
+
+    from tests.test_dvc import make_dvc_repo
+
+    repo = make_dvc_repo(tmp_path / "repo")
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, **MARKERS, "PREFECT_HOME": str(home), "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_LOGGING_LEVEL": "DEBUG"}
+    env.pop("PREFECT_API_URL", None)
+    res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (repo / "artifacts" / "evaluate" / "manifest.json").is_file()
+    assert (repo / "dvc.lock").is_file(), res.stdout[-2000:] + res.stderr[-2000:]
+    assert any(home.rglob("*.db")) and any((repo / ".dvc" / "cache").rglob("*")), "the database and cache exist"
+    found = files_holding(repo, MARKERS) + files_holding(home, MARKERS)
+    leaked_to_console = [name for name, v in MARKERS.items() if v in res.stdout + res.stderr]
+    searched = sum(1 for d in (repo, home) for p in d.rglob("*") if p.is_file())
+    print(f"\nsecrets grep: {searched} files searched, markers found: {len(found) + len(leaked_to_console)}")
+    assert not found and not leaked_to_console, (found, leaked_to_console)
+    control = tmp_path / "control"  # the search itself finds a planted marker, in each encoding
+    control.mkdir()
+    (control / "plain.json").write_text(json.dumps({"token": MARKERS["HF_TOKEN"]}))
+    (control / "wide.bin").write_bytes(MARKERS["WANDB_API_KEY"].encode("utf-16-le"))
+    assert sorted(files_holding(control, MARKERS)) == [("plain.json", "HF_TOKEN"), ("wide.bin", "WANDB_API_KEY")]

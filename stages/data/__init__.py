@@ -9,12 +9,15 @@ chosen methods need from them: `stages.data.sources`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from stages.data.formats import FORMATS, describe_formats, detect_format, is_conversational, normalise, validate
+from stages.data.hub import DataSpec
+from stages.data.hub import read_rows as read_spec_rows
 from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
 from stages.data.packing import pack_dataset
 from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
@@ -47,20 +50,22 @@ class LoadReport:
                 "invalid": self.invalid, "invalid_examples": self.examples}
 
 
-def iter_rows(path: str | Path, report: LoadReport, *, key: str | None = None
-              ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(format, canonical row) of every good row of a file, one at a time (constant memory for .jsonl).
+def iter_rows(path: str | Path | DataSpec, report: LoadReport, *, key: str | None = None,
+              limit: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(format, canonical row) of every good row of a file, or of a DataSpec read through `datasets`
+    (stages.data.hub), one at a time (constant memory for .jsonl).
 
     `key`: the data params key naming the file ("source", "sft", "preference", "prompts"):
     data.source takes rows of any format (a mixed file), the others only their own kind
     (`stages.data.sources.ACCEPTS`). None: one format per file, that of the first row.
     Bad rows go to `report`; a row whose `id` another row with other content already used is one.
+    `limit`: read only the first `limit` rows (params validation's cap, `data.validate_rows`).
     """
     from stages.data.sources import destination_problem
 
     fmt = None
     ids: dict[Any, tuple[str, str]] = {}  # id -> (where first seen, content hash)
-    for row in read_rows(path):
+    for row in itertools.islice(read_spec_rows(path) if isinstance(path, DataSpec) else read_rows(path), limit):
         report.read += 1
         if row.value is None:
             report.reject(row.where, row.error)

@@ -1,25 +1,16 @@
 """Batching tokenised rows for causal-LM training: padded or padding-free, with loss masks.
 
-`CompletionCollator` turns features (dicts of per-token lists) into model inputs:
+`CompletionCollator` turns features (dicts of per-token lists) into `input_ids`, `labels` and `position_ids`
+(B, T), plus `attention_mask` (B, T) for padded rows; with `padding_free=True`, B == 1 and there is no
+attention mask. Labels are the token ids where the loss applies and IGNORE_INDEX elsewhere, decided by
+positions (the `completion_mask` / `assistant_masks` columns), never by `ids != pad`: many tokenizers pad
+with EOS, and the real EOS must be learnt.
 
-    input_ids (B, T), labels (B, T), position_ids (B, T), and attention_mask (B, T) for
-    ordinary padded rows; with padding_free=True, B == 1 and there is no attention_mask.
-
-Labels are the token ids where the loss applies and IGNORE_INDEX elsewhere. Where the loss
-applies is decided by positions (the `completion_mask` / `assistant_masks` columns), never
-by `ids != pad`: many tokenizers pad with EOS, and the real EOS must be learnt.
-
-Several sequences in one row (padding-free batches, or rows from
-`stages.data.packing.pack_dataset`) are kept apart by `position_ids` that restart at 0 at
-each sequence start, and by passing NO 2D attention mask. transformers (5.x,
-`masking_utils.create_causal_mask`) then finds the sequence starts in position_ids
-(`find_packed_sequence_indices`) and builds a block-diagonal causal mask, for the "sdpa"
-and "eager" attention implementations (on CPU and GPU); flash-attention turns the same
-position_ids into cumulative sequence lengths. The detection runs only when the model
-call has no KV cache: call the model with `use_cache=False` when training (with the
-default `use_cache=True` a cache is created and the sequences attend to each other).
-The first token of every packed sequence gets label IGNORE_INDEX, so the last token of
-one sequence is never trained to predict the first token of the next.
+Several sequences in one row are kept apart by `position_ids` that restart at 0 at each sequence and by
+passing NO 2D attention mask: transformers then finds the sequence starts in position_ids and builds a
+block-diagonal causal mask ("sdpa", "eager"; flash-attention turns them into sequence lengths). The detection
+runs only without a KV cache: call the model with `use_cache=False` when training. The first token of every
+packed sequence gets label IGNORE_INDEX, so no sequence is trained to predict the next one's start.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """Packing tokenised rows into rows of a fixed length, so batches hold no padding.
 
-`pack_dataset(dataset, seq_length, strategy)` takes rows with `input_ids` (and any other
-per-token list columns, such as `completion_mask` or `assistant_masks`) and returns
-packed rows with the same per-token columns plus:
+`pack_dataset(dataset, seq_length, strategy)` takes rows with `input_ids` (and any other per-token list
+columns, such as `completion_mask`) and returns packed rows with the same columns plus `seq_lengths` (the
+lengths of the sequences packed into the row) and `position_ids` (restarting at each sequence), which keep
+packed sequences apart (see `stages.data.collators.CompletionCollator`). Strategies:
 
-- `seq_lengths`: the lengths of the sequences packed into the row, in order;
-- `position_ids`: 0, 1, ... restarting at the start of each of those sequences.
+- `bfd`: best-fit decreasing, whole sequences into bins of `seq_length` tokens; a longer sequence is
+  truncated to it;
+- `wrapped`: everything concatenated and cut into rows of exactly `seq_length`; a sequence cut at a row's
+  edge continues, from position 0, in the next row.
 
-The position_ids are what keeps packed sequences apart: given them and no 2D attention
-mask, transformers' attention treats each run as its own sequence (see
-`stages.data.collators.CompletionCollator`).
-
-| strategy | what it does                                                                       |
-|----------|------------------------------------------------------------------------------------|
-| bfd      | best-fit decreasing: whole sequences into bins of `seq_length` tokens; a sequence  |
-|          | longer than `seq_length` is truncated to it (the overflow is dropped)              |
-| wrapped  | everything concatenated and cut into rows of exactly `seq_length` (the last one    |
-|          | shorter); sequences cut at a row's edge continue, from position 0, in the next row |
-
-All the work is on flat numpy arrays; packing 100k short rows takes well under a second.
+All the work is on flat numpy arrays.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Which data files a run reads, what they hold, and what the chosen methods need from them.
 
-Four keys of the `data` params section name files (each optional):
+Four keys of the `data` params section name data sources (each optional): a local file or
+`save_to_disk` folder, or what `datasets.load_dataset` reads (a hub-layout folder, a glob, a hub id,
+with a config, a split and a column map: `stages.data.hub`):
 
 | key             | takes                                                     |
 |-----------------|-----------------------------------------------------------|
@@ -24,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import FORMATS, detect_format, is_conversational
+from stages.data.hub import (HUB_ID, PLAIN_SUFFIXES, DataSourceError, DataSpec, check, is_spec_value, shape_problems,
+                             spec_of)
+from stages.data.hub import read_rows as read_spec_rows
 from stages.reward_names import REWARD_MODEL_REWARDS
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
@@ -68,22 +73,45 @@ class DataShape:
         return bool(self.destinations & {"sft", "preference", "unpaired"})
 
 
-def data_files(data) -> list[tuple[str, Path]]:
-    """(dotted key, path) of every data file the `data` section names (built-ins excluded), the held-out
-    files (HELD_OUT_KEYS: eval_source, dev_source) last."""
-    out = [(f"data.{k}", Path(getattr(data, k)).expanduser()) for k in FILE_KEYS
-           if getattr(data, k) and not str(getattr(data, k)).startswith("builtin:")]
-    for key in HELD_OUT_KEYS:
-        if getattr(data, key.removeprefix("data.")):
-            out.append((key, Path(getattr(data, key.removeprefix("data."))).expanduser()))
+def data_files(data) -> list[tuple[str, Path | DataSpec]]:
+    """(dotted key, source) of every data source the `data` section names (built-ins excluded), the held-out
+    ones (HELD_OUT_KEYS: eval_source, dev_source) last. A source is a Path (a file or save_to_disk folder, read
+    line by line by stages.data.io) or a DataSpec (a mapping, a glob or a hub-layout folder: stages.data.hub)."""
+    out = []
+    for key in (*(f"data.{k}" for k in FILE_KEYS), *HELD_OUT_KEYS):
+        value = getattr(data, key.removeprefix("data."))
+        if not value or (isinstance(value, str) and value.startswith("builtin:")):
+            continue
+        out.append((key, spec_of(key, value) if is_spec_value(value) else Path(value).expanduser()))
     return out
 
 
+def source_of(data, key: str) -> Path | DataSpec | None:
+    """The source of dotted data key `key` (see `data_files`), None when unset or built in."""
+    return dict(data_files(data)).get(key)
+
+
 def missing_files(data) -> list[tuple[str, str]]:
-    """(key, why) for every named data file that does not exist."""
-    return [(key, f"= {str(path)!r}: no such file or folder (relative paths are from the working directory "
-                  f"{Path.cwd()}); fix the path, or unset the key")
-            for key, path in data_files(data) if not path.exists()]
+    """(dotted key, why) for every named data source that does not exist or cannot be loaded: a missing file, a
+    mapping with unknown keys, a column, split or config that is not there, a slice that leaves no rows, a hub
+    id not in the cache (stages.data.hub.check)."""
+    problems = []
+    for key in (*(f"data.{k}" for k in FILE_KEYS), *HELD_OUT_KEYS):
+        value = getattr(data, key.removeprefix("data."))
+        shape = shape_problems(key, value)
+        problems += [tuple(p.split(" ", 1)) for p in shape]
+        if shape or not value or (isinstance(value, str) and value.startswith("builtin:")):
+            continue
+        if is_spec_value(value):
+            problem = check(spec_of(key, value))
+            if problem:
+                problems.append(problem)
+        elif not Path(value).expanduser().exists():
+            problems.append((key, f"= {value!r}: no such file or folder (relative paths are from the working "
+                                  f"directory {Path.cwd()}); fix the path, or unset the key"
+                                  + (f" (a hub id is given as {{path: {value}}})"
+                                     if HUB_ID.fullmatch(value) and Path(value).suffix not in PLAIN_SUFFIXES else "")))
+    return problems
 
 
 def peek(data) -> DataShape:
@@ -97,8 +125,15 @@ def peek(data) -> DataShape:
         if key in HELD_OUT_KEYS:
             shape.destinations.add(key.removeprefix("data.").removesuffix("_source"))
             continue
-        stat = path.stat() if path.is_file() else None
-        part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        if isinstance(path, DataSpec):
+            try:
+                part = _peek_rows(read_spec_rows(path), big=True, key=key.removeprefix("data."))
+            except DataSourceError:  # params validation names it (missing_files)
+                part = DataShape(complete=False)
+        else:
+            stat = path.stat() if path.is_file() else None
+            part = _peek_file(str(path.resolve()), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1,
+                              key.removeprefix("data."))
         shape.destinations |= part.destinations
         shape.conversational |= part.conversational
         shape.prompts_derivable |= part.prompts_derivable
@@ -107,8 +142,14 @@ def peek(data) -> DataShape:
 
 
 @functools.lru_cache(maxsize=64)
-def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
-    """The shape of one file; cached by path, size and modification time (params are validated at every entry)."""
+def _peek_file(path_text: str, size: int, mtime_ns: int, key: str = "source") -> DataShape:
+    """The shape of one file that data params key `key` names; cached by path, size and modification time (params
+    are validated at every entry).
+
+    An unreadable row leaves the shape certain only where fixing it cannot change what `needs` decides: the key
+    takes only destinations the file already has, and rows that give prompts are already there (data.source, a
+    mixed file, is never certain then). The row itself is reported by `stages.data.row_checks` in the same
+    message, or by preprocess."""
     from stages.data.io import DataError, read_rows
 
     path = Path(path_text)
@@ -117,21 +158,35 @@ def _peek_file(path_text: str, size: int, mtime_ns: int) -> DataShape:
     if big and path.suffix != ".jsonl":  # tables and saved datasets are read whole: leave them to preprocess
         shape.complete = False
         return shape
-    recognised = 0
     try:
-        for n, row in enumerate(read_rows(path)):
+        return _peek_rows(read_rows(path), big, key)
+    except DataError:  # unreadable file: preprocess says why, naming the file
+        shape.complete = False
+        return shape
+
+
+def _peek_rows(rows, big: bool, key: str = "source") -> DataShape:
+    """The shape of rows (io.Row) that data params key `key` names, the first PEEK_ROWS of them when `big`."""
+    from stages.data.io import DataError
+
+    shape = DataShape()
+    recognised = unknown = 0
+    try:
+        for n, row in enumerate(rows):
             if big and n >= PEEK_ROWS:
                 shape.complete = False
                 break
             fmt = detect_format(row.value) if row.value is not None else None
-            if fmt is None:  # preprocess names the row and why: its message beats a guess made here
-                shape.complete = False
+            if fmt is None:  # row_checks or preprocess names the row and why: its message beats a guess made here
+                unknown += 1
                 continue
             recognised += 1
             shape.add(fmt, row.value)
-    except DataError:  # unreadable file: preprocess says why, naming the file
+    except DataError:  # unreadable rows: preprocess says why, naming the file
         shape.complete = False
-    if not recognised:
+    accepts = ACCEPTS[key]
+    if not recognised or unknown and not (accepts is not None and accepts <= shape.destinations
+                                          and shape.prompts_derivable):
         shape.complete = False
     return shape
 
@@ -158,21 +213,30 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
         problems.append(("data.eval_source", "= null and no SFT or preference rows to carve an eval split from: "
                                              "set data.eval_source to prompts with reference completions"))
     if not shape.has_preference:
-        problems += _reward_model_without_pairs(params)
+        problems += _reward_model_without_pairs(params, shape)
         pol = params.policy
         if pol.method in ("dpo", "kto") and pol.data == "preprocess" and not (
                 pol.method == "kto" and "unpaired" in shape.destinations):
+            fix = (f"set {_online_fix(params)} (GRPO learns from the rule reward on every sample), "
+                   "or --set policy.data=score (pairs sampled from the SFT model and scored: with rule rewards "
+                   "alone, only where its samples differ)" if shape.prompts_derivable else
+                   "set --set policy.method=none (text rows give no prompts to sample pairs from)")
             problems.append(("policy.data", f"= preprocess, but the data has no preference rows for policy.method "
-                                            f"= {pol.method}: set --set policy.data=score (pairs sampled from the "
-                                            "SFT model and scored) or give data.preference"))
+                                            f"= {pol.method}: {fix}, or give data.preference"))
         if pol.method == "grpo" and pol.grpo.reward_head == "shared":
             problems.append(("policy.grpo.reward_head", "= shared trains a reward head on preference pairs, but the "
                                                         "data has none: set --set policy.grpo.reward_head=separate "
                                                         "or give data.preference"))
     if not shape.prompts_derivable:
         if params.score.enabled and params.score.source == "generate":
+            also = (" --set policy.method=none (policy.method = "
+                    f"{params.policy.method} trains on score's pairs)" if _reads_score_pairs(params) else "")
             problems.append(("score.enabled", "= true, but the data has no prompts to sample from (text rows "
-                                              "only): set --set score.enabled=false or give data.prompts"))
+                                              f"only): set --set score.enabled=false{also}, or give data.prompts"))
+        if "eval" not in shape.destinations and shape.has_sft_material:
+            problems.append(("data.eval_source", "= null, but the data has text rows only: they hold no prompt to "
+                                                 "hold out for evaluation (the eval split is carved from prompted "
+                                                 "rows); set data.eval_source to held-out prompt/completion rows"))
         if params.policy.method in ("online_dpo", "grpo", "ppo"):
             problems.append(("policy.method", f"= {params.policy.method} samples from prompts, but the data has "
                                               "none (text rows only): give data.prompts, or set "
@@ -180,8 +244,31 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
     return problems
 
 
-def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
-    """The reward-function lists that name the reward model, which no preference data trains."""
+def _online_fix(params) -> str:
+    """The overrides that train the policy with GRPO on the rule rewards, without score's pairs: what data
+    without preference rows always supports (a sample that scores like the others only adds no gradient)."""
+    grpo = params.policy.grpo
+    fix = "--set policy.method=grpo --set score.enabled=false"
+    if any(n in REWARD_MODEL_REWARDS for n in grpo.reward_functions):
+        fix += " --set policy.grpo.reward_functions=[exact_match] --set policy.grpo.reward_weights=null"
+    if grpo.reward_head == "shared":
+        fix += " --set policy.grpo.reward_head=separate"
+    return fix
+
+
+def _reads_score_pairs(params) -> bool:
+    return params.policy.method in ("dpo", "kto") and params.policy.data == "score"
+
+
+def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str]]:
+    """The reward-function lists that name the reward model, which no preference data trains, each with a fix that
+    leads to a finished run.
+
+    For score's list when DPO or KTO train on score's pairs, the rule rewards alone are not that fix: score
+    pairs two samples only where their scores differ, and a small or new SFT model whose samples are all wrong
+    (or all right) gives no pair, so the run would stop after SFT. An online method with the rule reward
+    (GRPO with policy.grpo.reward_functions) learns from every sample instead; the message offers it first and
+    says what the rule-reward pairs need."""
     lists = []
     if params.score.enabled:
         lists.append(("score.reward_functions", params.score.reward_functions, params.score.reward_weights))
@@ -199,8 +286,15 @@ def _reward_model_without_pairs(params) -> list[tuple[str, str]]:
         if weights is not None:
             kept = [w for n, w in zip(names, weights) if n not in REWARD_MODEL_REWARDS] or [1.0]
             fix += f" --set {key.rsplit('.', 1)[0]}.reward_weights=[{','.join(map(str, kept))}]"
-        problems.append((key, f"= {names} includes {named[0]}, but there is no preference data to train one: "
-                              f"set {fix}, or give data.preference"))
+        why = f"= {names} includes {named[0]}, but there is no preference data to train one: "
+        if key == "score.reward_functions" and _reads_score_pairs(params) and shape.prompts_derivable:
+            problems.append((key, why + f"set {_online_fix(params)} (GRPO learns from the rule reward on every "
+                             "sample), or keep "
+                             f"policy.method = {method} with {fix} if the SFT model's samples are right on some "
+                             "prompts and wrong on others (score pairs only samples whose scores differ; with none "
+                             "the run stops before policy), or give data.preference"))
+        else:
+            problems.append((key, why + f"set {fix}, or give data.preference"))
     return problems
 
 

@@ -1,28 +1,17 @@
 """Chat templates applied to rows: conversational rows in, rendered strings out.
 
-Three pure helpers, each working on one row (a dict) or on a whole dataset:
+Three pure helpers with TRL's signatures (`trl.data_utils`), each on one row (a dict) or a whole dataset:
 
-- `maybe_extract_prompt(example)`: a preference row without a "prompt" whose chosen and
-  rejected share a beginning gets that beginning as its explicit prompt.
-- `apply_chat_template(example, tokenizer, tools=None)`: a conversational row rendered to
-  strings with the tokenizer's chat template, for every row kind (see the table below).
-  The rendered prompt is always a prefix of prompt + completion, so completion masks can
-  be built from positions.
-- `unpair_preference_dataset(dataset)`: each prompt/chosen/rejected row becomes two
-  prompt/completion/label rows (chosen -> True, rejected -> False).
+- `maybe_extract_prompt(example)`: a preference row without a "prompt" whose chosen and rejected share a
+  beginning gets that beginning as its explicit prompt;
+- `apply_chat_template(example, tokenizer, tools=None)`: a conversational row of any kind (messages,
+  prompt_only, prompt_completion, preference, unpaired) rendered to strings with the tokenizer's chat
+  template. The rendered prompt is always a prefix of prompt + completion, so completion masks can be built
+  from positions; columns beyond the row kind's own are kept;
+- `unpair_preference_dataset(dataset)`: each prompt/chosen/rejected row becomes two prompt/completion/label
+  rows (chosen -> True, rejected -> False).
 
-The signatures are TRL's (`trl.data_utils`), so a TRL user's call works unchanged; the
-differences are listed in each docstring.
-
-| row kind          | fields in                      | fields out                       |
-|-------------------|--------------------------------|----------------------------------|
-| messages          | messages                       | text                             |
-| prompt_only       | prompt                         | prompt (with generation prompt)  |
-| prompt_completion | prompt, completion             | prompt, completion               |
-| preference        | [prompt], chosen, rejected     | [prompt], chosen, rejected       |
-| unpaired          | prompt, completion, label      | prompt, completion, label        |
-
-Columns beyond the row kind's own are kept as they are.
+Where they differ from TRL's, each docstring says so.
 """
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ tokenizers use EOS as the pad token, and the real EOS must be learnt.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 from stages.data.formats import is_messages
@@ -93,3 +97,139 @@ def content_chars(value: Any) -> int:
     if isinstance(value, list):
         return sum(content_chars(m.get("content", "")) if isinstance(m, dict) else content_chars(m) for m in value)
     return 0
+
+
+# ------------------------------------------------------------------ tokenising a whole dataset with `datasets`
+
+ROW_JSON = "row_json"  # the one column rows given as Python dicts travel in: JSON keeps each row exactly as given
+CODE_FOLDERS = ("data", "trainers")  # the stages/ sub-packages whose code decides the tokens (the cache key hashes it)
+
+
+def tokenized_dataset(rows, tokenize: Callable[..., list[dict]], *, marker: str, tokenizer,
+                      num_proc: int | None = None, batch_size: int = 1000):
+    """`rows` through `tokenize` as `Dataset.map(batched=True, num_proc=num_proc)`, cached as Arrow files.
+
+    rows: a list (or iterable) of dicts, a `datasets.Dataset`, or a `datasets.IterableDataset` (mapped lazily,
+    uncached, for streaming); None stays None. Rows that already have the column `marker` (tokenised beforehand)
+    are returned as a Dataset, untouched.
+    tokenize(rows, start=i): row dicts -> tokenised row dicts (the same keys in every row); `start` is the index
+    of the batch's first row, for messages that name a row.
+
+    The cache key hashes the rows' content, the tokenizer's content (vocabulary, merges, normaliser, special
+    tokens, chat template: `tokenizer_fingerprint`), the `tokenize` function with what it closes over (max
+    length, ...) and the code under stages/data and stages/trainers: a cache file is reused only for the same
+    tokens, never because a path or a config name matched. With `datasets.disable_caching()` nothing is written.
+    """
+    import datasets
+
+    if rows is None:
+        return None
+    if isinstance(rows, datasets.IterableDataset):
+        columns = rows.column_names or list(next(iter(rows)).keys())
+        return rows.map(_TokenizeBatch(tokenize, _rows), batched=True, with_indices=True, batch_size=batch_size,
+                        remove_columns=columns)
+    if isinstance(rows, datasets.Dataset):
+        if marker in rows.column_names:
+            return rows
+        source, decode, content = rows, _rows, ["dataset", rows._fingerprint, _cache_file_stats(rows)]
+    else:
+        rows = rows if isinstance(rows, list) else list(rows)
+        if not rows or marker in rows[0]:
+            return datasets.Dataset.from_list(rows)
+        texts = [json.dumps(r, ensure_ascii=False) for r in rows]
+        digest = hashlib.sha256()
+        for text in texts:
+            digest.update(text.encode() + b"\n")
+        source, decode = datasets.Dataset.from_dict({ROW_JSON: texts}), _decode_json
+        content = ["rows", digest.hexdigest()]
+        del texts
+    if len(source) == 0:
+        return datasets.Dataset.from_list([])
+    key = _hash([content, tokenizer_fingerprint(tokenizer), _function_hash(tokenize), _code_hash(), batch_size])
+    kwargs: dict[str, Any] = {}
+    if datasets.is_caching_enabled():
+        folder = Path(datasets.config.HF_DATASETS_CACHE) / "align-tokenized"
+        folder.mkdir(parents=True, exist_ok=True)
+        kwargs["cache_file_name"] = str(folder / f"{key}.arrow")
+    return source.map(_TokenizeBatch(tokenize, decode), batched=True, with_indices=True, batch_size=batch_size,
+                      num_proc=num_proc if num_proc and num_proc > 1 else None, remove_columns=source.column_names,
+                      new_fingerprint=key, load_from_cache_file=True, desc="tokenising", **kwargs)
+
+
+class _TokenizeBatch:
+    """The map function: a batch of columns -> rows -> `tokenize` -> columns (a class: it pickles to workers)."""
+
+    def __init__(self, tokenize, decode):
+        self.tokenize, self.decode = tokenize, decode
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        return _columns(self.tokenize(self.decode(batch), start=indices[0] if indices else 0))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what decides a tokenizer's tokens: its vocabulary, merges, normaliser and pre-tokeniser (the
+    backend's JSON), added and special tokens, the chat template and the padding/truncation sides."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "added": sorted((int(i), str(t)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()),
+        "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "sides": [getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None)],
+    }
+    return _hash(parts)
+
+
+def _function_hash(fn) -> str:
+    """The tokenize function with its closure (max length, flags); a random key when it cannot be hashed (never
+    reused, so never wrong)."""
+    from datasets.fingerprint import Hasher
+
+    try:
+        return Hasher.hash(fn)
+    except Exception:
+        import uuid
+
+        return uuid.uuid4().hex
+
+
+@functools.lru_cache(maxsize=1)
+def _code_hash_of(root: str, stats: tuple) -> str:
+    h = hashlib.sha256()
+    for rel, _, _ in stats:
+        h.update(rel.encode() + b"\0" + (Path(root) / rel).read_bytes())
+    return h.hexdigest()
+
+
+def _code_hash() -> str:
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(p for folder in CODE_FOLDERS for p in (root / folder).glob("*.py"))
+    return _code_hash_of(str(root), tuple((p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                                          for p in files))
+
+
+def _cache_file_stats(ds) -> list:
+    """(file, size, mtime) of the Arrow files behind a Dataset: its fingerprint alone may be keyed by a path."""
+    out = []
+    for entry in ds.cache_files:
+        p = Path(entry["filename"])
+        out.append([str(p), *((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else ())])
+    return out
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _decode_json(batch: dict[str, list]) -> list[dict[str, Any]]:
+    return [json.loads(text) for text in batch[ROW_JSON]]
+
+
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    keys = list(batch)
+    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}

@@ -1,41 +1,45 @@
-"""Generating completions for a list of prompts: one entry point, two backends.
+"""Generating completions for a list of prompts: one entry point over several backends.
 
     from stages.generation import SamplingParams, generate
     gens = generate(model, tokenizer, prompts, SamplingParams(n=4, do_sample=True, max_new_tokens=64, seed=1))
-    gens.completions[k], gens.prompt_index[k]       # completion k and the prompt it answers
+    gens.completions[k], gens.prompt_index[k], gens.backend   # completion k, its prompt, what produced it
 
-Backends (``BACKENDS``):
-- ``"hf"``: batched ``model.generate`` of a loaded Hugging Face model, in this process
-  (``stages.generation.hf``); what trainers use mid-training.
-- ``"vllm"``: a client of a vLLM OpenAI-compatible server started separately in its own
-  environment (``stages.generation.vllm``; ``serve_command`` builds its command line).
+Backends (``BACKENDS``), the first three in this process on a loaded model (``stages.generation.hf``):
+- ``"auto"`` (default): the CPU decoder (``stages.generation.decoder``) where ``decoder.why_not`` allows it,
+  HF ``model.generate`` otherwise;
+- ``"hf"``: always HF ``model.generate``;
+- ``"decoder"``: always the CPU decoder; a model it cannot run fails with ``why_not``'s reason;
+- ``"vllm"``: a client of a vLLM OpenAI-compatible server started in its own environment
+  (``stages.generation.vllm``; ``serve_command`` builds its command line).
 
-Both render prompts with the tokenizer's chat template, return completions in prompt-major
-order and apply the same EOS trimming and reasoning-block policy (``stages.utils.parse_completions``).
+All render prompts with the tokenizer's chat template, return completions in prompt-major order and apply
+the same EOS trimming and reasoning-block policy (``stages.utils.parse_completions``).
 """
 from __future__ import annotations
+
+from functools import partial
 
 from stages.generation import hf, vllm
 from stages.generation.common import Generations, SamplingParams
 
 __all__ = ["BACKENDS", "Generations", "SamplingParams", "generate", "sample_policy"]
 
-BACKENDS = {"hf": hf.generate, "vllm": vllm.generate}
+BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate}
 
 
-def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str = "hf",
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str = "auto",
              batch_size: int = 64, progress: bool = False, **backend_options) -> Generations:
     """``sampling.n`` completions for each of ``prompts`` (strings or chat message lists).
 
     Args:
-        model: "hf": a loaded causal LM (or a model folder); "vllm": the model path (or
-            served name) of the running server.
+        model: "auto", "hf", "decoder": a loaded causal LM (or a model folder); "vllm": the model path
+            (or served name) of the running server.
         tokenizer: the model's tokenizer; it renders prompts (chat template + generation
             prompt) and decodes completions.
         prompts: P prompts.
         sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt).
         backend: a ``BACKENDS`` key.
-        batch_size: prompts per ``generate`` call ("hf"), requests in flight ("vllm").
+        batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm").
         progress: log rate-limited progress lines with an ETA (``stages.progress``).
         **backend_options: passed to the backend, e.g. ``base_url=`` for "vllm".
 
@@ -53,8 +57,8 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
 
 def sample_policy(policy, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str, batch_size: int,
                   options: dict | None = None) -> Generations:
-    """What online trainers sample from: the policy in this process ("hf"), or a vLLM server serving
-    `options["model"]`. The server keeps its own copy of the weights, not synced from the trainer, so its
+    """What online trainers sample from: the policy in this process ("auto", "hf", "decoder"), or a vLLM
+    server serving `options["model"]`. The server keeps its own copy of the weights, not synced from the trainer, so its
     samples go off-policy once training moves the policy; `Generations.logprobs` (the server's log-probs of
     what it sampled) is what the trainers' truncated importance sampling corrects with."""
     options = dict(options or {})

@@ -1,5 +1,6 @@
-"""What every generation backend shares: the sampling parameters, the result record, and
-turning generated token ids into it (EOS trimming, decoding, the reasoning-block policy).
+"""What every generation backend shares: the sampling parameters, the result record, turning generated
+token ids into it (EOS trimming, decoding, the reasoning-block policy), and the count of which backends
+ran in this process (`record_backend`, `take_backends`: the stage runner writes them into the manifest).
 """
 from __future__ import annotations
 
@@ -153,6 +154,21 @@ def trim_at_eos(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
     return list(ids)
 
 
+_BACKENDS_RAN: set[str] = set()
+
+
+def record_backend(name: str) -> None:
+    """Note that backend `name` ("hf", "decoder", "vllm") produced completions in this process."""
+    _BACKENDS_RAN.add(name)
+
+
+def take_backends() -> list[str]:
+    """The backends that ran since the last call, sorted; the record is cleared."""
+    names = sorted(_BACKENDS_RAN)
+    _BACKENDS_RAN.clear()
+    return names
+
+
 def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids: list[list[int]],
                       completion_ids: list[list[list[int]]], eos: list[int], *, seed: int, backend: str,
                       logprobs: list[list[list[float]]] | None = None) -> Generations:
@@ -170,6 +186,8 @@ def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids:
         if bad or len(flat_logps) != len(flat):
             raise ValueError(f"{backend}: sampled log-probs do not line up with the completion tokens (first: "
                              f"completion {bad[0] if bad else len(flat_logps)}); this is a backend bug")
+    for name in backend.split("+"):
+        record_backend(name)
     opens = [rendered[p].rstrip().endswith(THINK_TAGS[0]) for p in index]
     parsed: list = [None] * len(flat)
     for flag in (False, True):

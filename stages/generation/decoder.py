@@ -1,35 +1,18 @@
-"""A lean KV-cache decoder for Llama-family causal LMs: the "hf" backend's fast path (`stages.generation.hf`).
+"""A lean KV-cache decoder for Llama-family causal LMs on CPU: backend "decoder", and "auto"'s first choice.
 
-HF's `generate` runs every decode step through the whole module stack: per-module calls, the cache
-object, mask building, the rotary module, the generation loop's bookkeeping. For a small model on a
-CPU that overhead is most of the step; a 4-layer, hidden-256 Llama decoding 8 rows spends ~2 ms of
-each ~3.2 ms forward outside its matmuls (`benchmarks/decode.py`). `Decoder` computes the same
-forward from the model's own weights in a few fused tensor ops per layer:
+HF's `generate` runs every decode step through the whole module stack, and for a small model on a CPU that
+framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
+few fused ops per layer: q/k/v and gate/up as one matmul each (weights laid out (in, out) once per call), one
+cache for all layers written in place, the model's own rotary tables, and HF's greedy loop with a pluggable
+token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`). Left padding, autocast
+(matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and `precision.CPU_FP32_SDPA` are
+handled as in the HF modules, so the tokens equal HF's up to float rounding (tests compare both).
 
-- q/k/v and gate/up are one matmul each, every weight concatenated and transposed once per call
-  (on CPU an (8, 256) @ (256, 1536) matmul takes ~45 us against a (1536, 256) weight stored
-  (in, out), ~70 us through `F.linear`'s (out, in));
-- one cache for all layers, written in place (room for 64 new tokens at first, doubled as rows run on);
-- the rotary cos/sin of every position computed once per call, by the model's own `rotary_emb`
-  (so every RoPE variant the model supports comes out the same);
-- left padding: each row's positions count its real tokens only (as HF's), and padded keys are
-  masked; a padded query attends to itself only, so no softmax row is empty.
-
-The loop is HF's greedy loop: each step's token comes from `pick(step, logits)` (the argmax, or
-`row_sampling.PerRowSampler.sample`), a finished row is fed the pad token, and decoding stops once
-every row has produced an EOS or `max_new_tokens` tokens. Under autocast the matmuls run in the
-autocast dtype (weights cast once per call, as `precision.cached_casts` gives HF's path) and the
-residual stream, norms and rotary stay in fp32, as in the HF modules; with `precision.CPU_FP32_SDPA`
-the attention runs in fp32 too. The tokens equal HF's up to float rounding (tests compare both).
-
-`Decoder.for_model` returns None, and the caller keeps HF's `generate`, for anything it does not
-reproduce exactly: other architectures (`why_not` says why), quantised or hooked modules, a wrapped
-`model.forward` (accelerate's autocast wrapper) outside an autocast region (inside one, as
-`cached_casts` gives the online trainers, the wrapper's own autocast adds nothing), PEFT
-adapters other than plain LoRA (a LoRA layer's weight is taken as its base weight plus B·A, once per
-call), sliding windows shorter than the call, and generation configs that add logits processors
-(repetition penalty, bad words, minimum lengths, ...). It is for CPU (models on an accelerator keep
-HF's kernels; vLLM is their fast path), and for models up to 2 GiB of weights, the copy it makes per call.
+`why_not(model, capacity)` names what it would not reproduce exactly, and `Decoder.for_model` then returns None:
+other architectures, quantised or hooked modules, a wrapped forward outside an autocast region, PEFT adapters
+other than plain LoRA, sliding windows shorter than the call, generation configs that add logits processors,
+models on an accelerator or over `MAX_WEIGHT_BYTES` of weights (the copy it makes per call). docs/architecture.md
+("The generation backends") says more.
 """
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
-"""Generation backend "hf": batched ``model.generate`` of a loaded Hugging Face model, in-process.
+"""The in-process generation backends on a loaded Hugging Face model: "hf" (batched ``model.generate``),
+"decoder" (``stages.generation.decoder``, a lean CPU decode loop with the same tokens) and "auto" (the
+decoder where ``decoder.why_not`` allows it, ``model.generate`` otherwise). ``Generations.backend`` says
+which ran.
 
-Prompts are rendered with the chat template (``stages.data.tokenize.render_prompt``),
-tokenised once without padding, sorted by length (less left padding per batch), cut into
-batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each
-prompt's ``n`` completions come back in the original, prompt-major order.
-
-Sampling (``do_sample`` without beams) does not use torch's global RNG: each prompt's ``n``
-rows draw their uniforms from a ``torch.Generator`` seeded with ``prompt_seed(seed, prompt
-ids)``, one per generated token, and ``row_sampling.PerRowSampler`` (the last logits processor of an
-otherwise greedy ``generate``) picks each row's token by inverse-CDF from the temperature /
-top-k / top-p filtered distribution, then leaves only that token for the argmax. So a prompt
-gets the same completions whatever its batch, its position in it, the batch size, the rank or
-the shard (up to float differences in its logits under other padding, which move a sample only
-when a uniform falls within rounding of a CDF boundary). Beam search (and beam sampling) stays
-HF's own, seeded inside ``torch.random.fork_rng``; the caller's RNG state (a trainer's dropout,
-shuffling) is left exactly as it was in every mode. Sampled completions come back with
-``Generations.logprobs``, each token's log-probability under the filtered distribution it was
-drawn from (greedy and beam search: None).
+Prompts are rendered with the chat template, tokenised once, sorted by length (less left padding), cut into
+batches of ``batch_size`` prompts, left-padded and generated with the KV cache; each prompt's ``n``
+completions come back in the original, prompt-major order. Sampling does not use torch's global RNG: each
+prompt's rows draw their uniforms from a generator seeded with ``prompt_seed(seed, prompt ids)``, and
+``row_sampling.PerRowSampler`` picks each row's token by inverse-CDF from the filtered distribution, so a
+prompt gets the same completions whatever its batch, position, rank or shard. Beam search stays HF's own,
+inside ``torch.random.fork_rng``; the caller's RNG state is left as it was. Sampled completions come with
+``Generations.logprobs``, each token's log-probability under the distribution it was drawn from.
 """
 from __future__ import annotations
 
@@ -30,14 +24,20 @@ from stages.sharding import generate_kwargs
 from stages.utils import pad
 
 
+CHOICES = ("auto", "hf", "decoder")
+
+
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
-             progress: bool = False) -> Generations:
+             progress: bool = False, backend: str = "auto") -> Generations:
     """Completions of ``prompts`` from an HF causal LM (see :func:`stages.generation.generate`).
 
     ``model`` may also be a model folder / hub id (loaded on CPU in float32, with its tokenizer
     when ``tokenizer`` is None). The model is put in eval mode for the call and its previous
-    train/eval mode is restored afterwards; no gradients are computed.
+    train/eval mode is restored afterwards; no gradients are computed. ``backend``: a ``CHOICES`` entry;
+    "decoder" raises ValueError with the reason when the decoder cannot run this model or decoding.
     """
+    if backend not in CHOICES:
+        raise ValueError(f"generation backend = {backend!r}: not an in-process backend; choose from {', '.join(CHOICES)}")
     if isinstance(model, (str, os.PathLike)):
         from stages.models import load_causal_lm, load_tokenizer
 
@@ -60,6 +60,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     per_prompt: list[list[list[int]]] = [[] for _ in prompts]
     per_prompt_logps: list[list[list[float]]] | None = [[] for _ in prompts] if per_row else None
     device = next(model.parameters()).device
+    ran: set[str] = set()
     was_training = model.training
     model.eval()
     try:
@@ -78,7 +79,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                     extra["logits_processor"] = per_row_sampler([prompt_ids[i] for i in batch], sampling,
                                                                 input_ids.shape[1], device)
                 new = _decode(model, input_ids, attention_mask, n if per_row else 1, sampling, kwargs, extra, eos,
-                              pad_id).tolist()
+                              pad_id, backend, ran).tolist()
                 # n consecutive rows per prompt (HF's num_return_sequences: best beam first)
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
@@ -94,18 +95,43 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     finally:
         model.train(was_training)
     return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
-                             backend="hf", logprobs=per_prompt_logps)
+                             backend="+".join(sorted(ran)) or _label(backend), logprobs=per_prompt_logps)
+
+
+def _label(backend: str) -> str:
+    """What a call with no prompts reports: the backend it would have tried first."""
+    return "hf" if backend == "hf" else "decoder"
+
+
+def why_not_decoder(model, s: SamplingParams, capacity: int, kwargs: dict, *, check_model: bool = True) -> str | None:
+    """Why the decoder cannot produce this call's tokens (None when it can): beam search, a model sharded
+    across ranks (generating in lockstep), or (`check_model`) what `decoder.why_not` finds in the model."""
+    from stages.generation.decoder import why_not
+
+    if s.num_beams > 1:
+        return f"beam search (num_beams = {s.num_beams}): the decoder decodes greedily or samples"
+    if "synced_gpus" in kwargs:
+        return "a model sharded across ranks generates in lockstep (synced_gpus), which only generate does"
+    return why_not(model, capacity) if check_model else None
 
 
 def _decode(model, input_ids, attention_mask, repeats: int, s: SamplingParams, kwargs: dict, extra: dict,
-            eos: list[int], pad_id: int) -> torch.Tensor:
-    """The new tokens of one batch of prompts, each as `repeats` consecutive rows: `decoder.Decoder` where it
-    reproduces this model's greedy / per-row `generate` (lighter per step, one prefill per prompt), HF's
-    `model.generate` over the repeated rows otherwise."""
+            eos: list[int], pad_id: int, backend: str, ran: set[str]) -> torch.Tensor:
+    """The new tokens of one batch of prompts, each as `repeats` consecutive rows: `decoder.Decoder` (lighter
+    per step, one prefill per prompt) or HF's `model.generate` over the repeated rows, as `backend` says;
+    the one used is added to `ran`."""
     from stages.generation.decoder import Decoder
 
     width = input_ids.shape[1]
-    decoder = None if s.num_beams > 1 or "synced_gpus" in kwargs else Decoder.for_model(model, width + s.max_new_tokens)
+    decoder = None
+    if backend != "hf":
+        reason = why_not_decoder(model, s, width + s.max_new_tokens, kwargs, check_model=False)
+        decoder = None if reason else Decoder.for_model(model, width + s.max_new_tokens)
+        if decoder is None and backend == "decoder":
+            reason = reason or why_not_decoder(model, s, width + s.max_new_tokens, kwargs)
+            raise ValueError(f"generation backend = 'decoder' cannot run here: {reason}; set the backend to auto "
+                             "(the decoder where it can run, HF generate otherwise) or hf")
+    ran.add("hf" if decoder is None else "decoder")
     if decoder is not None:
         pick = extra["logits_processor"][0].sample if extra else None
         return decoder.generate(input_ids, attention_mask, s.max_new_tokens, eos, pad_id, pick, repeats=repeats)

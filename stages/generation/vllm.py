@@ -1,30 +1,17 @@
-"""Generation backend "vllm": a client of a vLLM OpenAI-compatible server.
+"""Generation backend "vllm": a client of a vLLM OpenAI-compatible server, over HTTP with the standard library.
 
-vLLM pins its own torch and transformers, so it cannot live in align's environment; it
-runs as a separate server (in its own virtual environment, usually on the GPU machine)
-and this module talks to it over HTTP with the standard library only::
+vLLM pins its own torch and transformers, so it runs as a separate server in its own environment
+(`serve_command()` builds its command line); `generate(path, tokenizer, prompts, sampling, backend="vllm",
+base_url="http://127.0.0.1:8000/v1")` talks to it. Prompts are rendered with *our* tokenizer's chat template
+and sent as token ids (``POST /v1/completions`` with ``prompt: [ids]``), so the server sees exactly the tokens
+the in-process backends would feed the model. Completion token ids come back with ``return_token_ids``; older
+servers' answers fall back to ``logprobs`` tokens written as ``token_id:N``, else the text is re-tokenised.
+Sampling requests ask for ``logprobs: 0`` and return them as ``Generations.logprobs``: the distribution the
+server sampled from under ``--logprobs-mode processed_logprobs``, which ``serve_command`` passes.
 
-    # in vLLM's own venv
-    vllm serve /path/to/model --host 127.0.0.1 --port 8000     # serve_command() builds this line
-
-    # in align
-    generate("/path/to/model", tokenizer, prompts, sampling, backend="vllm",
-             base_url="http://127.0.0.1:8000/v1")
-
-Prompts are rendered with *our* tokenizer's chat template and sent as token ids
-(``POST /v1/completions`` with ``prompt: [ids]``), so the server sees exactly the tokens
-the "hf" backend would feed the model (no second BOS, no template drift between the two
-environments). Completion token ids come back with ``return_token_ids`` (vLLM >= 0.10.2);
-older servers' answers fall back to ``logprobs`` tokens written as ``token_id:N``, else
-the text is re-tokenised with our tokenizer. Sampling requests ask for ``logprobs: 0`` (the sampled
-token's log-prob only) and return them as ``Generations.logprobs``; they are the distribution the
-server sampled from only under ``--logprobs-mode processed_logprobs`` (vLLM's default,
-``raw_logprobs``, is before temperature / top-k / top-p), which ``serve_command`` passes.
-
-One request per prompt, ``batch_size`` in flight at once (the server batches them
-continuously); each request carries its prompt's own seed (vLLM's per-request ``seed``),
-``prompt_seed(seed, prompt token ids)``, so results do not depend on the batch size, the
-prompt's position or the order requests arrive in.
+One request per prompt, ``batch_size`` in flight at once (the server batches them continuously); each request
+carries its prompt's own seed, ``prompt_seed(seed, prompt token ids)``, so results do not depend on the batch
+size, the prompt's position or the order requests arrive in.
 """
 from __future__ import annotations
 
@@ -222,7 +209,7 @@ class _Client:
             raise VLLMServerError(
                 f"cannot reach the vLLM server at {self.base_url} ({reason}); start it with: "
                 f"{shlex.join(serve_command(self.model))} in its own environment (vLLM pins its own torch and "
-                f"transformers; see README, 'Generation with vLLM'), or point base_url / ${URL_ENV} at a running one"
+                f"transformers; see README, 'Generation'), or point base_url / ${URL_ENV} at a running one"
             ) from None
 
     def check_model(self, name: str) -> None:

@@ -1,36 +1,18 @@
 """Stage `evaluate`: every model of the pipeline on the held-out prompts, one comparison table.
 
-`evaluate.split` picks the held-out rows: `eval` (preprocess's eval.jsonl: the reported table,
-what the promotion gate compares) or `dev` (dev.jsonl, disjoint from eval and from training:
-what tuning selects on, so that eval stays unseen until the choice is made). The split is in
-the table rows, the stage's metrics and the report.
+Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: none) and merged (the model
+that is served and promoted; it should equal the policy row within noise). Completions come from
+`stages.generation` (greedy, beam or sampled: `evaluate.decoding`, seeded by run.seed). Columns
+(`evaluate.metrics`): accuracy (exact match of `answer_regex`), bleu and rouge (metric modules shipped in
+`stages/metrics/`), reward (stage `reward`'s model), win_rate (the reward model prefers the row's completion to
+the SFT model's; ties 1/2), format (a closed reasoning block and an answer), length. `evaluate.split` picks
+`eval` (the reported table, what promotion compares) or `dev` (what tuning selects on, so eval stays unseen).
+Writes `metrics.json`, `predictions.jsonl`, `plots/` and `report.md`.
 
-Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: none) and
-merged (stage `merge`'s model, the one that is served and promoted; it should equal the
-policy row within noise). Completions come from `stages.generation` with greedy, beam or
-sampled decoding (`evaluate.decoding`, seeded by run.seed). Columns (`evaluate.metrics`):
-
-    accuracy   exact match of the extracted answer (`evaluate.answer_regex`) with the reference's
-    bleu       corpus BLEU (0-100) of the completion text (reasoning + answer) vs the reference
-    rouge      ROUGE-1/2/L F-measures, same texts
-    reward     mean score of stage `reward`'s model (skipped when no reward model was trained)
-    win_rate   share of prompts where the reward model prefers the row's completion to the SFT
-               model's (ties count 1/2; the sft row is 0.5 by definition)
-    format     share of completions with a closed, non-empty reasoning block and an answer
-    length     mean completion tokens (EOS included)
-
-BLEU and ROUGE go through the `evaluate` library with metric modules shipped in
-`stages/metrics/` (the hub's scripts cannot be downloaded). Writes `metrics.json` (the table:
-one row per model), `predictions.jsonl`, `plots/` (loss curves of each training stage,
-reward distributions, accuracy per stage: PNG + DVC plot data) and `report.md`.
-
-Each model's outputs are saved in the stage's work folder as soon as they are generated: a
-rerun after a crash skips the models already done, and `run_shard` generates a share of the
-models apart (another process or machine sharing `run.output_dir`; the flow does it with
-`run.parallel_shards`), after which the stage run only scores and tabulates.
+Each model's outputs are saved in the work folder as soon as they are generated: a rerun after a crash skips
+the models already done, and `run_shard` generates a share of the models apart (another process or machine).
 
     python -m stages evaluate [--set evaluate.decoding=beam] [--set evaluate.max_samples=100]
-    python -m stages evaluate --shard 0 --num-shards 2 & python -m stages evaluate --shard 1 --num-shards 2; wait
 """
 from __future__ import annotations
 
@@ -40,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stages import generation
+from stages import generation, trackers
 from stages.artifacts import write_json_atomic
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
@@ -92,10 +74,12 @@ def run(ctx) -> dict[str, Any]:
     (ctx.out / "report.md").write_text(markdown_report(table, plots, notes=notes))
     by_model = {r["model"]: r for r in table}
     final = by_model.get("merged", by_model.get("policy", by_model["sft"]))
-    return {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
-            "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
-            "n": len(rows), "split": e.split, "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table},
-            "table": table}
+    metrics = {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
+               "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
+               "n": len(rows), "split": e.split,
+               "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table}, "table": table}
+    trackers.log_stage_metrics(p, "evaluate", metrics)  # into the pipeline run of the training stages' trackers
+    return metrics
 
 
 # --------------------------------------------------------------------------- models

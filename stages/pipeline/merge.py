@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stages import merge
+from stages import merge, model_card
 from stages.data import read_jsonl
 from stages.data.tokenize import render_prompt
 from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
@@ -41,9 +41,10 @@ def run(ctx) -> dict[str, Any]:
     if not specs:  # a full model and nothing to combine: re-save it
         ctx.log.info("merge: %s model %s is a full model; no merge needed, re-saved as safetensors", stage, source)
         model = load_causal_lm(source, dtype=dtype, device=device, trust_remote_code=p.model.trust_remote_code)
-        merge.save_merged(model, tokenizer, out)
         report = {"method": "none", "combination": None, "adapters": 0, "prune": None, "logits_max_diff": 0.0,
                   "change_max_diff": 0.0, "dtype": dtype, "tolerance": m.tolerance}
+        merge.save_merged(model, tokenizer, out)
+        write_card(ctx, out, report, stage)
         lineage = merge.lineage(base=source, specs=[], report=report, output=out, base_record={"stage": stage})
     else:
         if not merge.is_adapter(source):
@@ -58,6 +59,7 @@ def run(ctx) -> dict[str, Any]:
             prune_fraction=m.prune_fraction, prune_method=m.prune_method, dtype=dtype, probe=probe,
             tolerance=m.tolerance, device=device, seed=p.run.seed, trust_remote_code=p.model.trust_remote_code)
         merge.save_merged(model, tokenizer, out)
+        write_card(ctx, out, report, stage)
         lineage = merge.lineage(base=base, specs=specs, report=report, output=out,
                                 base_record={"adapter": merge.is_adapter(base)})
         ctx.log.info("merge: logits max diff %.3g (merged vs adapter model, tolerance %g)",
@@ -67,6 +69,12 @@ def run(ctx) -> dict[str, Any]:
     (ctx.out / "lineage.json").write_text(json.dumps(lineage, indent=2))
     return {"merged": bool(specs), "source": stage, **{k: v for k, v in report.items() if k != "tolerance"},
             "lineage": lineage}
+
+
+def write_card(ctx, out: Path, report: dict[str, Any], source: str) -> None:
+    """The merged model's card (stages.model_card), before the lineage hashes the folder: the eval table comes
+    with promotion, after stage evaluate."""
+    model_card.write_stage_card(ctx, out, extra={"merge_method": report["method"], "source": source})
 
 
 def relative_paths(lineage: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from stages.rewards import build_reward_functions
 
 def run(ctx) -> dict[str, Any]:
     p, pol = ctx.params, ctx.params.policy
+    s, section = pol.trained, f"policy.{pol.method}"
     if pol.method == "none":
         ctx.log.info("policy: method none, no policy optimisation; evaluate reports base and SFT only")
         return {"method": "none"}
@@ -33,15 +34,11 @@ def run(ctx) -> dict[str, Any]:
     start = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
     setup = METHODS[pol.method]
-    rows, extra = setup.data(ctx)  # data and reward functions checked before any model is loaded
-    model, trainable, total = training.load_trainable_model(start, p, pol, device=device, section="policy")
-    args = training.trainer_args(ctx, pol, device=device, section="policy")
-    method = getattr(pol, pol.method)
-    for key in ("learning_rate", "per_device_train_batch_size", "max_steps", "num_train_epochs"):
-        if getattr(method, key) is not None:  # a method may need its own (policy.grpo.max_steps, ...)
-            args[key] = getattr(method, key)
-    logger, callbacks = training.callbacks(ctx, pol.report_to)
-    trainer = setup.trainer(ctx, model, tokenizer, args, rows, extra, callbacks)
+    rows, extra = setup.data(ctx)  # data, reward functions and the trainer config checked before any model loads
+    config = training.trainer_config(ctx, s, device=device, section=section)
+    model, trainable, total = training.load_trainable_model(start, p, s, device=device, section=section)
+    logger, callbacks = training.callbacks(ctx, s.report_to)
+    trainer = setup.trainer(ctx, model, tokenizer, config, rows, extra, callbacks)
     ctx.log.info("policy: %s on %d rows from %s, %d/%d trainable parameters", pol.method, len(rows), start,
                  trainable, total)
     result, resume = training.train(trainer, ctx)
@@ -56,7 +53,7 @@ def run(ctx) -> dict[str, Any]:
         "rows": len(rows),
         "resumed_from": resume,
         "trainable_parameters": trainable,
-        "adapter": pol.lora.enabled,
+        "adapter": s.lora.enabled,
         "precision": training.precision_report(trainer),
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
         "last": {k: round(v, 5) for k, v in last.items() if not k.startswith("train_") and k != "total_flos"},
@@ -95,50 +92,45 @@ def online_data(section: str):
 # --------------------------------------------------------------------------- trainer per method
 
 
-def dpo_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
-    from stages.trainers.dpo import DPOConfig, DPOTrainer
+def dpo_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
+    from stages.trainers.dpo import DPOTrainer
 
-    config = training.trainer_config(DPOConfig, ctx.params.policy.dpo, args)
     return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
-def kto_trainer(ctx, model, tokenizer, args, rows, _, callbacks):
-    from stages.trainers.kto import KTOConfig, KTOTrainer
+def kto_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
+    from stages.trainers.kto import KTOTrainer
 
-    config = training.trainer_config(KTOConfig, ctx.params.policy.kto, args)
     return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
-def online_dpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
-    from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+def online_dpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
+    from stages.trainers.online_dpo import OnlineDPOTrainer
 
-    config = training.trainer_config(OnlineDPOConfig, ctx.params.policy.online_dpo, args)
-    return OnlineDPOTrainer(model, rewards, args=config, processing_class=tokenizer, train_dataset=rows,
+    return OnlineDPOTrainer(model, reward_funcs=rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
 
-def grpo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
-    from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+def grpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
+    from stages.trainers.grpo import GRPOTrainer
 
-    s = ctx.params.policy.grpo
     preference = None
-    if s.reward_head == "shared":
+    if config.reward_head == "shared":
         preference = preference_pairs(ctx, "preprocess", key="policy.grpo.reward_head")[1]
-    return GRPOTrainer(model, rewards, args=training.trainer_config(GRPOConfig, s, args), processing_class=tokenizer,
+    return GRPOTrainer(model, rewards, args=config, processing_class=tokenizer,
                        train_dataset=rows, preference_dataset=preference, callbacks=callbacks)
 
 
-def ppo_trainer(ctx, model, tokenizer, args, rows, rewards, callbacks):
-    from stages.trainers.ppo import PPOConfig, PPOTrainer
+def ppo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
+    from stages.trainers.ppo import PPOTrainer
 
-    config = training.trainer_config(PPOConfig, ctx.params.policy.ppo, args)
     return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
                       callbacks=callbacks)
 
 
 class Method(NamedTuple):
     data: Callable  # ctx -> (rows, reward functions or None); checks everything before a model is loaded
-    trainer: Callable  # (ctx, model, tokenizer, trainer args, rows, rewards, callbacks) -> Trainer
+    trainer: Callable  # (ctx, model, tokenizer, trainer config, rows, rewards, callbacks) -> Trainer
 
 
 METHODS = {
@@ -155,7 +147,7 @@ def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
     (`StageSpec.training_rows`, for the checks of `stages.launch`); None before they are counted upstream."""
     p, method = params.policy, params.policy.method
     counted = manifests["preprocess"].get("metrics", {}).get("rows", {})
-    per_device, unit = p.per_device_train_batch_size, "rows"
+    per_device, unit = p.trained.per_device_train_batch_size, "rows"
     if method in ("grpo", "online_dpo", "ppo"):
         n, what = counted.get("prompts"), "prompts"
         if isinstance(n, int) and p.num_prompts > 0:
@@ -167,4 +159,4 @@ def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
             "preference" if method == "dpo" else "unpaired")
         what = "pairs" if method == "dpo" else "rows"
     return None if not isinstance(n, int) else {"rows": n, "what": what, "per_device": per_device, "unit": unit,
-                                                "batch_key": "policy.per_device_train_batch_size"}
+                                                "batch_key": f"policy.{method}.per_device_train_batch_size"}

@@ -1,26 +1,16 @@
 """Stage `preprocess`: load, validate, normalise, deduplicate, filter by length, split, save.
 
-Reads `data.source` (builtin:arithmetic, or a file whose rows may mix formats), `data.sft`,
-`data.preference`, `data.prompts` (a file per kind, each optional), `data.eval_source` and
-`data.dev_source`, checks that the data serves the chosen stages and methods (`stages.data.sources.needs`) and
-that conversational rows have a chat template to render them, and writes canonical JSONL
-files into its output folder:
+Reads `data.source` (builtin:arithmetic, or a file whose rows may mix formats), `data.sft`, `data.preference`,
+`data.prompts`, `data.eval_source` and `data.dev_source`, checks that the data serves the chosen stages and
+methods (`stages.data.sources.needs`) and that conversational rows have a chat template, and writes canonical
+JSONL files: `sft_train.jsonl`, `sft_validation.jsonl`, `eval.jsonl` (the reported prompts), `dev.jsonl` (model
+selection), and `preference.jsonl`, `unpaired.jsonl`, `prompts.jsonl` when the data has them.
 
-    sft_train.jsonl, sft_validation.jsonl   SFT rows (prompt/completion or text)
-    eval.jsonl                              held-out prompts with reference completions (the reported table)
-    dev.jsonl                               other held-out prompts with references, for model selection
-    preference.jsonl, unpaired.jsonl, prompts.jsonl   when the source provides them
+With no SFT rows, SFT trains on the chosen side of the preference rows. The dev split is disjoint by prompt
+from eval and from every training file, so tuning on it leaves eval unseen: a dev row whose prompt is an eval
+prompt is dropped, and so is every training row whose prompt is a dev prompt. Every row dropped is counted by
+reason in the metrics (and so in the manifest).
 
-With no SFT rows, SFT trains on the chosen side of the preference rows (and the desirable
-unpaired rows); the eval split is then carved from them and its prompts leave the preference
-data. The dev split (`evaluate.split: dev`: what tuning selects on, so that eval stays unseen)
-is disjoint by prompt from eval and from every training file: the built-in task generates it
-(`data.builtin.num_dev`), otherwise it is `data.dev_source` or carved from the SFT rows
-(`preprocess.dev_fraction`); a dev row whose prompt is an eval prompt is dropped, and so is
-every SFT, preference, unpaired or prompt row whose prompt is a dev prompt. Every row dropped
-is counted by reason in the metrics (and so in the manifest).
-
-    python -m stages preprocess [--set data.source=path/to/data.jsonl]
     python -m stages preprocess --set data.source=null --set data.sft=sft.jsonl --set data.preference=pairs.jsonl
 """
 from __future__ import annotations
@@ -35,6 +25,7 @@ from stages.builtin import BUILTIN_DATA, arithmetic
 from stages.data import (FORMATS, DataError, LoadReport, check_report, iter_rows, iter_source, load_grouped,
                          load_source, write_jsonl)
 from stages.data.formats import normalise, validate
+from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.models import load_tokenizer, resolve_model
@@ -48,7 +39,7 @@ def run(ctx) -> dict[str, Any]:
     def tokenizer_of_the_model():  # built or loaded once the data is known to be readable
         return load_tokenizer(resolve_model(p.model, p.run.output_dir), trust_remote_code=p.model.trust_remote_code)
 
-    if p.preprocess.streaming and not (p.data.source or "").startswith("builtin:"):
+    if p.preprocess.streaming and not str(p.data.source or "").startswith("builtin:"):
         return run_streaming(ctx, tokenizer_of_the_model())
     groups, held_out, sources = load_groups(p.data)
     eval_rows, dev_rows = held_out["eval"], held_out["dev"]
@@ -122,7 +113,7 @@ def load_groups(data) -> tuple[dict[str, list], dict[str, list | None], list[dic
     groups: dict[str, list] = {}
     sources: list[dict] = []
     held_out: dict[str, list | None] = {"eval": None, "dev": None}
-    if (data.source or "").startswith("builtin:"):
+    if isinstance(data.source, str) and data.source.startswith("builtin:"):
         if data.source not in BUILTIN_DATA:
             raise DataError(f"data.source = {data.source!r}: unknown built-in; built-ins: {', '.join(BUILTIN_DATA)}")
         splits = arithmetic.generate(**dataclasses.asdict(data.builtin))
@@ -133,18 +124,14 @@ def load_groups(data) -> tuple[dict[str, list], dict[str, list | None], list[dic
         sources.append(report.as_dict())
     for key, path in data_files(data):
         if key in HELD_OUT_KEYS:
-            continue
-        file_groups, report = load_grouped(path, key=key.removeprefix("data."), on_bad_rows=data.on_bad_rows)
-        for dest, rows in file_groups.items():
-            groups.setdefault(dest, []).extend(rows)
-        sources.append({"key": key, **report.as_dict()})
-    for key in HELD_OUT_KEYS:
-        path = getattr(data, key.removeprefix("data."))
-        if path:
             fmt, rows, report = load_source(path, on_bad_rows=data.on_bad_rows)
             check_held_out_format(key, path, fmt)
             held_out[key.removeprefix("data.").removesuffix("_source")] = rows
-            sources.append({"key": key, **report.as_dict()})
+        else:
+            file_groups, report = load_grouped(path, key=key.removeprefix("data."), on_bad_rows=data.on_bad_rows)
+            for dest, rows in file_groups.items():
+                groups.setdefault(dest, []).extend(rows)
+        sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(data, key[5:]))})
     return groups, held_out, sources
 
 
@@ -375,11 +362,10 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
 
     sources, held_out_sources = [], []
     try:
-        for key in HELD_OUT_KEYS:  # first: the split of every other row depends on their prompts
-            path = getattr(p.data, key.removeprefix("data."))
-            if not path:
+        for key, path in data_files(p.data):  # held-out first: the split of every other row depends on their prompts
+            if key not in HELD_OUT_KEYS:
                 continue
-            name, report = key.removeprefix("data.").removesuffix("_source"), LoadReport(path)
+            name, report = key.removeprefix("data.").removesuffix("_source"), LoadReport(str(path))
             for row in iter_source(path, report):
                 if name == "dev" and _prompt_digest(row["prompt"]) in prompts_of["eval"]:
                     count("dev", "eval_prompt")
@@ -387,7 +373,7 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
                     write(name, row)
             check_report(report, p.data.on_bad_rows)
             check_held_out_format(key, path, report.format)
-            held_out_sources.append({"key": key, **report.as_dict()})
+            held_out_sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(p.data, key[5:]))})
         buffer: list[tuple[bytes, str, dict]] = []
         for key, path in data_files(p.data):
             if key in HELD_OUT_KEYS:
@@ -405,7 +391,7 @@ def run_streaming(ctx, tokenizer, buffer_rows: int = 1024) -> dict[str, Any]:
                     flush(buffer)
             flush(buffer)
             check_report(report, p.data.on_bad_rows)
-            sources.append({"key": key, **report.as_dict()})
+            sources.append({"key": key, **report.as_dict(), **source_identity(key, getattr(p.data, key[5:]))})
         sources += held_out_sources
         if "dev" not in files:  # always written, as in memory: an empty dev split is allowed
             write_jsonl(ctx.out / "dev.jsonl", [])

@@ -4,7 +4,7 @@ DPO compares the policy with a frozen reference (the SFT model) on every pair; t
 second forward pass per step. With `policy.dpo.precompute_ref_log_probs` (default) this
 stage runs the reference once over the pairs the policy will train on and writes them,
 with the log-probs added, to `pairs.jsonl`. It computes them as the policy will run at step 0:
-under `policy.mixed_precision` (the forward autocast, fp32 outputs, as the Trainer runs it) and,
+under `policy.dpo.mixed_precision` (the forward autocast, fp32 outputs, as the Trainer runs it) and,
 with QLoRA (`policy.lora.quantization`), on the quantised base. Its fingerprint covers only what
 the numbers depend on (the SFT model, the pairs, `max_length`, dtype, precision, quantization), so
 a rerun of `policy` with another `beta` or `loss_type` finds this stage current and runs no
@@ -48,12 +48,12 @@ def run(ctx) -> dict[str, Any]:
     tokenizer = load_tokenizer(sft, trust_remote_code=p.model.trust_remote_code)
     # the policy's numerics: its autocast and, for QLoRA, its quantised base (the reference is that base with
     # the adapter off); both refused here, before loading, where the policy could not run them either
-    precision = mixed_precision(pol.mixed_precision, device, "policy")
-    quantization = quantization_config(pol.lora, device=device, key="policy.lora.quantization")
+    precision = mixed_precision(pol.dpo.mixed_precision, device, "policy.dpo")
+    quantization = quantization_config(pol.dpo.lora, device=device, key="policy.dpo.lora.quantization")
     model = load_causal_lm(sft, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
                            quantization_config=quantization)
     ctx.log.info("reference: log-probs of %d pairs from %s under %s (mixed precision %s, quantization %s)",
-                 len(pairs), source, sft, precision, pol.lora.quantization if quantization else "none")
+                 len(pairs), source, sft, precision, pol.dpo.lora.quantization if quantization else "none")
     with autocast_forward(model, precision):
         rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32)
     write_jsonl(ctx.out / "pairs.jsonl", rows)

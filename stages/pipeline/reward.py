@@ -5,9 +5,11 @@ scalar head) learns `r(prompt, completion)` with the Bradley-Terry loss
 (`stages.losses.reward_loss`) on preprocess's preference pairs, minus a held-out share
 (`reward.eval_fraction`) on which it reports pair accuracy and a reliability table (the
 model's confidence in the side it prefers, σ(|r_c − r_r|), binned, against how often that
-side is the chosen one) with its expected calibration error. Below
-`reward.min_accuracy` the stage fails and nothing downstream runs: a reward model no
-better than that must not steer sampling or RL. Writes `model/` (loadable with
+side is the chosen one) with its expected calibration error. When the one-sided Wilson lower
+bound of that accuracy at `reward.gate_confidence` is below `reward.min_accuracy`
+(`stages.gates.reward_gate`: a pass means "at least that accurate, with that confidence", so
+a handful of held-out pairs cannot pass) the stage fails and nothing downstream runs: a reward
+model no better than that must not steer sampling or RL. Writes `model/` (loadable with
 `AutoModelForSequenceClassification`), `calibration.json`, `log_history.json`, `tensorboard/`.
 
     python -m stages reward [--set reward.learning_rate=3e-4] [--set reward.min_accuracy=0]
@@ -19,11 +21,12 @@ import json
 import random
 from typing import Any
 
+from stages import gates
 from stages.data import read_jsonl
 from stages.errors import QualityGateFailed
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.reward import RewardConfig, RewardTrainer, evaluate_reward_model, load_reward_model
+from stages.trainers.reward import RewardTrainer, evaluate_reward_model, load_reward_model
 
 
 def run(ctx) -> dict[str, Any]:
@@ -38,10 +41,10 @@ def run(ctx) -> dict[str, Any]:
     device = pick_device(p.run.device)
     start = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
+    args = training.trainer_config(ctx, r, device=device, section="reward")
     model, trainable, total = training.load_trainable_model(
         start, p, r, device=device, section="reward", load=functools.partial(load_reward_model, tokenizer=tokenizer),
         task_type="SEQ_CLS")
-    args = training.trainer_config(RewardConfig, r, training.trainer_args(ctx, r, device=device, section="reward"))
     logger, callbacks = training.callbacks(ctx, r.report_to)
     trainer = RewardTrainer(model, args=args, processing_class=tokenizer, train_dataset=train_pairs,
                             callbacks=callbacks)
@@ -50,14 +53,15 @@ def run(ctx) -> dict[str, Any]:
     result, resume = training.train(trainer, ctx)
     quality = evaluate_reward_model(trainer.model, tokenizer, held_out, batch_size=args.per_device_eval_batch_size,
                                     max_length=r.max_length, bins=r.calibration_bins)
-    ctx.log.info("reward: held-out pair accuracy %.3f (gate %.2f), ECE %.3f", quality["accuracy"], r.min_accuracy,
-                 quality["ece"])
-    if quality["accuracy"] < r.min_accuracy:
+    passed, verdict = gates.reward_gate(quality["accuracy"], len(held_out), min_accuracy=r.min_accuracy,
+                                        confidence=r.gate_confidence)
+    ctx.log.info("reward: %s; ECE %.3f", verdict, quality["ece"])
+    trainer.log({f"eval_{k}": quality[k] for k in ("accuracy", "mean_margin", "ece")})  # trackers, log, model card
+    if not passed:
         raise QualityGateFailed(
-            f"reward: held-out pair accuracy {quality['accuracy']:.3f} on {len(held_out)} pairs is below "
-            f"reward.min_accuracy = {r.min_accuracy}; nothing downstream runs. Train longer or with another "
-            "learning rate (reward.num_train_epochs, reward.learning_rate), add pairs, or lower the gate "
-            "(reward.min_accuracy) if you accept a weaker reward model")
+            f"reward: {verdict} Nothing downstream runs. Train longer or with another learning rate "
+            "(reward.num_train_epochs, reward.learning_rate), add pairs, or lower the gate (reward.min_accuracy, "
+            "reward.gate_confidence) if you accept a weaker reward model")
     training.save_outputs(trainer, tokenizer, ctx)
     (ctx.out / "calibration.json").write_text(json.dumps(quality, indent=2))
     return {

@@ -1,26 +1,18 @@
 """Stage `score`: sample completions from the SFT model, score them, turn the scores into pairs.
 
-For every prompt (preprocess's prompts, see `stages.pipeline.prompts`), `score.n`
-completions are sampled through `stages.generation` (HF or vLLM) and scored by the
-weighted reward functions of `score.reward_functions` (`stages.rewards`: the reward model,
-rule rewards, or your own `module:function`). Each prompt's scored completions become
-preference pairs (best vs worst, or all pairs apart by more than `score.min_margin`),
-filtered by minimum score, margin, length and duplicates; every filter's count is kept.
-With `score.source: dataset` nothing is generated: the rows of `score.dataset` (prompt +
-a list of `completions`) are scored and paired (DPO data from pre-computed generations).
-Sampling and scoring run in shards of `score.generation.batch_size` prompts; every finished
-shard is kept in the stage's work folder, so a rerun after a crash or kill resumes from the
-last finished shard instead of sampling everything again. The shards can also be computed
-apart, by several processes or machines sharing `run.output_dir` (`run_shard`; the flow does
-it with `run.parallel_shards`); the stage run then only assembles them.
+For every prompt, `score.n` completions are sampled through `stages.generation` (`score.generation.backend`)
+and scored by the weighted reward functions of `score.reward_functions` (`stages.rewards`). Each prompt's
+scored completions become preference pairs (best vs worst, or all pairs apart by more than
+`score.min_margin`), filtered by minimum score, margin, length and duplicates; every filter's count is kept.
+With `score.source: dataset` the rows of `score.dataset` (prompt + `completions`) are scored instead.
+Sampling and scoring run in shards of `score.generation.batch_size` prompts; every finished shard is kept in
+the work folder, so a rerun after a crash resumes from the last one, and shards can be computed apart by
+processes or machines sharing `run.output_dir` (`run_shard`); the stage run then only assembles them.
 
-Writes `pairs.jsonl` (prompt, chosen, rejected, chosen_score, rejected_score + the
-prompt's columns), `scores.jsonl` (every completion with its total and per-function
-scores) and `histogram.json`; the filter counts and the score distribution are in the manifest.
+Writes `pairs.jsonl`, `scores.jsonl` (every completion with its total and per-function scores) and
+`histogram.json`; the filter counts and the score distribution are in the manifest.
 
     python -m stages score [--set score.n=8] [--set score.reward_functions=[exact_match]]
-    python -m stages score --shard 0 --num-shards 2 & python -m stages score --shard 1 --num-shards 2; wait
-    python -m stages score           # assembles the shards into pairs.jsonl, samples nothing more
 """
 from __future__ import annotations
 
@@ -34,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stages import trackers
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
 from stages.generation import Generations, SamplingParams, generate
@@ -76,7 +69,7 @@ def run(ctx) -> dict[str, Any]:
         ctx.log.info("score: chosen answer correct in %.3f of pairs, rejected in %.3f", quality["chosen_correct"],
                      quality["rejected_correct"])
     scored_values = [t for t in totals if t is not None]
-    return {
+    metrics = {
         "prompts": len(rows),
         "completions": len(totals),
         "unscored": sum(t is None for t in totals),
@@ -92,6 +85,8 @@ def run(ctx) -> dict[str, Any]:
            if quality else {}),
         "histogram": hist,
     }
+    trackers.log_stage_metrics(ctx.params, "score", metrics)  # into the pipeline run of the training stages' trackers
+    return metrics
 
 
 def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
@@ -144,7 +139,7 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
         if not loaded:
             ctx.log.info("score: sampling %d x %d completions from %s (%s backend)", len(rows), s.n, sft, g.backend)
             loaded.append(load_causal_lm(sft, dtype=p.model.dtype, device=device,
-                                         trust_remote_code=p.model.trust_remote_code) if g.backend == "hf" else sft)
+                                         trust_remote_code=p.model.trust_remote_code) if g.backend != "vllm" else sft)
         # seeded per prompt (run seed, draw 0, the prompt's tokens): a shard sampled again after a crash, in
         # another process, or cut at other boundaries gives the same completions
         sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,

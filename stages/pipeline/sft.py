@@ -21,7 +21,7 @@ from typing import Any
 from stages.data import DataError, read_jsonl
 from stages.models import load_tokenizer, model_fingerprint, pick_device, resolve_model
 from stages.pipeline import training
-from stages.trainers.sft import SFTConfig, SFTTrainer
+from stages.trainers.sft import SFTTrainer
 
 
 def run(ctx) -> dict[str, Any]:
@@ -30,10 +30,9 @@ def run(ctx) -> dict[str, Any]:
     base = resolve_model(p.model, p.run.output_dir)
     tokenizer = load_tokenizer(base, trust_remote_code=p.model.trust_remote_code)
     train, val = load_rows(ctx, s)
+    args = training.trainer_config(ctx, s, device=device, section="sft",
+                                   eval_strategy="epoch" if val and not s.streaming else "no", eval_steps=None)
     model, trainable, total = training.load_trainable_model(base, p, s, device=device, section="sft")
-    args = training.trainer_config(SFTConfig, s, {
-        **training.trainer_args(ctx, s, device=device, section="sft"),
-        "weight_decay": s.weight_decay, "eval_strategy": "epoch" if val and not s.streaming else "no"})
     logger, callbacks = training.callbacks(ctx, s.report_to)
     trainer = SFTTrainer(model, args, processing_class=tokenizer, train_dataset=train, eval_dataset=val or None,
                          formatting_func=load_formatting_func(s.formatting_func), callbacks=callbacks)

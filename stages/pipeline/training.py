@@ -5,8 +5,6 @@ helpers keep checkpoints, crash-resume, TensorBoard and the saved outputs identi
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,14 +13,14 @@ from typing import Any
 from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from stages.fields import is_param
+from stages import model_card, trackers
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
-from stages.trainers.callbacks import LogToLogger, NumericGuard, tensorboard_callback
+from stages.trainers.callbacks import LogToLogger, NumericGuard
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import mixed_precision, trainer_precision
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKERS = trackers.TRACKERS  # report_to names (stages/trackers.py)
 
 
 def load_trainable_model(path: str, p, s, *, device: str, section: str, load=load_causal_lm,
@@ -37,7 +35,7 @@ def load_trainable_model(path: str, p, s, *, device: str, section: str, load=loa
     quantization = quantization_config(s.lora, device=device, key=f"{section}.lora.quantization")
     model = load(path, dtype=p.model.dtype, device=device, trust_remote_code=p.model.trust_remote_code,
                  quantization_config=quantization)
-    if s.gradient_checkpointing:
+    if s.gradient_checkpointing or s.activation_checkpointing:  # TRL's name, or transformers' new one
         model.config.use_cache = False
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=s.gradient_checkpointing_every)
@@ -46,24 +44,40 @@ def load_trainable_model(path: str, p, s, *, device: str, section: str, load=loa
     return (model, *trainable_fraction(model))
 
 
-def trainer_args(ctx, s, *, device: str, section: str) -> dict[str, Any]:
-    """TrainingArguments keywords common to every training stage, from its params section `s`."""
+def trainer_config(ctx, s, *, device: str, section: str, **pipeline: Any):
+    """The stage's trainer config (`s.CONFIG`, e.g. stages.trainers.dpo_config:DPOConfig) from its params section
+    `s`, which holds every field of it, and the keys the pipeline sets (PIPELINE_KEYS; `pipeline` adds a stage's
+    own). Built before any model: a value transformers refuses is reported by its dotted key."""
+    import importlib
+
+    from stages.trainers.arguments import real_kwargs
+
+    module, _, name = s.CONFIG.partition(":")
+    config_cls = getattr(importlib.import_module(module), name)
     check_trackers(s.report_to, section)
     precision = mixed_precision(s.mixed_precision, device, section)
-    return dict(
-        output_dir=str(ctx.work / "checkpoints"), learning_rate=s.learning_rate, num_train_epochs=s.num_train_epochs,
-        max_steps=s.max_steps, per_device_train_batch_size=s.per_device_train_batch_size,
-        per_device_eval_batch_size=64, gradient_accumulation_steps=s.gradient_accumulation_steps,
-        warmup_steps=s.warmup_ratio, lr_scheduler_type=s.lr_scheduler_type, logging_steps=s.logging_steps,
-        logging_nan_inf_filter=False,  # transformers would log the running mean instead: NumericGuard must see a NaN
-        save_strategy="steps", save_steps=s.save_steps, save_total_limit=2,
-        report_to=[r for r in s.report_to if r != "tensorboard"] or "none",
-        seed=ctx.params.run.seed, data_seed=ctx.params.run.seed, use_cpu=device == "cpu", dataloader_num_workers=0,
-        disable_tqdm=True,  # LogToLogger reports progress with an ETA
-        # accelerate wraps the model's forward in torch.autocast and casts its outputs back to fp32
-        # (stages.trainers.precision.wrap_forward does the same for references computed outside the Trainer)
-        bf16=precision == "bf16", fp16=precision == "fp16",
-    )
+    kwargs = {**real_kwargs(s, config_cls),
+              "output_dir": str(ctx.work / "checkpoints"), "seed": ctx.params.run.seed,
+              "data_seed": ctx.params.run.seed, "use_cpu": device == "cpu",
+              "logging_nan_inf_filter": False,  # transformers would log the running mean: NumericGuard must see a NaN
+              "save_strategy": "steps", "disable_tqdm": True,  # LogToLogger reports progress with an ETA
+              **trackers.tracker_args(ctx, section, s.report_to),  # report_to (those transformers builds), run_name
+              # load_trainable_model checkpoints every gradient_checkpointing_every-th block, not the Trainer
+              "gradient_checkpointing": None, "activation_checkpointing": None,
+              # accelerate wraps the forward in torch.autocast and casts its outputs back to fp32
+              "bf16": precision == "bf16", "fp16": precision == "fp16", **pipeline}
+    try:
+        return config_cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(refused(section, e, kwargs)) from None
+
+
+def refused(section: str, error: ValueError, kwargs: dict[str, Any]) -> str:
+    """transformers' (or a config's) refusal, reworded with the dotted keys it names."""
+    message = " ".join(str(error).split())
+    keys = [k for k in kwargs if k in message] or ["(a training argument)"]
+    return (f"{', '.join(f'{section}.{k}' for k in keys[:3])}: refused by {section}'s trainer config: {message}; "
+            f"fix it in params.yaml or with --set")
 
 
 def precision_report(trainer) -> dict[str, Any]:
@@ -78,18 +92,11 @@ def precision_report(trainer) -> dict[str, Any]:
             "trained_weights_dtype": ",".join(sorted(trained))}
 
 
-def trainer_config(config_cls, section, args: dict[str, Any]):
-    """`config_cls` (a method's params class + TrainingArguments, e.g. GRPOConfig) from the training keywords
-    `args` and the section's value of every field the params class declares: no field is named here."""
-    own = {f.name: getattr(section, f.name) for f in dataclasses.fields(config_cls) if is_param(f)}
-    return config_cls(**args, **own)
-
-
-def callbacks(ctx, report_to: list[str]) -> tuple[LogToLogger, list]:
-    """(the log forwarder, every callback of a training stage): logs, the NaN/Inf guard, TensorBoard."""
+def callbacks(ctx, report_to: list[str] | str | None) -> tuple[LogToLogger, list]:
+    """(the log forwarder, every callback of a training stage): logs, the NaN/Inf guard, the trackers of
+    `report_to` (null: run.report_to) that stages.trackers makes (TensorBoard, MLflow, DVCLive, W&B)."""
     logger = LogToLogger(ctx.log)
-    extra = [tensorboard_callback(ctx.work / "tensorboard")] if "tensorboard" in report_to else []
-    return logger, [logger, NumericGuard(), *extra]
+    return logger, [logger, NumericGuard(), *trackers.callbacks(ctx, ctx.stage, report_to)]
 
 
 def complete_checkpoint(folder: Path) -> bool:
@@ -136,8 +143,10 @@ def train(trainer, ctx) -> tuple[Any, str | None]:
 
 
 def save_outputs(trainer, tokenizer, ctx) -> None:
-    """model/ (full model or adapter, with tokenizer and chat template), log_history.json, tensorboard/."""
+    """model/ (full model or adapter, with tokenizer, chat template and model card), log_history.json,
+    tensorboard/; ends the stage's tracker runs."""
     trainer.save_model(str(ctx.out / "model"))  # on every rank: FSDP / ZeRO-3 gather the weights; rank 0 writes
+    trackers.finish(trainer)
     if not trainer.is_world_process_zero():
         return
     # a pickle of the TrainingArguments that nothing reads (the manifest has the params): no pickles in artifacts
@@ -146,12 +155,11 @@ def save_outputs(trainer, tokenizer, ctx) -> None:
     (ctx.out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
     if (ctx.work / "tensorboard").is_dir():
         shutil.copytree(ctx.work / "tensorboard", ctx.out / "tensorboard")
+    model_card.write_stage_card(ctx, ctx.out / "model", eval_metrics=model_card.last_eval(trainer.state.log_history))
 
 
-def check_trackers(report_to: list[str], section: str) -> None:
-    for name in report_to:
-        if name not in TRACKERS:
-            raise ValueError(f"{section}.report_to: unknown tracker {name!r}; supported: {', '.join(TRACKERS)}")
-        if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"{section}.report_to includes {name!r} but the {TRACKERS[name]} package is not "
-                             f"installed: pip install {TRACKERS[name]}, or remove it from {section}.report_to")
+def check_trackers(report_to: list[str] | str | None, section: str) -> None:
+    """Params validation refuses these first (stages.trackers.problems); a stage called with other params too."""
+    found = [msg for _, msg in trackers.problems_of(report_to, f"{section}.report_to")]
+    if found:
+        raise ValueError(f"{section}.report_to " + "; ".join(found))

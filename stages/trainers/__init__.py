@@ -1,5 +1,29 @@
-"""Trainers built on `transformers.Trainer`, one method per module, split the same way every time:
-`<method>_params.py` (the method's settings, defaults and checks, shared with params.yaml; no torch),
-`<method>.py` (its config = those params + TrainingArguments, and a thin trainer calling `stages.losses`).
-Shared mechanics: `preference.py` (pair tokenisation, collation, sequence log-probs), `reference.py`
-(the reference model), `online_sampling.py` (sampling settings and seeds), `rollout.py`, `logprobs.py`."""
+"""Trainers built on `transformers.Trainer`, TRL's names and shapes, one method per module pair:
+`<method>_config.py` (the method's config: a TrainingArguments subclass with its settings, defaults and
+checks, also read torch-free as params.yaml's section) and `<method>.py` (a thin trainer calling
+`stages.losses`). Shared mechanics: `inputs.py` (TRL-shaped arguments: a model id or folder, the tokenizer,
+`peft_config`, datasets), `preference.py` (pair tokenisation, collation, sequence log-probs),
+`reference.py` (the reference model), `online_sampling.py` (sampling and seeds), `rollout.py`, `logprobs.py`.
+
+    from stages.trainers import DPOConfig, DPOTrainer     # as `from trl import ...`
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SFTConfig": "sft_config", "SFTTrainer": "sft",
+    "RewardConfig": "reward_config", "RewardTrainer": "reward",
+    "DPOConfig": "dpo_config", "DPOTrainer": "dpo",
+    "KTOConfig": "kto_config", "KTOTrainer": "kto",
+    "OnlineDPOConfig": "online_dpo_config", "OnlineDPOTrainer": "online_dpo",
+    "GRPOConfig": "grpo_config", "GRPOTrainer": "grpo",
+    "PPOConfig": "ppo_config", "PPOTrainer": "ppo",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):  # imported on first use: `import stages.trainers` stays light (params validation)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'stages.trainers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stages.trainers.{_EXPORTS[name]}"), name)

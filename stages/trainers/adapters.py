@@ -56,20 +56,22 @@ def missing_targets(targets: list[str], model) -> list[str]:
 def lora_target_problems(params) -> list[tuple[str, str]]:
     """Params problems for every enabled `<section>.lora.target_modules` naming layers the model lacks,
     checked on the model's skeleton (config.json only) before anything is loaded or launched."""
-    sections = [("sft", False), ("reward", True)] + ([("policy", False)] if params.policy.method != "none" else [])
-    wanted = [(name, cls) for name, cls in sections
-              if getattr(params, name).lora.enabled and getattr(params, name).lora.target_modules != ["all-linear"]]
+    sections = {"sft": (params.sft, False), "reward": (params.reward, True)}
+    if params.policy.trained is not None:
+        sections[f"policy.{params.policy.method}"] = (params.policy.trained, False)
+    wanted = [(name, section, cls) for name, (section, cls) in sections.items()
+              if section.lora.enabled and section.lora.target_modules != ["all-linear"]]
     if not wanted:
         return []
     from stages.models import model_skeleton
 
     problems = []
-    for name, sequence_classifier in wanted:
+    for name, section, sequence_classifier in wanted:
         try:
             model = model_skeleton(params.model, sequence_classifier=sequence_classifier)
         except Exception:  # noqa: BLE001 -- model.name_or_path's own check reports an unloadable model
             return problems
-        targets = getattr(params, name).lora.target_modules
+        targets = section.lora.target_modules
         if missing := missing_targets(targets, model):
             problems.append((f"{name}.lora.target_modules", (
                 f"= {targets}: {missing} name no layer of {type(model).__name__} (model.name_or_path = "
@@ -79,26 +81,39 @@ def lora_target_problems(params) -> list[tuple[str, str]]:
 
 
 def apply_lora(model, lora, *, task_type: str = "CAUSAL_LM"):
-    """Wrap `model` with LoRA adapters; unknown target modules fail with the names that exist.
+    """Wrap `model` with LoRA adapters from a params `lora` section (`wrap_peft` with its LoraConfig).
 
     task_type: PEFT's task type; "SEQ_CLS" for reward models, whose classifier head
     (`score` / `classifier`) PEFT then trains in full and saves with the adapter.
     """
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig
 
     targets = lora.target_modules
-    if missing := missing_targets(targets, model):
-        raise ValueError(f"lora.target_modules = {targets}: {missing} not in the model; the layers LoRA can adapt "
-                         f"are {linear_module_names(model)} (or use [all-linear])")
-    named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [m for m in lora.modules_to_save if m not in named]
-    if missing:
-        raise ValueError(f"lora.modules_to_save = {lora.modules_to_save}: {missing} not in the model")
-    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=task_type,
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         modules_to_save=list(lora.modules_to_save) or None)  # PEFT extends it in place
+    return wrap_peft(model, config, key="lora")
+
+
+def wrap_peft(model, config, *, key: str = "peft_config"):
+    """`get_peft_model(model, config)` after checking that the target modules and modules_to_save exist
+    (errors name `key`: "lora" for params, "peft_config" for a trainer's argument); a 4/8-bit model is
+    prepared for k-bit training first."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    targets = config.target_modules
+    targets = [targets] if isinstance(targets, str) and targets != "all-linear" else targets
+    if targets is not None and targets != "all-linear":
+        targets = sorted(targets)
+        if missing := missing_targets(targets, model):
+            raise ValueError(f"{key}.target_modules = {targets}: {missing} not in the model; the layers LoRA can "
+                             f"adapt are {linear_module_names(model)} (or use all-linear)")
+    named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in config.modules_to_save or [] if m not in named]
+    if missing:
+        raise ValueError(f"{key}.modules_to_save = {config.modules_to_save}: {missing} not in the model")
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, config)
 
 

@@ -54,14 +54,6 @@ class LogToLogger(TrainerCallback):
                            and any(s in k for s in self.SHOWN) and not k.endswith("_per_second")}
 
 
-def tensorboard_callback(log_dir):
-    """TensorBoard logs into `log_dir` (transformers' own callback otherwise writes under output_dir/runs)."""
-    from torch.utils.tensorboard import SummaryWriter
-    from transformers.integrations import TensorBoardCallback
-
-    return TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(log_dir)))
-
-
 class NonFiniteError(FloatingPointError):
     """A NaN or Inf loss, gradient norm or weight: the stage stops, naming the step and the metric."""
 

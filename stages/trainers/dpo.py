@@ -1,48 +1,28 @@
-"""Direct preference optimisation: `DPOConfig` + `DPOTrainer` (a `transformers.Trainer`).
+"""Direct preference optimisation: `DPOTrainer` (a `transformers.Trainer`; config: `dpo_config.py`).
 
-`DPOConfig` is `DPOParams` (stages.trainers.dpo_params: the method's settings, defaults and
-checks, shared with params.yaml's `policy.dpo`) combined with `transformers.TrainingArguments`.
-
-Rows are prompt/chosen/rejected (strings or chat messages). Chosen and rejected go through
-the model in one concatenated forward of 2B rows; their completion log-probs are summed
-and fed, with the completion token counts, to the objectives named by `loss_type`
-(`stages.trainers.objectives`: the `stages.losses.dpo_loss` variants, "sft", or user code by
-dotted path). IPO divides the sums by the token counts itself, as in the IPO paper.
-Tokenisation, collation and log-probs: `stages.trainers.preference`.
-
-The reference (`stages.trainers.reference`): a frozen copy of the starting model; with a PEFT
-model, the same weights with the adapter disabled (no second copy in memory); none with
-`reference_free`; or
-precomputed `ref_chosen_logps` / `ref_rejected_logps` columns in the dataset, either given
-or computed once before training with `precompute_ref_log_probs` (`reference_logps_table`),
-after which no reference model is kept (`compute_reference_logps` returns rows with the
-columns, as the pipeline's `reference` stage caches them). The columns hold SUMMED log-probs: the token counts
-come from the row's own completion mask, so one reference pass serves every loss type,
-length-averaged (IPO) or not. They are only valid for the same tokenisation (tokenizer,
-chat template, max_length) as training.
-
-Weighting: `loss_type` may list several objectives with `loss_weights`; an optional `weight`
-column scales each pair's loss, an optional `task` column with `task_weights` scales whole
-tasks; `balance_column` draws batches balanced over a column (`stages.trainers.sampling`).
-
-`bco_pair`'s reward shift δ is the running mean of all implicit rewards seen in training
-(`stages.trainers.reward_mean`), saved in each checkpoint as `bco_delta.json`.
+Rows are prompt/chosen/rejected (strings or chat messages; TRL's implicit-prompt rows too). Chosen and
+rejected go through the model in one forward of 2B rows; their summed completion log-probs feed the
+objectives named by `loss_type` (`stages.losses.preference_loss`: the DPO variants, "sft", or your own
+by dotted path, combined with `loss_weights`). The reference is a frozen copy of the starting model,
+the same weights with the adapter disabled under PEFT, none with `reference_free`, or precomputed
+`ref_chosen_logps` / `ref_rejected_logps` columns (`precompute_ref_log_probs`; summed log-probs, so one
+pass serves every loss type). Optional `weight` / `task` columns and `task_weights` scale pairs;
+`balance_column` draws balanced batches. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from functools import partial
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from stages.fields import raise_problems
-from stages.trainers.dpo_params import DPOParams
-from stages.trainers.objectives import objective_problems, resolve_objective
+from stages.losses import preference_loss, resolve_objective
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
-                                        loss_only_prediction_step, preference_loss, sequence_logps, tokenize_pairs,
+                                        loss_only_prediction_step, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import (frozen_reference, is_peft, precomputed, reference_logps_table,
@@ -50,17 +30,9 @@ from stages.trainers.reference import (frozen_reference, is_peft, precomputed, r
 from stages.trainers.logprobs import unwrap
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 from stages.trainers.sampling import BalancedBatchSampler, FlatSampler
+from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 BALANCE_KEY = "balance_key"  # the balance column's value per row, as a JSON string
-
-
-@dataclass
-class DPOConfig(DPOParams, TrainingArguments):
-    """TrainingArguments plus the DPO settings of `DPOParams`, checked together by `DPOParams.validate`."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("DPOConfig", self.validate() + objective_problems(self.loss_type))
 
 
 def pair_weights(rows: list[dict], task_weights: dict[str, float] | None) -> list[dict]:
@@ -100,20 +72,28 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 class DPOTrainer(CheckpointsRewardMean, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
-    def __init__(self, model, ref_model=None, *, args: DPOConfig, processing_class, train_dataset,
-                 eval_dataset=None, **kwargs):
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        refuse("DPOTrainer", compute_metrics=compute_metrics)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            DPOConfig, "DPO", model, args, train_dataset, eval_dataset, processing_class)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
+
         def prepare(rows):
             if rows is not None:
                 rows = with_balance_key(pair_weights(list(rows), args.task_weights), args.balance_column)
-            return tokenized_dataset(rows, "chosen_input_ids",
-                                     lambda r: tokenize_pairs(processing_class, r, args.max_length,
-                                                              keep=(BALANCE_KEY,)))
+            return tokenized_dataset(rows, "chosen_input_ids", partial(tokenize_pairs, processing_class,
+                                                                       max_length=args.max_length, keep=(BALANCE_KEY,)),
+                                     tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None))
 
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", PairCollator(processing_class.pad_token_id))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=prepare(
-            train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or PairCollator(
+            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         if args.precompute_ref_log_probs and not args.reference_free and not self._has_ref_columns():
@@ -124,26 +104,32 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
 
+    def _datasets(self) -> list:
+        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return [d for d in (self.train_dataset, *evals) if d is not None]
+
     def _has_ref_columns(self) -> bool:
-        return all(d is None or set(REF_COLUMNS) <= set(d.column_names) for d in (self.train_dataset,
-                                                                                 self.eval_dataset))
+        return all(set(REF_COLUMNS) <= set(d.column_names) for d in self._datasets())
 
     def _precompute_reference(self, ref_model) -> None:
         """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
         ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
-        for split in ("train_dataset", "eval_dataset"):
-            data = getattr(self, split)
-            if data is None or set(REF_COLUMNS) <= set(data.column_names):
-                continue
-            with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
-                logps = reference_logps_table(
-                    module, self.processing_class, data.to_list(), max_length=self.args.max_length,
-                    batch_size=self.args.per_device_eval_batch_size, device=self.args.device,
-                    chunked=self.args.use_chunked_logprobs)
-            data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
-            for j, col in enumerate(REF_COLUMNS):
-                data = data.add_column(col, logps[:, j].tolist())
-            setattr(self, split, data)
+        self.train_dataset = self._with_reference(self.train_dataset, ref)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref))
+
+    def _with_reference(self, data, ref):
+        if data is None or set(REF_COLUMNS) <= set(data.column_names):
+            return data
+        with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
+            logps = reference_logps_table(
+                module, self.processing_class, data.to_list(), max_length=self.args.max_length,
+                batch_size=self.args.per_device_eval_batch_size, device=self.args.device,
+                chunked=self.args.use_chunked_logprobs)
+        data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
+        for j, col in enumerate(REF_COLUMNS):
+            data = data.add_column(col, logps[:, j].tolist())
+        return data
 
     def _get_train_sampler(self, train_dataset=None):
         if self.args.balance_column is None:

@@ -17,8 +17,10 @@ from stages.seeding import stable_seed
 class GenerationParams:
     """How completions are sampled (`stages.generation`): backend and decoding settings."""
 
-    backend: Literal["hf", "vllm"] = param("hf", help="hf: batched transformers generate; vllm: a vLLM server "
-                                           "(OpenAI API) started in its own environment, see README")
+    backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+        "auto", help="auto: the CPU decoder where stages.generation.decoder.why_not allows it, transformers "
+        "generate otherwise; hf: always transformers generate; decoder: always the CPU decoder (Llama, Mistral, "
+        "Qwen2/3 on CPU; fails with the reason otherwise); vllm: a vLLM server (OpenAI API) in its own environment")
     max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")

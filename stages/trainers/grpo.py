@@ -1,61 +1,16 @@
-"""Group relative policy optimisation: `GRPOConfig` + `GRPOTrainer` (a `transformers.Trainer`).
+"""Group relative policy optimisation: `GRPOTrainer` (a `transformers.Trainer`; config: `grpo_config.py`).
 
-Rows are `prompt` (a string or chat messages) plus any extra columns (`answer`, ...), which
-reach the reward functions repeated once per completion. Every optimizer step:
-
-1. generation: the prompts of each micro-batch get G = `num_generations` sampled completions
-   from the policy itself (`stages.generation.generate`, no gradient), seeded from the run seed,
-   the optimizer step and the prompt (`stages.trainers.online_sampling`), so a prompt gets the
-   same samples on any rank, in any micro-batch, and after a resume;
-2. scoring: the reward functions (`stages.rewards.RewardFunctions`) score every completion;
-   advantages are the rewards relative to their group (`stages.losses.grpo_advantages`);
-   completions left unscored (a function returned None) get advantage 0 and no loss;
-3. training: per-token log-probs of the completions (chunked from the final hidden states,
-   `stages.trainers.logprobs`), then `stages.losses.grpo_loss`.
-
-    args = GRPOConfig(output_dir="out", num_generations=4, per_device_train_batch_size=128,
-                      generation=GenerationParams(max_new_tokens=32), learning_rate=1.5e-4,
-                      lr_scheduler_type="cosine")
-    GRPOTrainer(model, ["exact_match"], args=args, processing_class=tokenizer, train_dataset=rows).train()
-
-`per_device_train_batch_size` counts completions, as in TRL: a micro-batch holds
-per_device_train_batch_size / num_generations prompts, G completions each.
-With `num_iterations` > 1 one generation serves that many optimizer steps (the data loader
-repeats each accumulation window's prompts), the later ones weighted by the importance
-ratio against the log-probs at sampling time. With `beta` > 0 a k3 KL penalty ties the policy
-to a reference: a frozen copy of the starting model, or under LoRA the adapter-disabled base.
-The first micro-batch of each optimizer step generates the rollouts of all of its micro-batches, so
-`loss_type="dapo"` divides by the loss tokens of that whole generation batch (all micro-batches,
-summed over processes); `dr_grpo` divides by the micro-batch's completions × the constant
-`generation.max_new_tokens`. Sampling (`generation`, a
-`stages.trainers.online_sampling.GenerationParams`): backend "hf" generates with the policy;
-"vllm" asks a separate vLLM server (vllm_url, vllm_model), whose weights are not synced from the
-trainer. Either way the sampler's log-prob of every sampled token comes back with it, and each
-token's policy-gradient term is weighted by the truncated importance ratio min(π/μ, `tis_cap`)
-of the policy at sampling time to the sampler (`stages.losses.truncated_importance_weights`):
-1 to float rounding on policy, the off-policy correction for a server or stale copy whose
-weights lag. `tis/mean_ratio` and `tis/frac_capped` are logged; a mean ratio departing from 1
-by more than `tis_warn` logs a warning. `GRPOConfig` is
-`GRPOParams` (stages.trainers.grpo_params, shared with params.yaml's `policy.grpo`) combined
-with `transformers.TrainingArguments`.
-
-Self-rewarding (`reward_head="shared"`): a `RewardHead` (Linear(hidden, 1) on the final hidden
-state of the last token) sits on the policy's own trunk. Each step it is trained on a
-minibatch of `preference_dataset` pairs with the Bradley-Terry `stages.losses.reward_loss`, in the
-same update as the GRPO objective (loss = grpo + reward_head_coef · bt), and its score of each
-completion is added to the reward (weight `reward_head_weight`). It is saved next to the
-model as `reward_head.safetensors`.
-
-Logged (means over the logging window): reward, reward_std, rewards/<function>/mean|std,
-frac_reward_zero_std, frac_reward_none, completions/mean|min|max_length,
-completions/truncated_ratio, clip_ratio/*, kl (beta > 0), entropy, tis/mean_ratio, tis/frac_capped,
-and per optimizer step timing/generation_s, timing/scoring_s, timing/training_s, timing/tokens_per_s (prompt +
-completion tokens trained per second of the whole step) and timing/generated_tokens_per_s.
-Cumulative seconds and token counts are kept in `trainer.timing`.
-
-Checkpoints hold, besides the Trainer's state, the buffered rollouts a later iteration of the
-same generation reuses and the reward head's minibatch RNG (`stages.trainers.resume`), so a
-resumed run samples and trains exactly as an uninterrupted one.
+Every optimizer step: sample `num_generations` completions per prompt from the policy itself
+(`stages.generation`, seeded from the run seed, the step and the prompt, so ranks and resumes agree),
+score them with the reward functions (`stages.rewards`), turn the rewards into group-relative
+advantages (`stages.losses.grpo_advantages`) and train on `stages.losses.grpo_loss` over the
+chunked per-token log-probs. `per_device_train_batch_size` counts completions, as in TRL.
+`num_iterations` > 1 reuses one generation for that many updates (importance ratio to the sampling
+policy); `beta` > 0 adds a k3 KL to the reference; `vllm_importance_sampling_cap` weights each token
+by min(π/μ, cap) against the sampler's own log-probs. `reward_head="shared"` trains a Bradley-Terry
+head on the policy's trunk in the same update (self-rewarding). Checkpoints keep the buffered
+rollouts and RNG states, so a resumed run samples and trains as an uninterrupted one.
+The details (aggregations, logged metrics, timing): docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -65,18 +20,17 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from stages.fields import SectionsAsDicts, raise_problems
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
 from stages.rewards import build_reward_functions
-from stages.trainers.grpo_params import GRPOParams
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    no_unknown_kwargs, refuse, renamed_kwarg)
 from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
@@ -85,19 +39,10 @@ from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
+from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GRPOConfig(GRPOParams, SectionsAsDicts, TrainingArguments):
-    """TrainingArguments plus the GRPO settings of `GRPOParams` (stages.trainers.grpo_params), sampling
-    included (`generation`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("GRPOConfig", self.validate())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,23 +159,37 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         # step's loss; the others are means over a micro-batch, which Trainer divides by the accumulation steps.
         return self.args.loss_type == "dapo" and getattr(self, "_loss_tokens", None) is not None
 
-    def __init__(self, model, reward_functions=None, *, args: GRPOConfig, processing_class, train_dataset,
-                 ref_model=None, preference_dataset=None, reward_head: RewardHead | None = None, **kwargs):
-        rows = list(train_dataset)
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, *, ref_model=None, preference_dataset=None,
+                 reward_head: RewardHead | None = None, data_collator=None, **deprecated):
+        refuse("GRPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
+               tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
+        reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
+                                     trainer="GRPOTrainer")
+        no_unknown_kwargs("GRPOTrainer", deprecated)
+        args = args or default_args(GRPOConfig, model, "GRPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
             where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
             raise ValueError(f"train_dataset: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} "
                              f"rows lack it{where}")
-        if reward_functions is None and args.reward_head != "shared":
-            raise ValueError("reward_functions is None: GRPO needs at least one reward function (e.g. "
+        if reward_funcs is None and args.reward_head != "shared":
+            raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
                              "['exact_match']) or reward_head = 'shared' with a preference_dataset")
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", rows_collator)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
-        self.reward_functions = build_reward_functions(reward_functions, args.reward_weights) \
-            if reward_functions is not None else None
+        super().__init__(model=model, args=args, data_collator=data_collator or rows_collator,
+                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+            if reward_funcs is not None else None
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
 
         self.reward_head, self.preference_rows = None, None
@@ -314,7 +273,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, prompts, a.generation, n=a.num_generations,
+        gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
                              seed=sampling_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
@@ -341,11 +300,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         batch["loss_mask"] = loss_mask
         chunked = a.use_chunked_logprobs
         if a.num_iterations > 1:  # later updates reuse these samples: weight them by the ratio to the sampler
-            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.generation.temperature,
+            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.sampling.temperature,
                                                     chunked=chunked)
         if a.beta > 0:
             with reference_model(self.model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.generation.temperature,
+                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.sampling.temperature,
                                                         chunked=chunked)
         self._tick("training_s", time.perf_counter() - start)
         self._log_generation(rewards, valid, per_function, batch)
@@ -396,19 +355,19 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
     # ---- the loss ----
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args
-        logps, entropy = per_token_logps(model, inputs, temperature=a.generation.temperature,
+        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
                                          chunked=a.use_chunked_logprobs, entropy=True)
         mask = inputs["loss_mask"]
         weights, tis = None, {}
         if "sampler_logps" in inputs:  # the policy at sampling time (old_logps, else now) over the sampler
             at_sampling = inputs["old_logps"] if inputs.get("old_logps") is not None else logps.detach()
-            cap = a.tis_cap if a.tis_cap is not None else math.inf
+            cap = a.vllm_importance_sampling_cap if a.vllm_importance_sampling_cap is not None else math.inf
             weights, tis = truncated_importance_weights(at_sampling, inputs["sampler_logps"], mask, cap=cap)
         loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                                   loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
-                                  max_completion_length=a.generation.max_new_tokens,
-                                  importance_weights=weights if a.tis_cap is not None else None)
+                                  max_completion_length=a.sampling.max_new_tokens,
+                                  importance_weights=weights if a.vllm_importance_sampling_cap is not None else None)
         metrics.update(tis)
         if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
             loss = loss * self.accelerator.num_processes  # where that denominator wants their sum

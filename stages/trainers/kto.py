@@ -1,70 +1,67 @@
-"""Kahneman-Tversky optimisation: `KTOConfig` + `KTOTrainer` (a `transformers.Trainer`).
+"""Kahneman-Tversky optimisation: `KTOTrainer` (a `transformers.Trainer`; config: `kto_config.py`).
 
-Rows are unpaired prompt/completion/label (label True: a desirable completion). Each row's
-summed completion log-prob under the policy and the reference gives r = policy - reference;
-`stages.losses.kto_loss` compares r with a reference point z, an estimate of KL(policy ||
-reference). z comes from mismatched pairs: each row's prompt with the completion of the next
-row of the dataset (the last with the first; fixed at tokenisation, so a row's pair does not
-depend on the batch it lands in), whose mean log-ratio over the whole optimizer step's batch
-(every micro-batch of the accumulation window, on every process) is a sample of the KL
-(detached, and clamped at 0 in kto_loss). It is computed once per optimizer step, before the
-window's first micro-batch (`get_batch_samples`), so 2 processes x B/2 rows, 1 row x B
-accumulation steps and B rows x 1 all use the same z.
-
-The reference is every method's (`stages.trainers.reference`): a frozen copy, or with a PEFT
-model the base weights with the adapter disabled.
-
-The KTO paper (Ethayarajh et al. 2024) recommends weights with
-desirable_weight·n_desirable / (undesirable_weight·n_undesirable) in [1, 4/3]; the trainer
-warns, with weights that satisfy it, when the data's class balance puts them outside.
+Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
+under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
+the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
+docs/trainers.md.
 """
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.fields import raise_problems
-from stages.trainers.kto_params import KTOParams
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.utils import pad
+from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 KL_PREFIX = "kl_"
 
 
-@dataclass
-class KTOConfig(KTOParams, TrainingArguments):
-    """TrainingArguments plus the KTO settings of `KTOParams` (stages.trainers.kto_params), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("KTOConfig", self.validate())
-
-
-def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label."""
+def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: int = 0, kl: bool = True
+                      ) -> list[dict]:
+    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label,
+    and with `kl` kl_completion_ids: the next row's completion (the last row's: the first's; `with_kl_pairs`
+    does the same for a whole tokenised Dataset). `start`: the index of the first of `rows` in the whole dataset,
+    for the messages."""
     bad = [i for i, r in enumerate(rows) if not isinstance(r.get("label"), bool)]
     if bad:
-        raise ValueError(f"row {bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
+        raise ValueError(f"row {start + bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
                          f"(desirable) or false (undesirable) ({len(bad)} such row(s))")
     out = []
     for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length))):
         n_prompt = t["completion_mask"].index(1) if any(t["completion_mask"]) else len(t["input_ids"])
         if n_prompt == len(t["input_ids"]):
-            raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the completion is "
-                             "left (raise max_length or filter long prompts)")
+            raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the completion "
+                             "is left (raise max_length or filter long prompts)")
         out.append({"prompt_ids": t["input_ids"][:n_prompt], "completion_ids": t["input_ids"][n_prompt:],
                     "label": r["label"]})
-    for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
-        row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
+    if kl:
+        for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
+            row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
     return out
+
+
+def with_kl_pairs(dataset):
+    """A tokenised Dataset of unpaired rows plus kl_completion_ids: each row's completion_ids rolled by one row
+    (the KL pair of `tokenize_unpaired`, across the whole dataset rather than one batch of it)."""
+    import datasets
+    import pyarrow as pa
+
+    if not isinstance(dataset, datasets.Dataset) or "kl_completion_ids" in dataset.column_names or not len(dataset):
+        return dataset
+    column = dataset.data.column("completion_ids")
+    rolled = pa.chunked_array(column.slice(1).chunks + column.slice(0, 1).chunks, type=column.type)
+    return dataset.add_column("kl_completion_ids", rolled)
 
 
 def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight: float) -> None:
@@ -114,19 +111,30 @@ def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor
 class KTOTrainer(Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
 
-    def __init__(self, model, ref_model=None, *, args: KTOConfig, processing_class, train_dataset,
-                 eval_dataset=None, **kwargs):
-        def prepare(rows):
-            return tokenized_dataset(rows, "prompt_ids",
-                                     lambda r: tokenize_unpaired(processing_class, r, args.max_length))
+    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        refuse("KTOTrainer", compute_metrics=compute_metrics)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            KTOConfig, "KTO", model, args, train_dataset, eval_dataset, processing_class)
 
-        train = prepare(train_dataset)
+        def prepare(rows):
+            if rows is not None and not hasattr(rows, "__len__"):  # streamed: the KL pairs span the whole dataset
+                rows = list(rows)
+            return with_kl_pairs(tokenized_dataset(
+                rows, "prompt_ids", partial(tokenize_unpaired, processing_class, max_length=args.max_length, kl=False),
+                tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None)))
+
+        train = prepare(train_dataset)  # data errors before any model is loaded
         check_labels(train["label"], args.desirable_weight, args.undesirable_weight)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", KTOCollator(processing_class.pad_token_id, args.max_length))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=train,
-                         eval_dataset=prepare(eval_dataset), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
+            processing_class.pad_token_id, args.max_length), processing_class=processing_class, train_dataset=train,
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
         self.ref_model = frozen_reference(self.model, ref_model)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 

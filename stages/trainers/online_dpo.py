@@ -1,59 +1,29 @@
-"""Online DPO: `OnlineDPOConfig` + `OnlineDPOTrainer` (a `transformers.Trainer`).
+"""Online DPO: `OnlineDPOTrainer` (a `transformers.Trainer`; config: `online_dpo_config.py`).
 
-Rows are prompts (plus any columns the reward functions read, e.g. `answer`). Each training
-step samples two completions per prompt from the current policy (`stages.generation.generate`,
-seeded from the run seed, the optimizer step and the prompt: `stages.trainers.online_sampling`),
-scores both with the reward functions (`stages.rewards.RewardFunctions`), takes the higher-scored
-one as chosen and the other as rejected, and applies the DPO loss to those fresh pairs, with the
-same objectives, reference and loss path as `stages.trainers.dpo` (`stages.trainers.preference`,
-`stages.trainers.reference`). Pairs whose two scores tie
-(identical samples, a binary reward both pass or fail) or that a reward left unscored (None)
-carry no preference: they are dropped and counted. A dropped pair stays in the batch with loss
-weight 0, so under data parallelism every rank takes part in the same backward (DDP's gradient
-all-reduce) and metric gathers, in the same order, even when all its pairs drop; its gradient
-is zero and its metrics carry weight 0.
-
-`get_batch_samples` is the only override of the Trainer loop: when the Trainer fetches an
-optimizer step's micro-batches of prompts, it samples, scores and pairs them all (the policy
-does not change within the step), so the step's number of kept pairs is known on every process
-before the first backward. Every prompt yields a pair (weight 0 when dropped). The loss is the sum over a micro-batch's kept pairs divided by the kept
-pairs of the whole step (all micro-batches, all processes): 2 processes x B/2 prompts, 1 prompt
-x B accumulation steps and B x 1 give the same update.
-
-Logged: scores/mean (reward-function total of every sampled completion: what online training
-raises), scores/chosen, scores/rejected (the same over the kept pairs),
-win_rate (share of kept pairs whose implicit reward β·log(π/π_ref) already ranks the chosen
-above the rejected), pairs/dropped (ties and unscored this log window), plus DPO's rewards/* and
-logps/*.
+Every optimizer step samples two completions per prompt from the current policy (`stages.generation`,
+seeded from the run seed, the step and the prompt), ranks them with the reward functions (TRL's
+`reward_funcs`; weights `reward_weights`), and trains on the pair with the same objectives as DPO
+(`stages.losses.preference_loss`) against the reference (a frozen copy, or the adapter-disabled base
+under PEFT). Ties and unscored pairs get no loss. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from stages.fields import SectionsAsDicts, raise_problems
 from stages.rewards import build_reward_functions
-from stages.trainers.objectives import objective_problems, resolve_objective
-from stages.trainers.online_dpo_params import OnlineDPOParams
+from stages.losses import preference_loss, resolve_objective
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    looks_like_rewards, no_unknown_kwargs, refuse, renamed_kwarg)
 from stages.trainers.online_sampling import sample_online, sampling_seed
-from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics, preference_loss,
+from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics,
                                         sequence_logps)
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model, reference_sequence_logps
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
-
-
-@dataclass
-class OnlineDPOConfig(OnlineDPOParams, SectionsAsDicts, TrainingArguments):
-    """TrainingArguments plus the online DPO settings of `OnlineDPOParams` (stages.trainers.online_dpo_params),
-    sampling included (`generation`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("OnlineDPOConfig", self.validate() + objective_problems(self.loss_type))
+from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
 def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
@@ -89,21 +59,38 @@ def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: li
 class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
     loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
 
-    def __init__(self, model, reward_functions, ref_model=None, *, args: OnlineDPOConfig, processing_class,
-                 train_dataset, **kwargs):
-        rows = list(train_dataset)
+    def __init__(self, model, ref_model=None, reward_funcs=None, args: OnlineDPOConfig | None = None,
+                 data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None, **deprecated):
+        refuse("OnlineDPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
+               compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
+                                     trainer="OnlineDPOTrainer")
+        no_unknown_kwargs("OnlineDPOTrainer", deprecated)
+        if looks_like_rewards(ref_model):
+            raise TypeError(f"OnlineDPOTrainer: ref_model = {ref_model!r} looks like reward functions; the order is "
+                            "TRL's, OnlineDPOTrainer(model, ref_model, reward_funcs, ...): pass reward_funcs=...")
+        if reward_funcs is None:
+            raise ValueError("OnlineDPOTrainer: reward_funcs is None; online DPO ranks its two samples with reward "
+                             "functions: pass reward_funcs= (a callable, a list, a built-in name such as "
+                             "'exact_match', or a reward model's folder)")
+        args = args or default_args(OnlineDPOConfig, model, "OnlineDPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
             raise ValueError(f"train_dataset: online DPO needs rows with a 'prompt' column; {len(missing)} of "
                              f"{len(rows)} rows lack it (first: row {missing[0] if missing else '-'})")
-        if kwargs.get("eval_dataset") is not None:
-            raise ValueError("eval_dataset: online DPO has no offline evaluation loss; evaluate the saved model "
-                             "(stage evaluate) instead")
-        self.reward_functions = build_reward_functions(reward_functions, args.reward_weights)
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs")
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", list)  # rows pass through; prompts are rendered by the generator
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class, train_dataset=rows, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or list,  # prompts pass through
+                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
+                         optimizers=optimizers)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         self.ref_model = frozen_reference(self.model, ref_model)
@@ -129,7 +116,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.generation, n=2,
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
                              seed=sampling_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         index = gens.prompt_index

@@ -36,6 +36,6 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, seed=seed)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    with cached_casts(model, precision if g.backend == "hf" else "no"):
+    with cached_casts(model, precision if g.backend != "vllm" else "no"):
         return sample_policy(model, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size,
                              options=backend_options(g, path))

@@ -1,81 +1,39 @@
-"""Proximal policy optimisation with a learned value baseline: `PPOConfig` + `PPOTrainer`.
+"""Proximal policy optimisation with a learned value baseline: `PPOTrainer` (config: `ppo_config.py`).
 
-One Trainer step = one rollout batch + its PPO epochs:
-
-1. rollout (no gradients): for `per_device_train_batch_size` prompts, sample one completion
-   each from the current policy (`stages.generation`, backend "hf"; a "vllm" server holds
-   its own weights, not synced from here: its per-token log-probs come back with the samples
-   and each token's policy term is weighted min(π/μ, `tis_cap`), `stages.trainers.off_policy`)
-   and score it with the reward functions (`stages.rewards.RewardFunctions`: rules, a reward
-   model, your own) - or, offline, take rows that already hold prompt, completion and score;
-2. per-token log-probs under the policy (old) and the frozen reference, values V(s_t);
-   per-token rewards r_t = -kl_coef·KL_t, plus the score at the last completion token
-   (score - missing_eos_penalty where the completion has no EOS; `stages.losses.per_token_rewards`);
-   optional reward whitening (`stages.losses.masked_whiten`);
-   advantages and returns by `stages.losses.gae`; advantages whitened over the batch
-   (under data parallelism over every process's shard of it: all-reduced sums);
-3. num_ppo_epochs passes over the rollout in num_mini_batches shuffled minibatches, each an
-   optimizer step on `stages.losses.ppo_loss` (clipped policy + vf_coef·clipped value loss),
-   a mean over the minibatch's tokens on all processes together.
-   The last minibatch's step is the Trainer's own (so its clipping, fp16 scaling and LR
-   schedule apply as usual); the LR schedule advances once per rollout.
-
-Padding and tokens after the first EOS never enter the loss, the KL or the values
-(masks come from lengths and EOS positions, not from `ids != pad`, so pad == EOS is fine).
-Unscored completions (a reward function returned None) are masked out too; a rank whose whole
-batch is unscored still runs every forward, backward and metric gather with an empty mask (zero
-gradient), so data-parallel ranks stay in step; a batch unscored on every rank is an error.
-
-Policy and critic share one trunk (`AutoModelForCausalLMWithValueHead`: the LM plus a
-scalar head). This halves memory and forward passes against a separate critic model (as in
-the InstructGPT setup TRL follows); the price is that the value loss also moves the policy's
-trunk, which `vf_coef` (0.1 by default) keeps small. The reference: a frozen copy of the
-starting LM, or with a PEFT model the same weights with the adapter disabled (no copy), as for
-every method (`stages.trainers.reference`). `PPOConfig` is `PPOParams` (stages.trainers.ppo_params,
-shared with params.yaml's `policy.ppo`) combined with `transformers.TrainingArguments`; sampling
-settings are its `generation` field; each prompt's sample is seeded from the run seed, the
-optimizer step and the prompt (`stages.trainers.online_sampling`), so ranks and resumes agree.
-
-Offline mode (rows with prompt, completion, score and no reward functions) runs the same
-updates on fixed completions: the ratio starts at 1 on each batch, so it is PPO's clipped
-update on off-policy samples, useful for scoring a dataset once with an expensive judge.
+One Trainer step = one rollout batch and its PPO epochs: sample one completion per prompt from the
+current policy and score it (`stages.rewards`; offline: rows that already hold a score), compute
+per-token log-probs under the policy and the reference and values V(s_t), per-token rewards
+(-kl_coef·KL plus the score at the last token, `stages.losses.per_token_rewards`), advantages by
+GAE (`stages.losses.gae`, whitened over the batch on every process), then `num_ppo_epochs` passes of
+`num_mini_batches` optimizer steps on `stages.losses.ppo_loss`. Policy and critic share one trunk
+(`AutoModelForCausalLMWithValueHead`). Masks come from lengths and EOS positions, never `ids != pad`;
+unscored completions are masked out. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
-from stages.fields import SectionsAsDicts, raise_problems
 from stages.losses import (explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss,
                            truncated_importance_weights)
 from stages.rewards import build_reward_functions
+from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
 from stages.trainers.logprobs import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_sampling import sample_online, sampling_seed
-from stages.trainers.ppo_params import PPOParams
 from stages.trainers.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, sampler_logps
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
+from stages.trainers.ppo_config import PPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
-
-
-@dataclass
-class PPOConfig(PPOParams, SectionsAsDicts, TrainingArguments):
-    """TrainingArguments plus the PPO settings of `PPOParams` (stages.trainers.ppo_params), sampling included
-    (`generation`), checked there. `per_device_train_batch_size` prompts per rollout."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("PPOConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ rows
@@ -125,14 +83,25 @@ class PPOTrainer(OffPolicyWarning, Trainer):
     LM; none needed under PEFT). reward_funcs: see `stages.rewards.build_reward_functions`; None means offline.
     """
 
-    def __init__(self, model, ref_model=None, *, args: PPOConfig, processing_class, train_dataset,
-                 reward_funcs=None, **kwargs):
+    def __init__(self, model, ref_model=None, *, args: PPOConfig | None = None, processing_class=None,
+                 train_dataset=None, reward_funcs=None, data_collator=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None):
         import datasets
 
-        rows = list(train_dataset)
+        args = args or default_args(PPOConfig, model, "PPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
         self.online = reward_funcs is not None
         check_rows(rows, online=self.online)
-        self.reward_fn = build_reward_functions(reward_funcs, args.reward_weights) if self.online else None
+        self.reward_fn = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+            if self.online else None
+        processing_class = load_processing_class(model, processing_class, args)
+        if not isinstance(model, PreTrainedModelWrapper):
+            model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        elif peft_config is not None:
+            raise ValueError("peft_config given with a model that already has its value head; pass the causal LM "
+                             "(or its folder) with peft_config, and PPOTrainer adds the head")
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
         if not isinstance(model, PreTrainedModelWrapper):
             model = AutoModelForCausalLMWithValueHead(model)
         if args.disable_dropout:
@@ -144,10 +113,10 @@ class PPOTrainer(OffPolicyWarning, Trainer):
             # every trainable weight gets a gradient; DDP's search for unused ones would mark the LM head
             # "unused" (chunked log-probs read it outside the forward) and then fail when its gradient arrives
             args.ddp_find_unused_parameters = False
-        kwargs.setdefault("data_collator", _keep_rows)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=datasets.Dataset.from_list(rows), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or _keep_rows,
+                         processing_class=processing_class, train_dataset=datasets.Dataset.from_list(rows),
+                         callbacks=callbacks, optimizers=optimizers)
         from stages.generation.common import eos_token_ids
 
         self.eos_ids = eos_token_ids(processing_class, model.pretrained_model)
@@ -189,7 +158,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         num_tokens = self.sum_over_processes(mb["completion_mask"].sum().float()).clamp(min=1) \
             / self.accelerator.num_processes
         with self.compute_loss_context_manager():
-            out = completion_logps(model, mb, temperature=self.args.generation.temperature,
+            out = completion_logps(model, mb, temperature=self.args.sampling.temperature,
                                    chunked=self.args.use_chunked_logprobs)
             loss, metrics = ppo_loss(out["logps"], mb["old_logps"], mb["advantages"], out["values"],
                                      mb["old_values"], mb["returns"], mb["completion_mask"],
@@ -206,7 +175,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
     def rollout(self, model, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Samples, scores, old log-probs/values, reference log-probs, rewards, advantages and returns: (B, C)."""
         prompt_ids, completion_ids, scores, logprobs = self.sample(model, rows) if self.online else (
-            *offline_samples(self.processing_class, rows, self.args.generation.max_new_tokens), None)
+            *offline_samples(self.processing_class, rows, self.args.sampling.max_new_tokens), None)
         batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
                             device=self.args.device)
         mask = batch["completion_mask"]
@@ -218,7 +187,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         score = raw - (self.args.missing_eos_penalty or 0.0) * ~eos
 
         with self.compute_loss_context_manager():
-            old = completion_logps(model, batch, temperature=self.args.generation.temperature, with_entropy=True,
+            old = completion_logps(model, batch, temperature=self.args.sampling.temperature, with_entropy=True,
                                    chunked=self.args.use_chunked_logprobs)
             ref_logps = self.reference_logps(model, batch)
         rewards, kl = per_token_rewards(old["logps"], ref_logps, score, mask, kl_coef=self.args.kl_coef,
@@ -243,19 +212,19 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         ratio and capped share are logged over every rank's tokens (`tis/*`); None with tis_cap null."""
         a = self.args
         mu = sampler_logps(logprobs, mask.shape[1]).to(old_logps.device)
-        cap = a.tis_cap if a.tis_cap is not None else math.inf
+        cap = a.vllm_importance_sampling_cap if a.vllm_importance_sampling_cap is not None else math.inf
         weights, metrics = truncated_importance_weights(old_logps, mu, mask, cap=cap)
         tokens = mask.sum().item()
         for key, value in metrics.items():
             self._record_mean(key, value.item() * tokens, tokens)
-        return weights if a.tis_cap is not None else None
+        return weights if a.vllm_importance_sampling_cap is not None else None
 
     def sample(self, model, rows: list[dict]) -> tuple[list, list, list[float | None]]:
         """One completion per prompt from the current policy, scored by the reward functions."""
         prompts = [r["prompt"] for r in rows]
         a = self.args
         # vllm: off-policy once training moves the policy; gens.logprobs (the sampler's) let the rollout correct it
-        gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.generation, n=1,
+        gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.sampling, n=1,
                              seed=sampling_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         # every rank gathers every key, also with nothing scored here (a skipped gather would pair with the next)
@@ -272,7 +241,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         """Per-token log-probs of the reference LM (no value head): (B, C)."""
         with reference_model(unwrap(model).pretrained_model, self.ref_model,
                              precision=trainer_precision(self.args)) as ref:
-            return completion_logps(ref, batch, temperature=self.args.generation.temperature,
+            return completion_logps(ref, batch, temperature=self.args.sampling.temperature,
                                     chunked=self.args.use_chunked_logprobs)["logps"]
 
     # ---- metrics, saving

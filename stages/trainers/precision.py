@@ -9,11 +9,9 @@ that policy outside its Trainer (the `reference` stage, a frozen copy, a precomp
 the autocast's rounding, and DPO's first margins are that rounding instead of 0.
 `autocast_forward` is that wrapping, with accelerate's own output conversion.
 
-Attention under CPU autocast runs in fp32 (`CPU_FP32_SDPA`, which `use_fp32_cpu_attention` gives every
-`sdpa` model a trainer or `wrap_forward` sees): torch's CPU flash-attention backward is ~5x slower in
-bf16 than in fp32 at the head sizes of small models (`benchmarks/peers.py`, README Figures), and
-autocast would cast SDPA's inputs to bf16. The matmuls stay in bf16; the attention is then more precise,
-not less. Without CPU autocast (fp32 training, any GPU) the implementation is plain `sdpa`, bit for bit.
+Attention under CPU autocast runs in fp32 (`CPU_FP32_SDPA`, given by `use_fp32_cpu_attention`): torch's
+CPU flash-attention backward is much slower in bf16 than in fp32 at small head sizes (docs/decisions.md).
+The matmuls stay in bf16. Without CPU autocast (fp32, any GPU) the attention is plain `sdpa`, bit for bit.
 """
 from __future__ import annotations
 
@@ -62,9 +60,9 @@ def use_fp32_cpu_attention(model) -> None:
 def mixed_precision(setting: str, device: str, section: str) -> str:
     """The autocast a stage trains under ("no", "bf16" or "fp16") for `{section}.mixed_precision` on `device`.
 
-    auto: bf16 on a GPU that has it, else no. On CPU bf16 steps are faster where the CPU has bf16 matmuls
-    (AMX), but the quickstart with sft, reward and policy at bf16 was no faster as a whole and its DPO policy
-    lost 12 points (README "bf16 or fp32 by default on CPU"), so fp32 stays the CPU default. bf16 runs on CPU too (torch's CPU autocast); fp16 needs a GPU (its loss scaler is CUDA's)."""
+    auto: bf16 on a GPU that has it, else no: on CPU the quickstart at bf16 is no faster as a whole and its
+    DPO policy is less accurate (docs/decisions.md). bf16 runs on CPU too (torch's CPU autocast); fp16 needs
+    a GPU (its loss scaler is CUDA's)."""
     if setting == "auto":
         return "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "no"
     if setting == "fp16" and device != "cuda":

@@ -6,7 +6,7 @@ rejected (`tokenize_pairs`); `PairCollator` stacks a batch of B pairs into 2B ri
 chosen first; `sequence_logps` gives each row's summed completion log-prob, from the final
 hidden states through `stages.kernels.chunked_logprobs` where the model allows (see
 `stages.trainers.logprobs`), else from the logits through `stages.kernels.selective_log_softmax`.
-`preference_loss` combines the named objectives (`stages.trainers.objectives`) on those sums.
+`stages.losses.preference_loss` combines the named objectives on those sums.
 
 The small trainer plumbing the preference trainers share (a tokenised `datasets.Dataset`,
 a loss-only prediction step, metric averaging) sits at the end.
@@ -19,22 +19,27 @@ from typing import Callable
 import torch
 from transformers import Trainer
 
+from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
 from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
 from stages.trainers.pair_packing import forward_inputs
-from stages.trainers.objectives import check_objective_output
 from stages.utils import pad
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed reference log-probs (summed) per pair
 
 
-def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = ()) -> list[dict]:
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str, ...] = (), *, start: int = 0
+                   ) -> list[dict]:
     """Each prompt/chosen/rejected row -> chosen_* and rejected_* input_ids and completion_mask.
 
-    The columns REF_COLUMNS, "weight" and `keep` are carried over when present.
+    The columns REF_COLUMNS, "weight" and `keep` are carried over when present. Rows without a
+    "prompt" (TRL's implicit-prompt shape: whole conversations as chosen and rejected) get the part
+    both sides share as their prompt (`stages.data.templates.maybe_extract_prompt`; none shared: empty).
+    `start`: the index of the first of `rows` in the whole dataset (rows are tokenised in batches).
     """
-    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+    rows = [r if "prompt" in r else _with_prompt(maybe_extract_prompt(r)) for r in rows]
+    identical = [start + i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
     if identical:
         raise ValueError(f"{len(identical)} preference row(s) have identical chosen and rejected (first: row "
                          f"{identical[0]}); they carry no preference: drop them in preprocess")
@@ -45,12 +50,18 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):
-                raise ValueError(f"row {i}: the prompt fills max_length = {max_length}; nothing of the {side} "
+                raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the {side} "
                                  "completion is left (raise max_length or filter long prompts)")
             if side == "chosen":
                 out.append({k: v for k, v in rows[i].items() if k in carry})
             out[i].update({f"{side}_input_ids": t["input_ids"], f"{side}_completion_mask": t["completion_mask"]})
     return out
+
+
+def _with_prompt(row: dict) -> dict:
+    if "prompt" in row:
+        return row
+    return {**row, "prompt": "" if isinstance(row["chosen"], str) else []}
 
 
 @dataclass
@@ -99,54 +110,15 @@ def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["completion_mask"][:, 1:].sum(-1)
 
 
-def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[float], logps: torch.Tensor,
-                    num_tokens: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None, *,
-                    weight: torch.Tensor | None = None, beta: float, label_smoothing: float = 0.0,
-                    reference_free: bool = False, bco_delta: float | None = None,
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The weighted sum of the objectives per pair, times the pair weights, averaged over pairs.
+def tokenized_dataset(rows, marker: str, tokenize: Callable[..., list[dict]], *, tokenizer,
+                      num_proc: int | None = None):
+    """`rows` (an iterable of dicts, a Dataset or an IterableDataset, or None) as a tokenised `datasets.Dataset`:
+    `tokenize(rows, start=i)` over batches through `Dataset.map(num_proc=num_proc)`, cached as Arrow files keyed
+    by the rows', the tokenizer's and the code's content (stages.data.tokenize.tokenized_dataset). Rows whose
+    first row already has the column `marker` (tokenised beforehand) are taken as they are; None stays None."""
+    from stages.data import tokenize as tokenizing
 
-    logps, num_tokens: (2B,) summed completion log-probs and token counts, chosen rows first;
-    ref_chosen, ref_rejected: (B,) summed reference log-probs (None with reference_free);
-    weight: (B,) per-pair loss scale or None; bco_delta: bco_pair's running reward mean
-    (`stages.trainers.reward_mean`). Returns (loss, per-pair metrics (B,), detached):
-    the implicit rewards of the first objective that has them, logps, and "loss/<name>" per
-    objective when there are several.
-    """
-    chosen, rejected = logps.chunk(2)
-    n_chosen, n_rejected = num_tokens.chunk(2)
-    total, rewards, stats = 0.0, None, {}
-    for (name, fn), w in zip(objectives, loss_weights):
-        out = fn(chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_num_tokens=n_chosen,
-                 rejected_num_tokens=n_rejected, label_smoothing=label_smoothing, reference_free=reference_free,
-                 bco_delta=bco_delta)
-        losses, chosen_rewards, rejected_rewards = check_objective_output(name, out, chosen.shape[0])
-        total = total + w * losses
-        if len(objectives) > 1:
-            stats[f"loss/{name}"] = losses.detach()
-        if rewards is None and chosen_rewards is not None:
-            rewards = (chosen_rewards.detach(), rejected_rewards.detach())
-    if weight is not None:
-        total = total * weight.to(total.dtype)
-    if rewards is not None:
-        c, r = rewards
-        stats.update({"rewards/chosen": c, "rewards/rejected": r, "rewards/accuracies": (c > r).float(),
-                      "rewards/margins": c - r})
-    stats.update({"logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()})
-    return total.mean(), stats
-
-
-def tokenized_dataset(rows, marker: str, tokenize: Callable[[list[dict]], list[dict]]):
-    """`rows` (an iterable of dicts, or None) as a `datasets.Dataset`, passed through `tokenize` unless the
-    first row already has the column `marker` (rows tokenized beforehand). None stays None."""
-    import datasets
-
-    if rows is None:
-        return None
-    rows = list(rows)
-    if rows and marker not in rows[0]:
-        rows = tokenize(rows)
-    return datasets.Dataset.from_list(rows)
+    return tokenizing.tokenized_dataset(rows, tokenize, marker=marker, tokenizer=tokenizer, num_proc=num_proc)
 
 
 @torch.no_grad()

@@ -1,27 +1,11 @@
-"""Reward models: `RewardConfig` + `RewardTrainer` (a `transformers.Trainer`), evaluation and scoring.
+"""Reward models: `RewardTrainer` (a `transformers.Trainer`; config: `reward_config.py`), loading and scoring.
 
-A reward model is a sequence classifier with one output (`AutoModelForSequenceClassification`,
-num_labels=1): the body of a causal LM and a linear `score` head read at the last real token
-of prompt + completion. `load_reward_model` turns a causal LM folder (e.g. the SFT model)
-into one (a new `score` head) or loads a trained reward model.
-
-Rows are prompt/chosen/rejected (strings or chat messages; optional `margin` column), rendered
-with the chat template through `stages.data.tokenize.tokenize_sft`. Chosen and rejected go
-through the model in one concatenated forward of 2B right-padded rows (chosen first) and
-`stages.losses.reward_loss` (Bradley–Terry, optional margin and centering) is the loss.
-
-Where the reward is read: at each row's last attended token (from the attention mask).
-HF's own pooling takes the rightmost token != `config.pad_token_id`: the same position when
-the tokenizer has a dedicated pad token, but one token early when pad == EOS (the real EOS
-ending the completion counts as padding there). `sequence_rewards` therefore reads the
-head's per-position output at the mask's last 1, whatever the pad token; it still sets
-`config.pad_token_id`, which HF needs for batches of more than one row.
-
-LoRA: `stages.trainers.adapters.apply_lora(model, lora, task_type="SEQ_CLS")` trains the
-adapters and the whole `score` head (PEFT adds it to modules_to_save for SEQ_CLS).
-
-    trainer = RewardTrainer(load_reward_model(sft_path), args=RewardConfig(output_dir=...),
-                            processing_class=tokenizer, train_dataset=pairs)
+A reward model is a one-output sequence classifier (`AutoModelForSequenceClassification`,
+num_labels=1) on a causal LM's body; `load_reward_model` turns a causal LM folder into one or loads a
+trained one. Rows are prompt/chosen/rejected (optional `margin`); chosen and rejected go through the
+model in one forward and `stages.losses.reward_loss` (Bradley-Terry, margin, centring) is the loss.
+The reward is read at each row's last attended token (from the attention mask), whatever the pad
+token: HF's own pooling is one token early when pad == EOS. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -32,37 +16,28 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
-from stages.fields import raise_problems
 from stages.losses import reward_loss
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.pair_packing import forward_inputs
 from stages.trainers.preference import tokenized_dataset
-from stages.trainers.reward_params import RewardModelParams
 from stages.trainers.logprobs import unwrap
 from stages.trainers.precision import use_fp32_cpu_attention
 from stages.utils import pad
+from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 log = logging.getLogger("stages")
 
 HEAD_NAMES = ("score", "classifier")
-
-
-@dataclass
-class RewardConfig(RewardModelParams, TrainingArguments):
-    """TrainingArguments plus the reward model's settings of `RewardModelParams` (stages.trainers.reward_params,
-    shared with params.yaml's `reward`), checked there."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("RewardConfig", self.validate())
 
 
 # ------------------------------------------------------------------------------------ model
@@ -201,17 +176,15 @@ def _pair_row(row: dict) -> dict:
     return row
 
 
-def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """prompt/chosen/rejected[/margin] rows -> chosen_input_ids, rejected_input_ids[, margin] per row."""
-    identical = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, *, start: int = 0) -> list[dict]:
+    """prompt/chosen/rejected[/margin] rows -> chosen_input_ids, rejected_input_ids[, margin] per row. `start`: the
+    index of the first of `rows` in the whole dataset (rows are tokenised in batches), for the messages."""
+    identical = [start + i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
     if identical:
         raise ValueError(f"preference row {identical[0]} has identical chosen and rejected ({len(identical)} such "
                          f"row(s): {identical[:10]}); they carry no preference: drop them before training")
-    with_margin = [i for i, r in enumerate(rows) if "margin" in r]
-    if with_margin and len(with_margin) != len(rows):
-        missing = next(i for i, r in enumerate(rows) if "margin" not in r)
-        raise ValueError(f"preference row {missing} has no margin but row {with_margin[0]} has one: give every row "
-                         "a margin or none")
+    check_margins(rows, start=start)
+    with_margin = any("margin" in r for r in rows)
     rows = [_pair_row(r) for r in rows]
     out: list[dict] = [{} for _ in rows]
     for side in ("chosen", "rejected"):
@@ -219,10 +192,10 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):
-                raise ValueError(f"preference row {i}: the prompt fills max_length = {max_length}; nothing of the "
-                                 f"{side} completion is left (raise max_length or filter long prompts)")
+                raise ValueError(f"preference row {start + i}: the prompt fills max_length = {max_length}; nothing of "
+                                 f"the {side} completion is left (raise max_length or filter long prompts)")
             out[i][f"{side}_input_ids"] = t["input_ids"]
-    for i, (r, o) in enumerate(zip(rows, out)):
+    for i, (r, o) in enumerate(zip(rows, out), start=start):
         if o["chosen_input_ids"] == o["rejected_input_ids"]:
             raise ValueError(f"preference row {i}: chosen and rejected are identical after truncation to max_length "
                              f"= {max_length} (they differ only later); raise max_length or drop the row")
@@ -232,6 +205,25 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
                 raise ValueError(f"preference row {i}: margin = {m!r}: must be a finite number")
             o["margin"] = float(m)
     return out
+
+
+def check_margins(rows, *, start: int = 0) -> None:
+    """Every row has a margin, or none does (a list of row dicts, or a Dataset: its margin column has no nulls)."""
+    if not isinstance(rows, list):  # a datasets.Dataset: absent margins are nulls in its column
+        if "margin" not in rows.column_names:
+            return
+        margins = rows["margin"]
+        has = [i for i, m in enumerate(margins) if m is not None]
+        if len(has) == len(margins):
+            return
+        missing = next(i for i, m in enumerate(margins) if m is None)
+    else:
+        has = [i for i, r in enumerate(rows) if "margin" in r]
+        if not has or len(has) == len(rows):
+            return
+        missing = next(i for i, r in enumerate(rows) if "margin" not in r)
+    raise ValueError(f"preference row {start + missing} has no margin but row {start + has[0]} has one: give every "
+                     "row a margin or none")
 
 
 @dataclass
@@ -262,20 +254,37 @@ _REDUCE = {"reward_min": min, "reward_max": max}
 class RewardTrainer(Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
-    def __init__(self, model, *, args: RewardConfig, processing_class, train_dataset, eval_dataset=None, **kwargs):
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None):
+        refuse("RewardTrainer", compute_metrics=compute_metrics,
+               preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            RewardConfig, "Reward", model, args, train_dataset, eval_dataset, processing_class)
+        model = load_model(model, args, quantization_config,
+                           load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
+        model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
+
         def prepare(rows):
+            import datasets
+
+            if isinstance(rows, (list, datasets.Dataset)):
+                check_margins(rows)  # across the whole dataset: a batch sees only its own rows
             return tokenized_dataset(rows, "chosen_input_ids",
-                                     lambda r: tokenize_pairs(processing_class, r, args.max_length))
+                                     partial(tokenize_pairs, processing_class, max_length=args.max_length),
+                                     tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None))
 
         score_head(model)  # fail early on a model without a reward head
         config = unwrap(model).config
         if config.pad_token_id is None:
             _with_pad(unwrap(model), processing_class)
         args.remove_unused_columns = False
-        kwargs.setdefault("data_collator", RewardCollator(processing_class.pad_token_id))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=prepare(train_dataset), eval_dataset=prepare(eval_dataset), **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator or RewardCollator(
+            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -14,81 +14,66 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
-from stages.data.tokenize import tokenize_sft
-from stages.fields import WARMUP_RATIO, raise_problems
+from stages.data.tokenize import tokenize_sft, tokenized_dataset
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden, unwrap
-from stages.trainers.sft_params import SFTParams
 from stages.trainers.precision import use_fp32_cpu_attention
-
-
-@dataclass
-class SFTConfig(SFTParams, TrainingArguments):
-    """TrainingArguments plus the SFT settings of `SFTParams` (stages.trainers.sft_params, shared with
-    params.yaml's `sft`), checked there.
-
-    One TrainingArguments default differs: `warmup_steps` is the pipeline's `sft.warmup_ratio` (0.05, a
-    share of the steps) instead of 0. Starting AdamW at the peak learning rate (2e-3) left 9 of 12 runs of
-    benchmarks/sft_seeds.py (seeds 1-6) stuck on the loss plateau, the chunked and logits paths alike (TRL's trainer:
-    3 of 4); with the warm-up 5 of 12 (benchmarks/RESULTS-sft-seeds.md). `warmup_steps=0` restores HF's.
-    """
-
-    warmup_steps: float = field(default=WARMUP_RATIO, metadata={
-        "help": "linear warm-up: steps (>= 1) or a share of all steps (< 1); the pipeline's sft.warmup_ratio"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        raise_problems("SFTConfig", self.validate())
+from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
 class SFTTrainer(Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: SFTConfig, *, processing_class, train_dataset, eval_dataset=None,
-                 formatting_func=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None):
+        refuse("SFTTrainer", compute_loss_func=compute_loss_func)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            SFTConfig, "SFT", model, args, train_dataset, eval_dataset, processing_class)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
         # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
         # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
         attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
-        kwargs.setdefault("data_collator", CompletionCollator(
+        data_collator = data_collator or CompletionCollator(
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss,
-            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_seq_length))
+            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length)
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.trainers.precision)
-        super().__init__(model=model, args=args, processing_class=processing_class,
-                         train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
-                         eval_dataset=self._prepare(eval_dataset, processing_class, args, False), **kwargs)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, processing_class=processing_class,
+            train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
+            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(rows, processing_class, args, False)),
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 
     def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
-        """Rows -> tokenised Dataset (packed if asked); IterableDatasets are tokenised lazily."""
+        """Rows -> tokenised Dataset (`Dataset.map` over args.dataset_num_proc processes, cached as Arrow files by
+        content: stages.data.tokenize.tokenized_dataset), packed if asked; IterableDatasets are tokenised lazily."""
         import datasets
 
         if rows is None:
             return None
-        tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_seq_length, text_field=args.dataset_text_field,
+        tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_length, text_field=args.dataset_text_field,
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
-        if isinstance(rows, datasets.IterableDataset):
-            columns = list(next(iter(rows)).keys())
-            return rows.map(lambda batch: _columns(tokenize(_rows(batch))), batched=True, remove_columns=columns)
-        rows = list(rows)
-        if rows and "input_ids" not in rows[0]:
-            rows = tokenize(rows)
-            check_targets(rows, args.max_seq_length)
-        if pack:
-            rows = pack_dataset(rows, args.max_seq_length, args.packing_strategy)
-        return datasets.Dataset.from_list(rows)
+        dataset = tokenized_dataset(rows, partial(_tokenize_checked, tokenize, args.max_length), marker="input_ids",
+                                    tokenizer=tokenizer, num_proc=getattr(args, "dataset_num_proc", None))
+        if pack and not isinstance(dataset, datasets.IterableDataset):
+            dataset = pack_dataset(dataset, args.max_length, args.packing_strategy)
+        return dataset
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
@@ -128,20 +113,18 @@ class SFTTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def check_targets(rows: list[dict[str, list[int]]], max_seq_length: int) -> None:
-    """Every row must keep at least one loss token after truncation (else the prompt fills max_seq_length)."""
+def _tokenize_checked(tokenize, max_length: int, rows: list[dict], *, start: int = 0) -> list[dict]:
+    out = tokenize(rows)
+    check_targets(out, max_length, start=start)
+    return out
+
+
+def check_targets(rows: list[dict[str, list[int]]], max_length: int, *, start: int = 0) -> None:
+    """Every row must keep at least one loss token after truncation (else the prompt fills max_length).
+    `start`: the index of the first of `rows` in the whole dataset, for the message."""
     key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
     empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
     if empty:
-        raise ValueError(f"sft.max_seq_length = {max_seq_length} is shorter than the prompt of {len(empty)} row(s) "
-                         f"(first: row {empty[0]}), which would leave nothing to learn; raise sft.max_seq_length or "
-                         "filter long prompts in preprocess (preprocess.max_length)")
-
-
-def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
-    keys = list(batch)
-    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
-
-
-def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
-    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+        raise ValueError(f"sft.max_length = {max_length} is shorter than the prompt of {len(empty)} row(s) "
+                         f"(first: row {start + empty[0]}), which would leave nothing to learn; raise "
+                         "sft.max_length or filter long prompts in preprocess (preprocess.max_length)")

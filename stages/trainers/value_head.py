@@ -108,7 +108,7 @@ class PreTrainedModelWrapper(nn.Module):
 class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
     """A causal LM plus v_head: dropout + Linear(hidden_size, 1), one scalar per position.
 
-    The fresh head starts near zero (weight ~ N(0, 1e-3²), bias 0): values start at ~0 and
+    The fresh head starts near zero (weight ~ N(0, 1e-3²), bias 0): values start near 0 and
     the first value-loss gradients reach the trunk only weakly, so the pretrained trunk is
     not pulled around by a random critic at the start of training.
     """

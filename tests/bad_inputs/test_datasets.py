@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -97,13 +98,49 @@ CASES = [
 ]
 
 
+# what only preprocess can check: lengths in tokens need the model's tokenizer
+NEEDS_THE_TOKENIZER = {"single_10mb_row"}
+# cases whose readable rows are SFT rows only: with the default reward functions (which name the reward model)
+# params validation also reports that no preference data trains one
+SFT_ROWS_ONLY = {"missing_column", "extra_column", "wrong_type", "null_value", "empty_string", "whitespace_only",
+                 "non_utf8_bytes", "invalid_json_line", "missing_closing_brace", "utf8_bom_first_line",
+                 "truncated_last_line", "line_not_an_object", "duplicate_ids", "json_row_not_object", "csv_empty_cell",
+                 "messages_bad_role", "messages_end_with_user", "messages_missing_content", "unpaired_label_not_bool",
+                 "alpaca_empty_instruction"}
+REWARD_PROBLEM = (r"score\.reward_functions = \['exact_match', 'reward_model_prob'\] includes reward_model_prob, "
+                  r"but there is no preference data to train one: set --set policy\.method=grpo --set "
+                  r"score\.enabled=false \(GRPO learns from the rule reward on every sample\)")
+
+
+@pytest.mark.parametrize("validate_rows", [100_000, 0], ids=["at_validation", "in_preprocess"])
 @pytest.mark.parametrize("case, name, content, patterns", CASES, ids=[c[0] for c in CASES])
-def test_bad_data_file(capsys, tmp_path, params_for, case, name, content, patterns):
+def test_bad_data_file(capsys, tmp_path, params_for, case, name, content, patterns, validate_rows):
+    """The same message whoever finds the row: params validation (exit 2, before anything is built) or, with
+    data.validate_rows = 0 or for what needs the tokenizer, preprocess (exit 1)."""
     data = tmp_path / name
     data.write_bytes(content)
     key = "preference" if name.startswith("p.") else "sft"
-    params = params_for({"data": {"source": None, key: str(data)}})
-    assert_rejected(capsys, params, "preprocess", escape(data), *patterns, code=1)
+    params = params_for({"data": {"source": None, key: str(data), "validate_rows": validate_rows}})
+    at_validation = validate_rows != 0 and case not in NEEDS_THE_TOKENIZER
+    assert_rejected(capsys, params, "preprocess", escape(data), *patterns, code=2 if at_validation else 1)
+    if at_validation:
+        assert not (tmp_path / "artifacts").exists()  # not even the model was built
+
+
+@pytest.mark.parametrize("case, name, content, patterns", [c for c in CASES if c[0] not in NEEDS_THE_TOKENIZER],
+                         ids=[c[0] for c in CASES if c[0] not in NEEDS_THE_TOKENIZER])
+def test_bad_row_and_params_problem_in_one_report(capsys, tmp_path, params_for, case, name, content, patterns):
+    """With the default reward functions, a bad row and the params problem are named in the same exit-2 message:
+    one run tells the user everything to fix."""
+    data = tmp_path / name
+    data.write_bytes(content)
+    key = "preference" if name.startswith("p.") else "sft"
+    params = params_for({"data": {"source": None, key: str(data)},
+                         "score": {"reward_functions": ["exact_match", "reward_model_prob"],
+                                   "reward_weights": [1.0, 0.5]}})
+    err = assert_rejected(capsys, params, "preprocess", escape(data), *patterns, code=2)
+    assert bool(re.search(REWARD_PROBLEM, err)) == (case in SFT_ROWS_ONLY), err
+    print(f"\n[{case}]\n" + "\n".join(err.rstrip().splitlines()[-3:]))
 
 
 def test_parquet_wrong_type(capsys, tmp_path, params_for):
@@ -112,7 +149,7 @@ def test_parquet_wrong_type(capsys, tmp_path, params_for):
     data = tmp_path / "d.parquet"
     pd.DataFrame({"prompt": ["1+1=", "2+2="], "completion": [2, 4]}).to_parquet(data)
     params = params_for({"data": {"source": str(data)}})
-    assert_rejected(capsys, params, "preprocess", escape(data) + r" row 0: field 'completion' must be a string", code=1)
+    assert_rejected(capsys, params, "preprocess", escape(data) + r" row 0: field 'completion' must be a string", code=2)
 
 
 def test_not_a_saved_dataset_folder(capsys, tmp_path, params_for):
@@ -120,7 +157,7 @@ def test_not_a_saved_dataset_folder(capsys, tmp_path, params_for):
     folder.mkdir()
     (folder / "notes.txt").write_text("not a dataset")
     params = params_for({"data": {"source": str(folder)}})
-    assert_rejected(capsys, params, "preprocess", escape(folder) + r": not a datasets\.save_to_disk folder", code=1)
+    assert_rejected(capsys, params, "preprocess", escape(folder) + r": not a datasets\.save_to_disk folder", code=2)
 
 
 @pytest.mark.parametrize("key", ["source", "sft", "preference", "prompts", "eval_source"])
@@ -146,11 +183,44 @@ def test_eval_source_without_references(capsys, tmp_path, params_for):
 def test_skip_mode_with_every_row_bad(capsys, tmp_path, params_for):
     (tmp_path / "d.jsonl").write_bytes(jsonl([{"prompt": "a", "completion": 1}] * 4))
     params = params_for({"data": {"source": str(tmp_path / "d.jsonl"), "on_bad_rows": "skip"}})
-    assert_rejected(capsys, params, "preprocess", escape(tmp_path / "d.jsonl") + r": no usable rows \(read 4\)", code=1)
+    assert_rejected(capsys, params, "preprocess", escape(tmp_path / "d.jsonl") + r": no usable rows \(read 4\)", code=2)
 
 
 def test_streaming_mode_names_the_line_too(capsys, tmp_path, params_for):
     data = tmp_path / "d.jsonl"
     data.write_bytes(with_row(9, b'{"prompt": "a" "completion": "b"}'))
     params = params_for({"data": {"source": str(data)}, "preprocess": {"streaming": True}})
-    assert_rejected(capsys, params, "preprocess", escape(data) + r":9: invalid JSON at column 16", code=1)
+    assert_rejected(capsys, params, "preprocess", escape(data) + r":9: invalid JSON at column 16", code=2)
+
+
+def pairs(n: int) -> list[dict]:
+    return [{"prompt": f"{i}+2=", "chosen": str(i + 2), "rejected": str(i + 3)} for i in range(n)]
+
+
+def test_too_few_held_out_pairs_for_the_reward_gate_stop_before_sft(capsys, tmp_path, params_for):
+    """70 pairs hold out 7 at reward.eval_fraction 0.1: fewer than the 25 on which the gate (0.9 at 95%) can pass
+    even if every pair is ranked right. Refused at validation, naming the key and the value that would do."""
+    (tmp_path / "sft.jsonl").write_bytes(jsonl(good(100)))
+    (tmp_path / "pairs.jsonl").write_bytes(jsonl(pairs(70)))
+    params = params_for({"data": {"source": None, "sft": str(tmp_path / "sft.jsonl"),
+                                  "preference": str(tmp_path / "pairs.jsonl")}, "reward": {"min_accuracy": 0.9}})
+    assert_rejected(capsys, params, "preprocess", r"reward\.eval_fraction = 0\.1: 70 preference pairs leave about 7 "
+                    r"held out, fewer than the 25 on which the reward gate \(reward\.min_accuracy = 0\.9 at "
+                    r"reward\.gate_confidence = 0\.95\) can pass even if every one is ranked right: the run would "
+                    r"stop after SFT; raise reward\.eval_fraction \(now 0\.1; 0\.36 holds out 25\)", code=2)
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_few_held_out_pairs_are_warned_about(caplog, tmp_path, params_for):
+    """300 pairs hold out 30: the gate can pass, but a reward model right on 95% of them would not; a warning
+    with the key, and the run goes on."""
+    from stages.params_loader import load_params
+
+    (tmp_path / "sft.jsonl").write_bytes(jsonl(good(100)))
+    (tmp_path / "pairs.jsonl").write_bytes(jsonl(pairs(300)))
+    params = params_for({"data": {"source": None, "sft": str(tmp_path / "sft.jsonl"),
+                                  "preference": str(tmp_path / "pairs.jsonl")}, "reward": {"min_accuracy": 0.9}})
+    with caplog.at_level("WARNING"):
+        load_params(params, rows=True)
+    assert ("reward: about 30 held-out preference pairs (reward.eval_fraction = 0.1 of 300): a reward model right on "
+            "95% of them would still fail the gate") in caplog.text and "raise reward.eval_fraction" in caplog.text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import ROOT
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
@@ -44,7 +44,8 @@ def test_unknown_key_suggests_the_closest_known_key(tmp_path, params_for):
 
 
 def test_unknown_key_without_a_close_one_lists_the_known_keys():
-    from stages.config import RunConfig, build
+    from stages.config import RunConfig
+    from stages.params_loader import build
 
     _, problems = build(RunConfig, {"zzz": 1}, "run.")
     assert problems[0].startswith("run.zzz: unknown key; known keys here: ") and "output_dir" in problems[0]
@@ -54,7 +55,7 @@ def test_bad_value(tmp_path, params_for):
     params = params_for()
     rc, lines, _ = run_stages(tmp_path, "sft", "--params", str(params), "--set", "sft.learning_rate=-1")
     assert rc == 2
-    assert show("bad value", lines) == "  - sft.learning_rate = -1: must be > 0 (peak learning rate)"
+    assert show("bad value", lines) == "  - sft.learning_rate = -1: must be > 0 (The initial learning rate for the optimizer.)"
 
 
 @pytest.mark.parametrize("name", ["models/my-qwen", "./my-qwen", "~/no-such-align-model", "my-qwen"])
@@ -106,9 +107,33 @@ def assert_failure_reported(lines: list[str], case: str) -> Path:
 
 
 def test_stage_failure_ends_with_its_cause_and_the_log_path(tmp_path, params_for):
-    params = params_for({"data": {"source": "d.jsonl"}})
+    params = params_for({"data": {"source": "d.jsonl", "validate_rows": 0}})  # the row left to preprocess
     bad_data(tmp_path)
     rc, lines, _ = run_stages(tmp_path, "preprocess", "--params", str(params))
     assert rc == 1
     log = assert_failure_reported(lines, "python -m stages preprocess, a bad data row")
     assert log.parent == tmp_path / "artifacts" / "logs"
+
+
+def test_bad_row_and_params_problem_reported_in_one_pass(tmp_path, params_for):
+    """SFT-only data with a bad row on line 2 and the default reward functions (which need preference data): one
+    exit-2 message names the reward functions and the row, before anything is built."""
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"messages": "hello"}\n'
+                                        '{"prompt": "2+2=", "completion": "4"}\n')
+    params = params_for({"data": {"source": None, "sft": "sft.jsonl"},
+                         "score": {"reward_functions": ["exact_match", "reward_model_prob"],
+                                   "reward_weights": [1.0, 0.5]}})
+    rc, lines, _ = run_stages(tmp_path, "preprocess", "--params", str(params))
+    assert rc == 2, lines
+    assert lines[-3] == f"error: {params}: 2 problem(s) in params; nothing was run or written:"
+    assert lines[-2] == (
+        "  - score.reward_functions = ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no "
+        "preference data to train one: set --set policy.method=grpo --set score.enabled=false (GRPO learns from the "
+        "rule reward on every sample), or keep policy.method = dpo with --set score.reward_functions=[exact_match] "
+        "--set score.reward_weights=[1.0] if the SFT model's samples are right on some prompts and wrong on others "
+        "(score pairs only samples whose scores differ; with none the run stops before policy), or give "
+        "data.preference")
+    assert show("bad row and params problem", lines) == (
+        "  - sft.jsonl:2: field 'messages' must be a non-empty list of messages, got str; fix the rows, or set "
+        "data.on_bad_rows: skip to drop them (they are counted in the manifest)")
+    assert not (tmp_path / "artifacts").exists()

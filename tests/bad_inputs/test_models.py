@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.bad_inputs.conftest import assert_rejected, escape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -71,8 +71,9 @@ def test_wrong_architecture_for_the_stage(capsys, tmp_path, params_for, model_di
 
 
 def test_custom_code_needs_trust_remote_code(capsys, tmp_path, params_for, model_dir):
-    """A model folder that ships its own modelling code is refused unless model.trust_remote_code is set:
-    the code is never imported (the marker file it would write stays absent)."""
+    """A model folder whose config needs its own modelling code (auto_map) is refused at params validation
+    (exit 2, before anything is built or loaded) unless model.trust_remote_code is set: the code is never
+    imported (the marker file it would write stays absent)."""
     folder = copy_tokenizer(model_dir, tmp_path / "custom")
     marker = tmp_path / "custom-code-ran"
     config = json.loads((model_dir / "config.json").read_text())
@@ -80,7 +81,28 @@ def test_custom_code_needs_trust_remote_code(capsys, tmp_path, params_for, model
                                                         "AutoModelForCausalLM": "modeling_custom.CustomModel"})
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "modeling_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    params = _preprocessed(tmp_path, params_for, folder)  # the tokenizer is plain: preprocess runs no custom code
-    assert_rejected(capsys, params, "sft", escape(folder), r"ships its own Python code, which runs only with "
-                    r"model\.trust_remote_code: true", code=1)
+    params = params_for({"model": {"name_or_path": str(folder)}})
+    assert_rejected(capsys, params, "preprocess", r"model\.name_or_path = '" + escape(folder) + r"': config\.json "
+                    r"needs custom code \(auto_map: AutoConfig -> modeling_custom\.CustomConfig, AutoModelForCausalLM "
+                    r"-> modeling_custom\.CustomModel\), and model\.trust_remote_code is false: loading would run "
+                    r"code from the model folder\. Read that code, then set model\.trust_remote_code: true if you trust it",
+                    code=2)
+    assert not marker.exists() and not (tmp_path / "artifacts").exists()
+    load_params(params, ["model.trust_remote_code=true"])  # consent given: validation lets it through
     assert not marker.exists()
+
+
+def test_custom_tokenizer_code_needs_trust_remote_code(tmp_path, params_for, model_dir):
+    """The same for a tokenizer that names its own class (tokenizer_config.json's auto_map)."""
+    import pytest
+
+    from stages.params_loader import ParamsError
+
+    folder = copy_tokenizer(model_dir, tmp_path / "custom-tok")
+    shutil.copy(model_dir / "config.json", folder / "config.json")
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    with pytest.raises(ParamsError, match=r"tokenizer_config\.json needs custom code \(auto_map: AutoTokenizer -> "
+                                          r"tokenization_x\.XTokenizer\), and model\.trust_remote_code is false"):
+        load_params(params_for({"model": {"name_or_path": str(folder)}}))

@@ -1,4 +1,4 @@
-"""benchmarks/alignment.py: the tuning budget, the choice, and a sweep that looks at eval only for the choice."""
+"""`python -m benchmarks alignment`: the tuning budget, the choice, and a sweep that looks at eval only for the choice."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from stages import artifacts
-from stages.config import load_params
-from tests.benchmarks.helpers import as_sets, load_benchmark
+from stages.params_loader import load_params
+from tests.benchmarks.helpers import as_sets
 from tests.conftest import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def alignment():
-    return load_benchmark("alignment")
+    from benchmarks import alignment
+
+    return alignment
 
 
 def test_every_method_gets_the_same_budget_of_valid_configurations(alignment):
@@ -48,10 +50,9 @@ def test_pick_takes_the_best_mean_dev_accuracy_and_the_first_on_a_tie(alignment)
 def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(alignment, tmp_path, monkeypatch,
                                                                             capsys):
     monkeypatch.setattr(alignment, "ROUNDS", [{"dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1]}}])
-    monkeypatch.setattr(alignment, "RESULTS", tmp_path / "RESULTS-alignment.md")
     out = tmp_path / "bench"
-    alignment.main(["--sweep", "1", "--seeds", "1", "2", "--methods", "dpo", "--output-dir", str(out), "--write",
-                    *as_sets(SMALL)])
+    assert alignment.main(["--sweep", "1", "--seeds", "1", "2", "--methods", "dpo", "--output-dir", str(out),
+                           "--write", str(tmp_path / "sweep-1.md"), *as_sets(SMALL)]) == 0
     printed = capsys.readouterr().out
     chosen = re.search(r"^dpo: dev accuracy per configuration .*; chosen (\S+)$", printed, re.M).group(1)
     names = [alignment.config_name(c) for c in alignment.configurations("dpo")]
@@ -65,7 +66,7 @@ def test_sweep_scores_every_configuration_on_dev_and_only_the_choice_on_eval(ali
             assert split == ("eval" if name == chosen else "dev"), (seed, name)  # eval never seen by the others
     assert (artifacts.read_manifest(out / "seed-1" / "shared" / "sft")["fingerprint"]
             != artifacts.read_manifest(out / "seed-2" / "shared" / "sft")["fingerprint"])  # run.seed reaches sft
-    report = (tmp_path / "RESULTS-alignment-sweep-1.md").read_text()
+    report = (tmp_path / "sweep-1.md").read_text()
     assert "## Sweep (dev only)" in report and all(f"| dpo | {n}" in report.replace("**", "") for n in names)
     assert re.search(r"\| dpo \| " + re.escape(chosen) + r" \| \d+\.\d% ± \d+\.\d% \|", report)
 

@@ -1,4 +1,4 @@
-"""benchmarks/efficacy.py: ours vs TRL on tiny settings prints its table (one method, one seed, a few steps)."""
+"""`python -m benchmarks efficacy`: ours vs TRL on tiny settings prints its table (one method, one seed, a few steps)."""
 from __future__ import annotations
 
 import re
@@ -7,13 +7,15 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.benchmarks.helpers import as_sets, load_benchmark  # noqa: E402
+from tests.benchmarks.helpers import as_sets  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def efficacy():
-    return load_benchmark("efficacy")
+    from benchmarks import efficacy
+
+    return efficacy
 
 
 def test_the_one_reward_function_decodes_the_ids_itself(efficacy):
@@ -31,9 +33,9 @@ def test_the_one_reward_function_decodes_the_ids_itself(efficacy):
 
 def test_tiny_sft_run_prints_the_table_for_both_sides(efficacy, tmp_path, capsys):
     small = {"model": SMALL["model"], "data": SMALL["data"], "evaluate": SMALL["evaluate"]}
-    records = efficacy.main(["--methods", "sft", "--seeds", "1", "--sft-steps", "2", "--eval-samples", "4",
-                             "--output-dir", str(tmp_path / "out"), "--write", "--results",
-                             str(tmp_path / "RESULTS.md"), *as_sets(small)])
+    records = efficacy.run(["--methods", "sft", "--seeds", "1", "--sft-steps", "2", "--eval-samples", "4",
+                            "--output-dir", str(tmp_path / "out"), "--write", str(tmp_path / "RESULTS.md"),
+                            *as_sets(small)])
     printed = capsys.readouterr().out
     assert [(r["method"], r["side"], r["steps"]) for r in records] == [("sft", "ours", 2), ("sft", "trl", 2)]
     for side in ("ours", "trl"):

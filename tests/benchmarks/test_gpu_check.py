@@ -1,20 +1,21 @@
-"""benchmarks/gpu_check.py: its command line, its skip without CUDA, and (marker gpu) the run itself on a GPU."""
+"""`python -m benchmarks gpu_check`: its command line, its skip without CUDA, and (marker gpu) the run itself on a
+GPU."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+from tests.conftest import ROOT
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "benchmarks", "gpu_check", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_help_names_the_model_and_the_options():
@@ -25,10 +26,9 @@ def test_help_names_the_model_and_the_options():
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import gpu_check
+
+    return gpu_check
 
 
 def test_unknown_mode_is_refused(gpu_check, capsys):

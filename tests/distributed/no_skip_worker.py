@@ -71,7 +71,7 @@ def train(method: str, model_path: str, out: Path) -> dict:
     if method == "online_dpo":
         from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-        trainer = OnlineDPOTrainer(model, [("low_ids", low_ids_unless_rank_1)], processing_class=tok,
+        trainer = OnlineDPOTrainer(model, reward_funcs=[("low_ids", low_ids_unless_rank_1)], processing_class=tok,
                                    train_dataset=prompts(), args=OnlineDPOConfig(**args, per_device_train_batch_size=4,
                                                                                  beta=0.5))
     elif method == "ppo":

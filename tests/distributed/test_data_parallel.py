@@ -97,7 +97,7 @@ def two_processes(model, tmp_path_factory):
     run_command(cmd, on_line=lines.append, timeout_s=300)
     text = "\n".join(lines)
     assert "[default0]:" in text and "[default1]:" in text  # really two ranks
-    return {cell: torch.load(out / f"{worker.cell_name(*cell)}.pt") for cell in worker.CELLS}
+    return {cell: torch.load(out / f"{worker.cell_name(*cell)}.pt", weights_only=True) for cell in worker.CELLS}
 
 
 @pytest.mark.slow

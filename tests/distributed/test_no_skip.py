@@ -42,7 +42,7 @@ def test_a_rank_whose_rewards_all_tie_still_steps_and_the_weights_agree(launched
     from transformers import AutoModelForCausalLM
 
     model, out = launched
-    ranks = [torch.load(out / f"{method}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    ranks = [torch.load(out / f"{method}-rank{r}.pt", weights_only=True) for r in (0, 1)]
     start = dict(AutoModelForCausalLM.from_pretrained(model).named_parameters())
     for name, w0 in ranks[0]["weights"].items():
         assert torch.equal(w0, ranks[1]["weights"][name]), f"{method}: {name} differs between the ranks"

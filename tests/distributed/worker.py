@@ -128,7 +128,7 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
     if method == "online_dpo":
         from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-        return OnlineDPOTrainer(model, REWARDS, args=OnlineDPOConfig(**args, beta=0.5, generation=generation),
+        return OnlineDPOTrainer(model, reward_funcs=REWARDS, args=OnlineDPOConfig(**args, beta=0.5, generation=generation),
                                 processing_class=tok, train_dataset=prompt_rows())
     if method.startswith("grpo"):
         from stages.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -27,7 +27,7 @@ def align(tmp_path: Path, *args: str) -> tuple[int, list[str]]:
 
 
 def test_align_run_stage_failure(tmp_path):
-    write_params(tmp_path, {"data": {"source": "d.jsonl"}})
+    write_params(tmp_path, {"data": {"source": "d.jsonl", "validate_rows": 0}})  # left to preprocess
     bad_data(tmp_path)
     rc, lines = align(tmp_path, "run")
     assert rc == 1
@@ -36,7 +36,7 @@ def test_align_run_stage_failure(tmp_path):
 
 
 def test_align_stage_failure(tmp_path):
-    write_params(tmp_path, {"data": {"source": "d.jsonl"}})
+    write_params(tmp_path, {"data": {"source": "d.jsonl", "validate_rows": 0}})  # left to preprocess
     bad_data(tmp_path)
     rc, lines = align(tmp_path, "stage", "preprocess")
     assert rc == 1

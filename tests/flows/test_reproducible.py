@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from stages import artifacts, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import ROOT, STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow

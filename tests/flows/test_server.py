@@ -84,3 +84,49 @@ def test_serve_and_run_full_deployment(tmp_path):
         if served is not None:
             stop(served)
         stop(server)
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of process `pid` and its descendants, from the kernel."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            out |= {(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def test_background_server_listens_on_loopback_only(tmp_path, monkeypatch):
+    """`align server start` (flows/server.py): every socket the server's processes listen on is 127.0.0.1."""
+    from flows import server
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    url = server.start_server(port=free_port(), timeout=120)
+    try:
+        pid = json.loads((tmp_path / "prefect-home" / "align-server.json").read_text())["pid"]
+        sockets = listening(pid)
+        assert sockets and {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
+        assert int(url.split(":")[-1].split("/")[0]) in {port for _, port in sockets}
+    finally:
+        assert server.stop_server()
+
+
+def test_ephemeral_server_listens_on_loopback_only(tmp_path, monkeypatch):
+    """Without PREFECT_API_URL a flow run starts Prefect's temporary server: from inside the flow, every
+    listening socket of this process and its children is 127.0.0.1 (none on 0.0.0.0 or ::)."""
+    from prefect import flow
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # 20 s is short on a loaded machine
+
+    @flow
+    def probe() -> list:
+        return sorted(listening(os.getpid()))
+
+    sockets = probe()
+    assert sockets and {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,8 @@ import sys
 import pytest
 import yaml
 
-from stages.config import Params, ParamsError, load_params
+from stages.config import Params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import ROOT
 
 

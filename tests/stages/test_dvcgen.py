@@ -15,7 +15,7 @@ def test_deps_are_the_code_closure_and_the_upstream_outputs():
 
 def test_the_users_input_files_named_in_params_are_deps(tmp_path):
     """Own data and a local model folder: DVC reruns the stages that read them when their content changes."""
-    from stages.config import load_params
+    from stages.params_loader import load_params
     from tests.conftest import write_params
 
     data, model = tmp_path / "train.jsonl", tmp_path / "hub-id-like"

@@ -64,6 +64,14 @@ def test_cycle_finder_reports_a_lazy_cycle(tmp_path):
     assert describe(cycle) == "stages.a\n  -> stages.b (stages.a:1)\n  -> stages.a (stages.b:2, lazy)"
 
 
+def test_cycle_finder_counts_type_checking_imports(tmp_path):
+    write_tree(tmp_path, {"stages/__init__.py": "", "stages/a.py": "from stages import b\n",
+                          "stages/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stages.a import g\n"})
+    assert imports.find_cycle(imports.import_graph(("stages",), tmp_path)) is None  # nothing runs it
+    cycle = imports.find_cycle(imports.import_graph(("stages",), tmp_path, type_checking=True))
+    assert describe(cycle) == "stages.a\n  -> stages.b (stages.a:1)\n  -> stages.a (stages.b:3, lazy)"
+
+
 def describe(cycle: list) -> str:
     """stages.a\n  -> stages.b (stages.a:3)\n  -> stages.a (stages.b:2, lazy)"""
     lines = [cycle[0]]
@@ -74,8 +82,8 @@ def describe(cycle: list) -> str:
 
 
 def test_no_import_cycles_in_stages_tasks_flows():
-    """Module-level and lazy imports alike (only `if TYPE_CHECKING:` ones are left out)."""
-    cycle = imports.find_cycle(imports.import_graph(LAYERS))
+    """Module-level, lazy and `if TYPE_CHECKING:` imports alike: a cycle a type checker follows is a cycle."""
+    cycle = imports.find_cycle(imports.import_graph(LAYERS, type_checking=True))
     assert cycle is None, "import cycle:\n" + describe(cycle)
 
 

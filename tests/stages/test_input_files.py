@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 
 

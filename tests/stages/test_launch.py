@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from stages import artifacts
-from stages.config import LaunchConfig, ParamsError, load_params
+from stages.config import LaunchConfig
+from stages.params_loader import ParamsError, load_params
 from stages.launch import (CONFIG_DIR, LaunchError, check_batch, launch_command, needs_launch, preflight,
                            training_rows, training_stages, wait_for_main)
 from stages.processes import LaunchFailed, run_command, stage_target
@@ -107,8 +108,8 @@ def _with_preprocess_rows(tmp_path, rows: dict, extra: dict):
 def test_more_processes_than_the_global_batch_allows(tmp_path):
     params = _with_preprocess_rows(tmp_path, {"sft_train": 100, "prompts": 40},
                                    {"run": {"launch": {"num_processes": 8}}, "sft": {"per_device_train_batch_size": 16},
-                                    "policy": {"method": "grpo", "per_device_train_batch_size": 8, "num_prompts": -1,
-                                               "grpo": {"num_generations": 2}}})
+                                    "policy": {"method": "grpo", "num_prompts": -1,
+                                               "grpo": {"num_generations": 2, "per_device_train_batch_size": 8}}})
     with pytest.raises(LaunchError, match=r"run.launch.num_processes = 8: sft has 100 SFT rows, fewer than one "
                                           r"global batch of 8 processes x 16 rows per device"):
         check_batch("sft", params)

@@ -226,7 +226,7 @@ def test_half_precision_is_computed_in_float32():
 ])
 def test_bad_inputs(name, kwargs, fragment):
     args = dict(zip(["chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps"],
-                    (t.float() for t in _batch())))
+                    (t.float() for t in _batch())), beta=0.1)
     args.update(kwargs)
     with pytest.raises(ValueError) as err:
         dpo_loss(**args)
@@ -235,7 +235,7 @@ def test_bad_inputs(name, kwargs, fragment):
 
 def test_chosen_must_be_one_dimensional():
     with pytest.raises(ValueError, match=r"chosen_logps has shape \(2, 1\): expected \(B,\)"):
-        dpo_loss(torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1))
+        dpo_loss(torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), beta=0.1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 
 from stages import runner
 from stages.builtin import tiny
-from stages.config import ModelConfig, load_params
+from stages.config import ModelConfig
+from stages.params_loader import load_params
 from stages.model_source import hub_unreachable_reason, model_source_problem
 from stages.models import resolve_model
 from tests.conftest import STAGE_ORDER, write_params

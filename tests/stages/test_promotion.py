@@ -58,6 +58,22 @@ def test_decide_rules():
     assert promotion.column("rouge") == "rougeL"
 
 
+def test_decide_judges_a_share_with_its_sample_size():
+    """0.70 vs 0.65 on 300 prompts each: the lower bound of the difference is -0.0129 (tests/stages/test_gates.py),
+    so the lead is not shown at 95% and production stays; on 3000 prompts each it is; a non-share metric and
+    confidence 0.5 compare the values themselves."""
+    kw = dict(metric="accuracy", min_improvement=0.0, confidence=0.95)
+    d = promotion.decide(0.70, 0.65, n_candidate=300, n_production=300, **kw)
+    assert not d.promote and d.reason == (
+        "accuracy 0.7 on 300 prompts against production's 0.65 on 300 (difference +0.05; one-sided 95% lower bound "
+        "-0.01288): not shown better by more than 0.0 at 95% confidence; production kept (more eval prompts narrow "
+        "the bound; promote.confidence 0.5 compares the values themselves)")
+    assert promotion.decide(0.70, 0.65, n_candidate=3000, n_production=3000, **kw).promote
+    assert promotion.decide(0.70, 0.65, n_candidate=300, n_production=300, **{**kw, "confidence": 0.5}).promote
+    assert promotion.decide(0.70, 0.65, n_candidate=300, n_production=300, **{**kw, "metric": "bleu"}).promote
+    assert promotion.decide(0.70, 0.65, **kw).promote  # counts unknown (a record from before): the values
+
+
 def test_pipeline_gate_and_hub_not_configured(built_pipeline, tmp_path):
     params, manifests = built_pipeline
     secret = "hf_SECRET_token_never_written"

@@ -3,7 +3,8 @@ import inspect
 import shutil
 
 from stages import runner
-from stages.config import Params, load_params
+from stages.config import Params
+from stages.params_loader import load_params
 from stages.registry import STAGES, resolve
 from tests.conftest import ROOT, write_params
 

@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from stages import imports, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.registry import RUNTIME_KEYS, STAGES, resolve
 from tests.conftest import write_params
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from stages import artifacts, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.registry import STAGES
 from tests.conftest import STAGE_ORDER, write_params
 
@@ -17,7 +17,7 @@ def test_manifest_records_everything(built_pipeline):
     sft = manifests["sft"]
     assert MANIFEST_KEYS <= set(sft)
     assert sft["inputs"]["preprocess"]["outputs_hash"] == manifests["preprocess"]["outputs"]["hash"]
-    assert set(sft["params"]) == {"model", "sft", "run.seed"}
+    assert set(sft["params"]) == {"model", "sft", "run.seed", "run.report_to"}
     assert "model/model.safetensors" in sft["outputs"]["files"]
     assert {"torch", "transformers", "python"} <= set(sft["versions"])
     for name, manifest in manifests.items():  # the code: the stage module's import closure

@@ -41,7 +41,9 @@ def test_policy_rebuilt_is_byte_identical(upstream, method, lora):
     import dataclasses
 
     pol = upstream.policy
-    pol = dataclasses.replace(pol, method=method, lora=dataclasses.replace(pol.lora, enabled=lora, r=4))
+    section = getattr(pol, method)
+    section = dataclasses.replace(section, lora=dataclasses.replace(section.lora, enabled=lora, r=4))
+    pol = dataclasses.replace(pol, method=method, **{method: section})
     params = dataclasses.replace(upstream, policy=pol)
     runner.run_stage("reference", params)  # its fingerprint reads policy.method
     first = runner.run_stage("policy", params)
@@ -121,7 +123,7 @@ def test_cgroup_quota_caps_the_available_cores(tmp_path, files, expected):
 
 
 def test_params_refuse_zero_threads():
-    from stages.config import ParamsError, load_params
+    from stages.params_loader import ParamsError, load_params
 
     with pytest.raises(ParamsError, match=r"run.threads = 0: must be >= 1, or auto"):
         load_params("params.yaml", ["run.threads=0"])

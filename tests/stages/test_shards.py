@@ -7,7 +7,7 @@ import pytest
 
 from stages import runner
 from stages.__main__ import main
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 
 

@@ -47,9 +47,18 @@ def test_sft_only_with_default_params_names_every_list_that_needs_the_reward_mod
     p = params(sft=write(tmp_path / "s.jsonl", SFT))
     p.policy.method = "ppo"  # its default reward is the reward model too
     problems = dict(needs(p, peek(p.data)))
+    # policy.method ppo does not train on score's pairs: the rule reward alone is enough for score to finish
     assert problems["score.reward_functions"] == (
         "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to train one: "
         "set --set score.reward_functions=[exact_match] --set score.reward_weights=[1.0], or give data.preference")
+    p.policy.method = "dpo"  # DPO does: an online method with the rule reward first, the rule-reward pairs with caveat
+    assert dict(needs(p, peek(p.data)))["score.reward_functions"] == (
+        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to train one: "
+        "set --set policy.method=grpo --set score.enabled=false (GRPO learns from the rule reward on every sample), "
+        "or keep policy.method = dpo with --set score.reward_functions=[exact_match] --set score.reward_weights=[1.0] "
+        "if the SFT model's samples are right on some prompts and wrong on others (score pairs only samples whose "
+        "scores differ; with none the run stops before policy), or give data.preference")
+    p.policy.method = "ppo"
     assert problems["policy.ppo.reward_functions"].startswith("= ['exact_match', 'reward_model_prob'] includes "
                                                                 "reward_model_prob")
     assert "--set policy.ppo.reward_functions=[exact_match]" in problems["policy.ppo.reward_functions"]
@@ -61,8 +70,12 @@ def test_text_rows_only_have_no_prompts_to_sample(tmp_path):
     p = params(sft=write(tmp_path / "t.jsonl", TEXT))
     p.score.reward_functions, p.score.reward_weights, p.policy.method = ["exact_match"], None, "grpo"
     problems = dict(needs(p, peek(p.data)))
-    assert set(problems) == {"score.enabled", "policy.method"}
-    assert "set --set score.enabled=false or give data.prompts" in problems["score.enabled"]
+    assert set(problems) == {"score.enabled", "policy.method", "data.eval_source"}
+    assert "set --set score.enabled=false, or give data.prompts" in problems["score.enabled"]
+    assert problems["data.eval_source"].endswith("set data.eval_source to held-out prompt/completion rows")
+    p.policy.method = "dpo"  # DPO on score's pairs: no prompts to sample them from either
+    assert ("set --set score.enabled=false --set policy.method=none (policy.method = dpo trains on score's pairs), "
+            "or give data.prompts") in dict(needs(p, peek(p.data)))["score.enabled"]
 
 
 def test_prompts_only_has_nothing_to_train_sft_on(tmp_path):
@@ -92,8 +105,12 @@ def test_partly_read_or_unreadable_files_defer_absences_to_preprocess(tmp_path, 
     assert not peek(p.data).complete and needs(p, peek(p.data)) == []
     monkeypatch.undo()
     (tmp_path / "bad.jsonl").write_text(json.dumps(SFT[0]) + "\n{broken\n")
+    p = params(source=str(tmp_path / "bad.jsonl"))
+    assert not peek(p.data).complete  # a mixed file: the bad line, fixed, could be a pair; no guess past it
     p = params(sft=str(tmp_path / "bad.jsonl"))
-    assert not peek(p.data).complete  # preprocess names the bad line; validation does not guess past it
+    # data.sft takes SFT rows only: fixed, the line adds nothing needs() decides on, so the absence of pairs is
+    # certain and is reported with the bad line (stages.data.row_checks) in one message
+    assert peek(p.data).complete and "score.reward_functions" in dict(needs(p, peek(p.data)))
 
 
 def test_missing_files_name_their_key(tmp_path):

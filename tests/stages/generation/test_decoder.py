@@ -138,7 +138,7 @@ def test_under_bf16_autocast_it_tracks_hf_generate(attention):
     assert torch.equal(ours[:, :3], theirs[:, :3])
 
 
-def test_the_hf_backend_uses_it_and_gets_hf_generates_completions(model, tok, monkeypatch):
+def test_the_auto_backend_uses_it_and_gets_hf_generates_completions(model, tok, monkeypatch):
     s = SamplingParams(max_new_tokens=10, n=3, do_sample=True, seed=5)
     calls = []
     real = Decoder.generate
@@ -146,13 +146,13 @@ def test_the_hf_backend_uses_it_and_gets_hf_generates_completions(model, tok, mo
     fast = generate(model, tok, PROMPTS, s, batch_size=4)
     greedy_fast = generate(model, tok, PROMPTS, SamplingParams(max_new_tokens=10), batch_size=4)
     assert len(calls) == 6  # 3 batches, twice
-    monkeypatch.setattr(Decoder, "for_model", classmethod(lambda cls, m, capacity: None))
-    slow = generate(model, tok, PROMPTS, s, batch_size=4)
+    slow = generate(model, tok, PROMPTS, s, batch_size=4, backend="hf")
+    assert (fast.backend, slow.backend) == ("decoder", "hf")
     assert fast.completion_ids == slow.completion_ids
     torch.testing.assert_close(torch.tensor([x for r in fast.logprobs for x in r]),
                                torch.tensor([x for r in slow.logprobs for x in r]))
     assert greedy_fast.completion_ids == generate(model, tok, PROMPTS, SamplingParams(max_new_tokens=10),
-                                                  batch_size=4).completion_ids
+                                                  batch_size=4, backend="hf").completion_ids
     assert len(calls) == 6
 
 

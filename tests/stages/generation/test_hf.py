@@ -39,7 +39,7 @@ def test_greedy_batched_equals_one_at_a_time_and_the_slow_loop(model, tok):
     expected_ids = [tok(render_prompt(tok, p), add_special_tokens=False)["input_ids"] for p in PROMPTS]
     assert batched.prompt_ids == expected_ids
     assert batched.prompt_index == list(range(len(PROMPTS)))
-    assert batched.backend == "hf" and batched.prompts == PROMPTS
+    assert batched.backend == "decoder" and batched.prompts == PROMPTS
 
 
 def test_sampling_is_reproducible_per_seed_and_leaves_the_global_rng_alone(model, tok):
@@ -199,9 +199,9 @@ def test_all_problems_reported_together():
 
 
 def test_unknown_backend_and_bad_arguments(model, tok):
-    with pytest.raises(ValueError, match=r"backend = 'sglang'.*hf, vllm"):
+    with pytest.raises(ValueError, match=r"backend = 'sglang'.*auto, hf, decoder, vllm"):
         generate(model, tok, PROMPTS, SamplingParams(), backend="sglang")
-    assert set(BACKENDS) == {"hf", "vllm"}
+    assert set(BACKENDS) == {"auto", "hf", "decoder", "vllm"}
     with pytest.raises(ValueError, match="SamplingParams"):
         generate(model, tok, PROMPTS, {"n": 1})
     with pytest.raises(ValueError, match="batch_size = 0"):

@@ -69,7 +69,7 @@ def test_a_crashed_evaluate_reuses_the_outputs_it_finished(tmp_path, built_pipel
     """The models evaluated before a crash are not generated again on the rerun."""
     import shutil
 
-    from stages.config import load_params
+    from stages.params_loader import load_params
     from stages.pipeline import evaluate
     from tests.conftest import write_params
 

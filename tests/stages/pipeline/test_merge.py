@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from stages import merge, runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.merge import MergeError
 from stages.models import load_tokenizer
 from stages.pipeline import merge as merge_stage
@@ -38,7 +38,7 @@ def test_full_policy_model_is_resaved_without_extras(built_pipeline, tmp_path):
     save_file({"v_head.summary.weight": torch.ones(1, 32)}, str(policy / "model" / "value_head.safetensors"))
     ctx = StageContext(params=params, out=tmp_path / "out", inputs={"preprocess": runner.output_dir(params, "preprocess"),
                        "sft": runner.output_dir(params, "sft"), "policy": policy}, log=logging.getLogger("t"),
-                       work=tmp_path / "work")
+                       work=tmp_path / "work", stage="merge")
     ctx.out.mkdir()
     merge_stage.run(ctx)
     files = {p.name for p in (ctx.out / "model").iterdir()}
@@ -53,7 +53,7 @@ def lora_run(built_pipeline, tmp_path_factory):
     params, _ = built_pipeline
     folder = tmp_path_factory.mktemp("lora")
     shutil.copytree(params.run.output_dir, folder / "artifacts")
-    lora = {"policy": {"lora": {"enabled": True, "r": 4}, "learning_rate": 0.01}}
+    lora = {"policy": {"dpo": {"lora": {"enabled": True, "r": 4}, "learning_rate": 0.01}}}
     p = load_params(write_params(folder, lora))
     runner.run_stage("reference", p)
     policy = runner.run_stage("policy", p)

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from stages import runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 
@@ -26,9 +26,9 @@ def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
 
     params, _ = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")  # its own copy: other tests read the original
-    extra = {"policy": {"method": method, "per_device_train_batch_size": 4}}
+    extra = {"policy": {"method": method, method: {"per_device_train_batch_size": 4}}}
     if method in ("online_dpo", "ppo"):  # the tiny reward model of the small settings, and a rule reward
-        extra["policy"][method] = {"reward_functions": ["reward_model", "exact_match"], "reward_weights": [1.0, 1.0]}
+        extra["policy"][method].update(reward_functions=["reward_model", "exact_match"], reward_weights=[1.0, 1.0])
     if method == "grpo":  # the small SFT model is never right: a reward that varies within a group
         extra["policy"][method] = {"reward_functions": ["exact_match",
                                                         "tests.stages.pipeline.user_rewards:distinct_tokens"]}
@@ -50,7 +50,8 @@ def test_no_preference_pairs_is_a_clear_error(tmp_path):
                                               for i in range(60)))
     # found when the params are validated, before anything is trained (stages.data.sources.needs)
     with pytest.raises(ParamsError, match=r"policy\.data = preprocess, but the data has no preference rows for "
-                                          r"policy\.method = dpo: set --set policy\.data=score"):
+                                          r"policy\.method = dpo: set --set policy\.method=grpo --set score\.enabled=false \(GRPO learns from the rule "
+                                          r"reward on every sample\), or --set policy\.data=score"):
         load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")},
                                             "score": {"enabled": False}, "policy": {"data": "preprocess"}}))
 

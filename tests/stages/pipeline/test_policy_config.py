@@ -1,43 +1,66 @@
 """Stage `policy` builds each trainer config from its params section with no field named in between."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.pipeline.training import trainer_config
+from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT
 
-CHANGED = {  # non-default values, nested sections included, so a dropped field cannot go unnoticed
-    "dpo": {"policy.dpo.beta": 0.3, "policy.dpo.max_length": 256, "policy.dpo.loss_type": ["sigmoid", "sft"],
-            "policy.dpo.loss_weights": [1.0, 0.2], "policy.dpo.use_chunked_logprobs": False},
-    "kto": {"policy.kto.desirable_weight": 2.0, "policy.kto.max_length": 128},
-    "online_dpo": {"policy.online_dpo.generation.temperature": 0.7, "policy.online_dpo.reward_weights": [2.0, 0.1]},
-    "grpo": {"policy.grpo.num_generations": 8, "policy.grpo.generation.max_new_tokens": 16,
-             "policy.grpo.epsilon_high": 0.28, "policy.grpo.reward_head_coef": 0.5},
-    "ppo": {"policy.ppo.missing_eos_penalty": None, "policy.ppo.kl_estimator": "k3", "policy.ppo.gamma": 0.9},
+CHANGED = {  # non-default values of method fields and TrainingArguments keys, so a dropped field cannot go unnoticed
+    "dpo": {"policy.dpo.beta": 0.2, "policy.dpo.max_length": 256, "policy.dpo.loss_type": ["sigmoid", "sft"],
+            "policy.dpo.loss_weights": [1.0, 0.2], "policy.dpo.use_chunked_logprobs": False,
+            "policy.dpo.max_grad_norm": 0.5, "policy.dpo.adam_beta2": 0.95},
+    "kto": {"policy.kto.desirable_weight": 2.0, "policy.kto.max_length": 128, "policy.kto.weight_decay": 0.1},
+    "online_dpo": {"policy.online_dpo.temperature": 0.7, "policy.online_dpo.reward_weights": [2.0, 0.1],
+                   "policy.online_dpo.max_new_tokens": 9, "policy.online_dpo.lr_scheduler_type": "linear"},
+    "grpo": {"policy.grpo.num_generations": 8, "policy.grpo.max_completion_length": 16,
+             "policy.grpo.epsilon_high": 0.28, "policy.grpo.reward_head_coef": 0.5, "policy.grpo.optim": "sgd"},
+    "ppo": {"policy.ppo.missing_eos_penalty": None, "policy.ppo.kl_estimator": "k3", "policy.ppo.gamma": 0.9,
+            "policy.ppo.vllm_importance_sampling_cap": 3.0},
 }
 
 
 @pytest.mark.parametrize("method", list(CHANGED))
-def test_trainer_config_carries_every_method_field(tmp_path, method):
-    from stages.trainers.dpo import DPOConfig
-    from stages.trainers.grpo import GRPOConfig
-    from stages.trainers.kto import KTOConfig
-    from stages.trainers.online_dpo import OnlineDPOConfig
-    from stages.trainers.ppo import PPOConfig
-
-    config_cls = {"dpo": DPOConfig, "kto": KTOConfig, "online_dpo": OnlineDPOConfig, "grpo": GRPOConfig,
-                  "ppo": PPOConfig}[method]
-    section = getattr(load_params(ROOT / "params.yaml", CHANGED[method]).policy, method)
-    args = dict(output_dir=str(tmp_path), learning_rate=1e-3, per_device_train_batch_size=16, max_steps=3,
-                num_train_epochs=1.0, use_cpu=True)
-    config = trainer_config(config_cls, section, args)
-    params_cls = config_cls.__mro__[1]  # DPOParams, ...: the one declaration of the method's fields
-    for f in dataclasses.fields(params_cls):
+def test_trainer_config_carries_every_field_of_the_section(tmp_path, method):
+    params = load_params(ROOT / "params.yaml", CHANGED[method])
+    section = getattr(params.policy, method)
+    ctx = SimpleNamespace(work=tmp_path, params=params)
+    config = trainer_config(ctx, section, device="cpu", section=f"policy.{method}")
+    assert type(config).__name__ == type(section).__name__.replace("Section", "Config")
+    for f in dataclasses.fields(config):
+        if f.name in TRAINING_ARGUMENT_NAMES or not hasattr(section, f.name) or f.metadata.get("deprecated"):
+            continue
         assert getattr(config, f.name) == getattr(section, f.name), f.name
-    for key, value in CHANGED[method].items():  # the changed values did arrive
-        node = config
-        for part in key.split(".")[2:]:
-            node = getattr(node, part)
-        assert node == value, key
-    assert config.learning_rate == 1e-3 and config.per_device_train_batch_size == 16  # the training keywords win
+    for key, value in CHANGED[method].items():  # the changed values did arrive, TrainingArguments keys too
+        assert getattr(config, key.split(".")[2]) == value, key
+    assert config.seed == params.run.seed and config.output_dir == str(tmp_path / "checkpoints")
+
+
+def test_a_value_transformers_refuses_is_reported_by_its_dotted_key(tmp_path):
+    params = load_params(ROOT / "params.yaml", {"policy.dpo.eval_strategy": "epoch",
+                                                 "policy.dpo.load_best_model_at_end": True})
+    ctx = SimpleNamespace(work=tmp_path, params=params)
+    with pytest.raises(ValueError, match=r"policy\.dpo\.\w+.*refused by policy\.dpo's trainer config"):
+        trainer_config(ctx, params.policy.dpo, device="cpu", section="policy.dpo")
+
+
+def test_preflight_reports_what_transformers_refuses_before_any_stage(tmp_path):
+    """`align run` and a training stage check every trainer config the run will build, before any model."""
+    import subprocess
+    import sys
+
+    from stages.preflight import trainer_config_problems
+
+    params = load_params(ROOT / "params.yaml", {"policy.dpo.eval_strategy": "epoch",
+                                                 "policy.dpo.load_best_model_at_end": True})
+    problems = trainer_config_problems(params)
+    assert len(problems) == 1 and problems[0].startswith("policy.dpo.") and "load_best_model_at_end" in problems[0]
+    assert trainer_config_problems(load_params(ROOT / "params.yaml")) == []
+    res = subprocess.run([sys.executable, "-m", "stages", "sft", "--params", str(ROOT / "params.yaml"),
+                          "--set", "sft.lr_scheduler_type=cosine", "--set", "sft.optim=no_such_optimizer",
+                          "--set", f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "sft.optim" in res.stderr and "refused by sft's trainer config" in res.stderr
+    assert not (tmp_path / "out").exists()  # nothing written

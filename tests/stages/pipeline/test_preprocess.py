@@ -3,7 +3,7 @@ import json
 import pytest
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from stages.data import read_jsonl
 from tests.conftest import write_params
 

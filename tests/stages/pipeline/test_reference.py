@@ -36,22 +36,22 @@ def _first_logged_rewards(log_history: list[dict]) -> dict[str, float]:
 
 
 def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipeline):
-    """With policy.mixed_precision = bf16 the reference stage computes under the policy's autocast: the first
+    """With policy.dpo.mixed_precision = bf16 the reference stage computes under the policy's autocast: the first
     logged DPO step (before any update: policy = reference) has rewards 0 within STEP0_TOLERANCE. The same bf16
     trainer against the fp32 reference of the built pipeline (auto = no on CPU: what this stage computed
     before it followed the policy's precision) logs rewards that are not 0."""
     import json
     import shutil
 
-    from stages.config import load_params
+    from stages.params_loader import load_params
     from stages.models import load_causal_lm, load_tokenizer
     from stages.trainers.dpo import DPOConfig, DPOTrainer
     from tests.conftest import write_params
 
     params, manifests = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
-    p = load_params(write_params(tmp_path, {"policy": {"mixed_precision": "bf16", "gradient_checkpointing": True,
-                                                       "max_steps": 1}}))
+    p = load_params(write_params(tmp_path, {"policy": {"dpo": {"mixed_precision": "bf16",
+                                                               "gradient_checkpointing": True, "max_steps": 1}}}))
     ref = runner.run_stage("reference", p)
     assert ref["executed"] and ref["metrics"]["mixed_precision"] == "bf16"  # the precision is in its fingerprint
     m = runner.run_stage("policy", p)["metrics"]
@@ -63,7 +63,7 @@ def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipelin
     fp32_rows = read_jsonl(runner.output_dir(params, "reference") / "pairs.jsonl")
     assert manifests["reference"]["metrics"]["mixed_precision"] == "no"
     args = DPOConfig(output_dir=str(tmp_path / "unfixed"), bf16=True, use_cpu=True, max_steps=1, logging_steps=1,
-                     per_device_train_batch_size=p.policy.per_device_train_batch_size, report_to="none",
+                     per_device_train_batch_size=p.policy.dpo.per_device_train_batch_size, report_to="none",
                      seed=p.run.seed, data_seed=p.run.seed, save_strategy="no", disable_tqdm=True,
                      beta=p.policy.dpo.beta, max_length=p.policy.dpo.max_length)
     trainer = DPOTrainer(load_causal_lm(sft), args=args, processing_class=load_tokenizer(sft),

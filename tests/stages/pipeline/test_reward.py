@@ -4,7 +4,7 @@ import json
 import pytest
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 
 
@@ -29,8 +29,12 @@ def test_quality_gate_fails_the_stage_and_blocks_downstream(tmp_path):
         "reward": {"learning_rate": 1e-9, "max_steps": 1, "min_accuracy": 0.95}}))
     for stage in ("preprocess", "sft"):
         runner.run_stage(stage, params)
-    with pytest.raises(runner.QualityGateFailed, match=r"held-out pair accuracy 0\.\d+ on 20 pairs is below "
-                                                       r"reward.min_accuracy = 0.95; nothing downstream runs"):
+    with pytest.raises(runner.QualityGateFailed, match=r"held-out pair accuracy 0\.\d+ on 20 pairs \(\d+ right; "
+                                                       r"one-sided 95% Wilson lower bound 0\.\d+\) is below "
+                                                       r"reward\.min_accuracy = 0\.95\. 20 pairs cannot show an "
+                                                       r"accuracy of 0\.95 at 95% confidence even if every pair is "
+                                                       r"right: at least 52 are needed \(raise reward\.eval_fraction "
+                                                       r"or give more pairs\)\. Nothing downstream runs"):
         runner.run_stage("reward", params)
     assert not runner.output_dir(params, "reward").exists()  # no half-accepted reward model
     with pytest.raises(runner.UpstreamMissing, match="'reward'"):

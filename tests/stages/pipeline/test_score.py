@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from stages import runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from stages.data import read_jsonl
 from stages.pipeline.score import build_pairs
 from tests.conftest import write_params

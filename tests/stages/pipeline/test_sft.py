@@ -4,7 +4,7 @@ import json
 import pytest
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 
 
@@ -46,9 +46,9 @@ def test_qlora_on_cpu_is_a_clear_error(tmp_path):
         runner.run_stage("sft", params)
 
 
-def test_max_seq_length_shorter_than_prompt(tmp_path):
-    params = _params(tmp_path, max_seq_length=5)
-    with pytest.raises(ValueError, match=r"sft.max_seq_length = 5 is shorter than the prompt of \d+ row"):
+def test_max_length_shorter_than_prompt(tmp_path):
+    params = _params(tmp_path, max_length=5)
+    with pytest.raises(ValueError, match=r"sft.max_length = 5 is shorter than the prompt of \d+ row"):
         runner.run_stage("sft", params)
 
 

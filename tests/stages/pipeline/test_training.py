@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages import runner
-from stages.config import ParamsError, load_params
+from stages.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 
@@ -27,8 +27,8 @@ def test_reward_and_lora_policy_train_under_bf16_with_checkpointing(tmp_path, bu
     from safetensors.torch import load_file
 
     keys = {"mixed_precision": "bf16", "gradient_checkpointing": True, "gradient_checkpointing_every": 1,
-            "max_steps": 1, "warmup_ratio": 0.0}  # no warm-up: the one step moves the weights
-    params, p = _copy(built_pipeline, tmp_path, {"policy": {**keys, "lora": {"enabled": True}}})
+            "max_steps": 1, "warmup_steps": 0.0}  # no warm-up: the one step moves the weights
+    params, p = _copy(built_pipeline, tmp_path, {"policy": {"dpo": {**keys, "lora": {"enabled": True}}}})
     expected = {"mixed_precision": "bf16", "gradient_checkpointing": True, "trained_weights_dtype": "float32"}
     assert runner.run_stage("reference", p)["metrics"]["mixed_precision"] == "bf16"
     m = runner.run_stage("policy", p)["metrics"]
@@ -57,12 +57,12 @@ def test_qlora_refused_before_loading_without_cuda(tmp_path, built_pipeline):
         return rf"^{key}\.lora\.quantization = '{value}': QLoRA needs a CUDA GPU .* set {key}\.lora\.quantization: none"
 
     qlora = {"enabled": True, "quantization": "4bit"}
-    _, p = _copy(built_pipeline, tmp_path, {"policy": {"lora": qlora}})
-    live = load_params(write_params(tmp_path, {"policy": {"lora": qlora, "dpo": {"precompute_ref_log_probs": False}}}))
+    _, p = _copy(built_pipeline, tmp_path, {"policy": {"dpo": {"lora": qlora}}})
+    live = load_params(write_params(tmp_path, {"policy": {"dpo": {"lora": qlora, "precompute_ref_log_probs": False}}}))
     for stage, params in (("reference", p), ("policy", live)):  # the reference of a QLoRA policy: its 4-bit base
         manifest = runner.output_dir(p, stage) / "manifest.json"
         before = manifest.read_text()  # the copied pipeline's output, built without QLoRA
-        with pytest.raises(ValueError, match=refused("policy", "4bit")):
+        with pytest.raises(ValueError, match=refused(r"policy\.dpo", "4bit")):
             runner.run_stage(stage, params)
         assert manifest.read_text() == before  # nothing written over it
         if stage == "reference":
@@ -70,16 +70,16 @@ def test_qlora_refused_before_loading_without_cuda(tmp_path, built_pipeline):
 
     p = load_params(write_params(tmp_path, {"sft": {"lora": {"enabled": True}, "max_steps": 1},
                                             "reward": {"lora": {**qlora, "quantization": "8bit"}},
-                                            "policy": {"lora": qlora}}))
+                                            "policy": {"dpo": {"lora": qlora}}}))
     runner.run_stage("sft", p)
     adapter = runner.output_dir(p, "sft") / "model"
     assert (adapter / "adapter_config.json").exists()
     with pytest.raises(ValueError, match=refused("reward", "8bit")):
         runner.run_stage("reward", p)
-    with pytest.raises(ValueError, match=refused("policy", "4bit")):  # the policy stage's loader, same folder
-        training.load_trainable_model(str(adapter), p, p.policy, device="cpu", section="policy")
-    with pytest.raises(ParamsError, match=r"policy\.lora\.quantization = '4bit' with lora\.enabled = false"):
-        load_params(write_params(tmp_path, {"policy": {"lora": {"quantization": "4bit"}}}))
+    with pytest.raises(ValueError, match=refused(r"policy\.dpo", "4bit")):  # the policy stage's loader, same folder
+        training.load_trainable_model(str(adapter), p, p.policy.dpo, device="cpu", section="policy.dpo")
+    with pytest.raises(ParamsError, match=r"policy\.dpo\.lora\.quantization = '4bit' with lora\.enabled = false"):
+        load_params(write_params(tmp_path, {"policy": {"dpo": {"lora": {"quantization": "4bit"}}}}))
 
 
 @pytest.mark.gpu

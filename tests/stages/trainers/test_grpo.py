@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from stages.losses import grpo_advantages, grpo_loss
-from stages.trainers.online_sampling import GenerationParams
 from stages.trainers.grpo import (REWARD_HEAD_FILE, GRPOConfig, GRPOTrainer, RepeatBatchSampler, RewardHead,
                                   completion_tensors, per_token_logps)
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
@@ -32,7 +31,7 @@ def _model(path):
 
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2 * G, num_generations=G,
-                generation=GenerationParams(max_new_tokens=12), learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True,
+                max_completion_length=12, learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True,
                 save_strategy="no", disable_tqdm=True, seed=0)
     return GRPOConfig(**{**base, **kw})
 
@@ -145,11 +144,11 @@ def test_unscored_rows_are_excluded(setup, tmp_path):
 
 
 def test_mask_truncated_completions(setup, tmp_path):
-    """Completions cut at generation.max_new_tokens (no EOS) get no loss; the others keep their completion mask."""
+    """Completions cut at max_completion_length (no EOS) get no loss; the others keep their completion mask."""
     path, tok, prompts, _ = setup
     trainer = GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
                           args=_args(tmp_path, mask_truncated_completions=True,
-                                                                  generation=GenerationParams(max_new_tokens=4)))
+                                                                  max_completion_length=4))
     batch = trainer.make_batch(prompts[:4])
     cut = batch["truncated"]
     assert cut.any() and (batch["loss_mask"][cut] == 0).all()
@@ -245,11 +244,11 @@ def test_config_errors(tmp_path):
         _args(tmp_path, per_device_train_batch_size=6)
     with pytest.raises(ValueError, match=r"epsilon_high = 0.1: must be >= epsilon \(0.2\)") as err:
         _args(tmp_path, epsilon_high=0.1, loss_type="ppo", scale_rewards="std",
-              generation=GenerationParams(top_p=0.0, backend="tgi"))
+              top_p=0.0, generation_backend="tgi")
     assert "loss_type = 'ppo': expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'" in str(err.value)  # all problems at once
     assert "scale_rewards = 'std'" in str(err.value)
-    assert "generation.top_p = 0.0: must be in (0, 1]" in str(err.value)  # nested sections too, key named
-    assert "generation.backend = 'tgi': expected one of 'hf', 'vllm'" in str(err.value)
+    assert "top_p = 0.0: must be in (0, 1]" in str(err.value)
+    assert "generation_backend = 'tgi': expected one of 'auto', 'hf', 'decoder', 'vllm'" in str(err.value)
 
 
 def test_bad_trainer_inputs(setup, tmp_path):

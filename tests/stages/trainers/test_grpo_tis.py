@@ -20,7 +20,6 @@ from stages.generation import SamplingParams, generate
 from stages.losses import grpo_loss, truncated_importance_weights
 from stages.trainers.grpo import GRPOConfig, GRPOTrainer, completion_tensors, per_token_logps
 from stages.trainers.rollout import sampler_logps
-from stages.trainers.online_sampling import GenerationParams
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 LOW = 192  # reward 1 for a token id below half the vocabulary
@@ -132,7 +131,7 @@ def test_corrected_gradient_matches_the_on_policy_one_in_expectation(setup):
 def test_trainer_logs_the_ratio_and_warns_by_name_when_it_departs(setup, tmp_path, caplog):
     model, tok, prompts = setup
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=4,
-                      generation=GenerationParams(max_new_tokens=4), learning_rate=1e-3, logging_steps=1,
+                      max_completion_length=4, learning_rate=1e-3, logging_steps=1,
                       report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(copy.deepcopy(model), [("low", lambda prompts, completions, completion_ids, **_:
                                                   [float(c[0] < LOW) for c in completion_ids])],
@@ -146,12 +145,13 @@ def test_trainer_logs_the_ratio_and_warns_by_name_when_it_departs(setup, tmp_pat
     trainer.warn_off_policy({"tis/mean_ratio": 0.7, "tis/frac_capped": 0.05})  # once per run
     warnings = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
     assert len(warnings) == 1 and "tis/mean_ratio = 0.800" in warnings[0] and "tis_warn = 0.1" in warnings[0]
-    assert "tis_cap = 2.0 correction is applied" in warnings[0]
+    assert "vllm_importance_sampling_cap = 2.0 correction is applied" in warnings[0]
 
 
 def test_tis_cap_is_checked_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"tis_cap = 0.5: must be >= 1"):
-        GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, tis_cap=0.5, use_cpu=True)
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_cap = 0.5: must be >= 1"):
+        GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, vllm_importance_sampling_cap=0.5,
+                   use_cpu=True)
 
 
 if __name__ == "__main__":  # the figures of the module docstring: python -m tests.stages.trainers.test_grpo_tis 20
@@ -221,10 +221,10 @@ def test_vllm_samples_with_raw_logprobs_warn_and_are_weighted(setup, tmp_path, c
                 p.mul_(5.0)
     with FakeVLLM("stale", stale_server_responder(copy.deepcopy(model), raw=True)) as server:
         args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
-                          generation=GenerationParams(backend="vllm", vllm_url=server.url, vllm_model="stale",
-                                                      max_new_tokens=4, temperature=0.5),
+                          generation_backend="vllm", vllm_server_base_url=server.url, vllm_model="stale",
+                          max_completion_length=4, temperature=0.5,
                           learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                          disable_tqdm=True, seed=0, tis_cap=tis_cap)
+                          disable_tqdm=True, seed=0, vllm_importance_sampling_cap=tis_cap)
         trainer = GRPOTrainer(copy.deepcopy(model), [("low", lambda prompts, completions, completion_ids, **_:
                                                       [float(c[0] < LOW) for c in completion_ids])],
                               processing_class=tok, train_dataset=[{"prompt": p} for p in prompts[:2]], args=args)

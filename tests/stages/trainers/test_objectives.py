@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stages.trainers.dpo import DPOConfig, DPOTrainer
-from stages.trainers.objectives import OBJECTIVES, resolve_objective
+from stages.losses import OBJECTIVES, resolve_objective
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 USER_CODE = textwrap.dedent('''

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, pair_features, rank_pairs
-from stages.trainers.online_sampling import GenerationParams
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
@@ -32,10 +31,10 @@ def test_online_dpo_trains(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), max_steps=30, per_device_train_batch_size=16,
-                           learning_rate=1e-2, beta=0.5, generation=GenerationParams(max_new_tokens=8),
+                           learning_rate=1e-2, beta=0.5, max_new_tokens=8,
                            logging_steps=1, report_to="none",
                            use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
-    trainer = OnlineDPOTrainer(model, digits, args=args, processing_class=tok, train_dataset=rows)
+    trainer = OnlineDPOTrainer(model, reward_funcs=digits, args=args, processing_class=tok, train_dataset=rows)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the first step

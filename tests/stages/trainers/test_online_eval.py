@@ -12,7 +12,7 @@ def test_online_eval_logs_every_eval_steps(tmp_path):
     eval_rows = rows[:6]
     tok = load_tokenizer(str(path))
     args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8, logging_steps=1,
-                     report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, max_seq_length=64)
+                     report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-3, max_length=64)
     trainer = SFTTrainer(load_causal_lm(str(path)), args, processing_class=tok, train_dataset=rows)
     always = OnlineEval(trainer, eval_rows, every=2, score_fn=lambda p, c, **_: [1.0] * len(c), max_new_tokens=4,
                         name="eval_always")

@@ -7,7 +7,8 @@ from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 def test_backends_and_options():
-    assert GENERATION_BACKENDS == ("hf", "vllm")
+    assert GENERATION_BACKENDS == ("auto", "hf", "decoder", "vllm")
+    assert GenerationParams().backend == "auto"
     assert backend_options(GenerationParams(), "/m") == {}
     vllm = GenerationParams(backend="vllm", vllm_url="http://h:1/v1")
     assert backend_options(vllm, "/m") == {"base_url": "http://h:1/v1", "model": "/m"}  # default: the model's path

@@ -3,7 +3,6 @@ missing-EOS penalty, hand-derived rewards, and configuration errors."""
 import pytest
 import torch
 
-from stages.trainers.online_sampling import GenerationParams
 from stages.trainers.ppo import PPOConfig, PPOTrainer
 from stages.trainers.rollout import completion_logps, pad_rollout
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead
@@ -23,7 +22,7 @@ def setup(tmp_path_factory):
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=3e-3,
                 logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
-                num_ppo_epochs=2, num_mini_batches=2, generation=GenerationParams(max_new_tokens=8, temperature=1.0))
+                num_ppo_epochs=2, num_mini_batches=2, max_completion_length=8, temperature=1.0)
     return PPOConfig(**{**base, **kw})
 
 
@@ -171,7 +170,7 @@ def test_missing_eos_penalty_reaches_the_returns(setup, tmp_path):
     path, tok, _, sft = setup
     rows = _offline_rows(sft, n=4)
     for cut, penalty in ((2, 1.5), (64, 1.5), (2, None)):
-        args = _args(tmp_path, kl_coef=0.0, gamma=1.0, lam=1.0, generation=GenerationParams(max_new_tokens=cut),
+        args = _args(tmp_path, kl_coef=0.0, gamma=1.0, lam=1.0, max_completion_length=cut,
                      missing_eos_penalty=penalty,
                      per_device_train_batch_size=4)
         trainer = PPOTrainer(_lm(path), args=args, processing_class=tok, train_dataset=rows)
@@ -185,11 +184,11 @@ def test_errors_before_the_first_step(setup, tmp_path):
     path, tok, prompts, sft = setup
     with pytest.raises(ValueError) as err:
         _args(tmp_path, kl_coef=-1.0, kl_estimator="k9", num_mini_batches=3, missing_eos_penalty=-1.0,
-              gradient_accumulation_steps=2, generation=GenerationParams(top_p=0.0))
+              gradient_accumulation_steps=2, top_p=0.0)
     for part in ("kl_coef = -1.0: must be >= 0", "kl_estimator = 'k9': expected one of 'k1', 'k3'",
                  "per_device_train_batch_size = 8 is not divisible by num_mini_batches = 3",
                  "missing_eos_penalty = -1.0: must be >= 0", "gradient_accumulation_steps = 2: must be 1",
-                 "generation.top_p = 0.0"):
+                 "top_p = 0.0"):
         assert part in str(err.value)
     with pytest.raises(ValueError, match="row 0 has no 'completion' column: no reward functions were given"):
         PPOTrainer(_lm(path), args=_args(tmp_path), processing_class=tok, train_dataset=prompts)
@@ -220,9 +219,8 @@ def test_vllm_stale_sampler_is_corrected_and_warns_by_name(setup, tmp_path, capl
             if "norm" not in name:
                 p.mul_(5.0)
     with FakeVLLM("stale", stale_server_responder(copy.deepcopy(model), raw=True)) as server:
-        args = _args(tmp_path, max_steps=2, tis_cap=tis_cap,
-                     generation=GenerationParams(backend="vllm", vllm_url=server.url, vllm_model="stale",
-                                                 max_new_tokens=4, temperature=0.5))
+        args = _args(tmp_path, max_steps=2, vllm_importance_sampling_cap=tis_cap, generation_backend="vllm",
+                     vllm_server_base_url=server.url, vllm_model="stale", max_completion_length=4, temperature=0.5)
         trainer = PPOTrainer(model, args=args, processing_class=tok, train_dataset=prompts, reward_funcs=_digits)
         with caplog.at_level(logging.WARNING, logger="stages.trainers.off_policy"):
             trainer.train()

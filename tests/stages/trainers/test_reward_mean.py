@@ -72,16 +72,15 @@ def test_online_dpo_keeps_the_same_running_mean(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-    from stages.trainers.online_sampling import GenerationParams
 
     path, tok, _ = setup
     args = OnlineDPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=5e-2,
-                           loss_type="bco_pair", generation=GenerationParams(max_new_tokens=6), logging_steps=1,
+                           loss_type="bco_pair", max_new_tokens=6, logging_steps=1,
                            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
     def lengths(prompts, completions, completion_ids, **_):  # varied scores, few ties
         return [float(len(ids)) + ids[0] % 7 for ids in completion_ids]
 
-    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), lengths, args=args, processing_class=tok,
+    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), reward_funcs=lengths, args=args, processing_class=tok,
                                train_dataset=builtin_rows("prompts", "prompt_only"))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]

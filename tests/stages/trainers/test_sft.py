@@ -58,7 +58,7 @@ def test_assistant_only_loss_trains_every_assistant_turn(setup, tmp_path):
 
 
 def test_packing_trains_and_uses_fewer_rows(setup, tmp_path):
-    trainer, _ = _trainer(setup, tmp_path, packing=True, max_seq_length=128)
+    trainer, _ = _trainer(setup, tmp_path, packing=True, max_length=128)
     assert len(trainer.train_dataset) < len(setup[1]) / 3  # ~30-token rows, 128-token packs
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     assert batch["input_ids"].shape[0] == 2 and "attention_mask" not in batch  # packed rows, no 2D mask
@@ -81,13 +81,13 @@ def test_streaming_rows_are_tokenised_lazily(setup, tmp_path):
 
 
 def test_config_warms_up_like_the_pipeline(tmp_path):
-    """SFTConfig warms up over params.yaml's sft.warmup_ratio of the steps, not TrainingArguments' 0: without it,
-    AdamW at lr 2e-3 left most seeds of benchmarks/sft_seeds.py on the loss plateau (RESULTS-sft-seeds.md).
-    An explicit warmup_steps=0 is still honoured."""
+    """SFTConfig warms up over the pipeline's share of the steps (sft.warmup_steps), not TrainingArguments' 0:
+    without it, AdamW at lr 2e-3 leaves the tiny model on the loss plateau (docs/decisions.md). An explicit
+    warmup_steps=0 is still honoured."""
     from stages.config import Params
 
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert args.warmup_steps == Params().sft.warmup_ratio > 0
+    assert args.warmup_steps == Params().sft.warmup_steps > 0
     assert args.get_warmup_steps(752) == 38  # ceil(0.05 * 752): the schedule ramps over the first 38 steps
     off = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", warmup_steps=0)
     assert off.get_warmup_steps(752) == 0

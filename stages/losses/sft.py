@@ -1,0 +1,43 @@
+"""Supervised fine-tuning's loss: token cross-entropy, from logits or from the labels' log-probs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+IGNORE_INDEX = -100
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token cross-entropy over the labelled positions.
+
+    logits: (B, T, V) model outputs; labels: (B, T) token ids, IGNORE_INDEX where no loss
+    (prompt and padding). Position t predicts labels[t + 1]. The sum of token losses is
+    divided by `num_items_in_batch` (labelled tokens across all gradient-accumulation
+    micro-batches and devices) when given, else by this batch's labelled-token count, so
+    batch 1 x accumulation 8 and batch 8 x accumulation 1 give the same update.
+
+    Returns (loss, {"num_tokens", "correct_tokens"}) with the metrics detached.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE_INDEX
+    token_loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+    num_tokens = mask.sum()
+    denom = num_items_in_batch if num_items_in_batch is not None else num_tokens.clamp(min=1)
+    loss = token_loss.sum() / denom
+    with torch.no_grad():
+        correct = ((shift_logits.argmax(-1) == shift_labels) & mask).sum()
+    return loss, {"num_tokens": num_tokens.detach(), "correct_tokens": correct}
+
+
+def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The same loss as `sft_loss`, from the labelled tokens' log-probs: (N,) -> scalar.
+
+    -sum(logps) / num_items_in_batch (or / N): what the chunked log-prob path of the SFT
+    trainer uses, where the (B, T, V) logits are never built.
+    """
+    denom = num_items_in_batch if num_items_in_batch is not None else max(logps.numel(), 1)
+    return -logps.sum() / denom

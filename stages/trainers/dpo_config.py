@@ -1,0 +1,48 @@
+"""`DPOConfig`: direct preference optimisation's settings, TRL's names, one declaration (`stages.trainers.dpo`).
+
+`beta` defaults to 0.3 (TRL: 0.1), chosen on the built-in task's dev split (docs/methods.md). The
+objectives named in `loss_type` are resolved (and so checked to exist) by the trainer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from stages.fields import check_fields, param, positive
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.method_fields import (beta_field, chunked_field, loss_type_field, num_proc_field,
+                                           objective_names, objectives_problems)
+
+TrainingArguments = training_arguments()
+
+
+@refuses_trl_fields
+@dataclass
+class DPOConfig(MethodConfig, TrainingArguments):
+    beta: float = beta_field()
+    loss_type: str | list[str] = loss_type_field()
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
+    label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
+                                   rule="must be in [0, 0.5)")
+    reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
+    precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once before training (TRL's "
+                                           "default: false; the pipeline caches them in stage `reference`, so a "
+                                           "rerun with another beta or loss_type skips them); ignored with "
+                                           "reference_free")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    dataset_num_proc: int | None = num_proc_field()
+    task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
+                                                  "(multi-task mixtures; tasks not listed: 1.0)")
+    balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+    use_chunked_logprobs: bool = chunked_field()
+
+    @property
+    def objective_names(self) -> list[str]:
+        return objective_names(self.loss_type)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, DPOConfig) + objectives_problems(self)
+        bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))
+        return problems

@@ -1,0 +1,118 @@
+"""Fields and rules several method configs share (torch-free: the configs are also read by params validation).
+
+`stages.trainers.arguments` explains why a config module may import only light modules like this one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from stages.fields import param, positive
+
+
+def beta_field() -> Any:
+    """`beta` of DPO, KTO and online DPO: one default (0.3, the built-in task's dev choice; TRL: 0.1)."""
+    return positive(0.3, "KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev "
+                    "split, docs/methods.md)")
+
+
+def loss_type_field() -> Any:
+    return param("sigmoid", help="DPO variant (stages.losses.DPO_LOSSES), sft, a module:function objective, or a "
+                 "list of them combined with loss_weights")
+
+
+def chunked_field() -> Any:
+    return param(True, help="log-probs from the final hidden states in chunks, without the full logits, where the "
+                 "model allows")
+
+
+def num_proc_field() -> Any:
+    return param(None, help="processes that tokenise the dataset (null: this one)", check=lambda v: v >= 1,
+                 rule="must be >= 1 or null")
+
+
+def objective_names(loss_type: str | list[str]) -> list[str]:
+    return [loss_type] if isinstance(loss_type, str) else list(loss_type)
+
+
+def objectives_problems(config) -> list[tuple[str, str]]:
+    """The `loss_type` / `loss_weights` rules of a DPO or online DPO config; a real (not light) config also
+    imports a dotted-path objective to check it (the stage does it before any model)."""
+    from stages.trainers.arguments import is_light
+
+    problems = check_objectives(objective_names(config.loss_type), config.loss_weights)
+    if not is_light(config):
+        from stages.losses import objective_problems
+
+        problems += objective_problems(config.loss_type)
+    return problems
+
+
+def check_objectives(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
+    """The rules of a `loss_type` list and its `loss_weights`, shared by DPO and online DPO."""
+    problems = []
+    if not names:
+        problems.append(("loss_type", "= []: name at least one loss"))
+    if weights is not None:
+        if len(weights) != len(names):
+            problems.append(("loss_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} loss "
+                             "type(s); give one per entry or null for all 1.0"))
+        if any(not (math.isfinite(w) and w >= 0) for w in weights):
+            problems.append(("loss_weights", f"= {weights}: each must be a finite number >= 0"))
+    return problems
+
+
+# The sampling settings of the online configs, flat as in TRL (`max_completion_length` or `max_new_tokens` is the
+# config's own field, named as TRL names it there). The old nested `generation` section maps onto them.
+SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "batch_size": "generation_prompts_per_call", "vllm_url": "vllm_server_base_url",
+                    "vllm_model": "vllm_model"}
+
+
+@dataclass
+class SamplingFields:
+    """How the online trainers sample (`stages.generation`); `sampling` gives them as one GenerationParams."""
+
+    MAX_TOKENS: ClassVar[str] = "max_completion_length"  # the config's field holding the generation budget
+
+    generation_backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+        "auto", help="auto: the CPU decoder where it can run, else HF generate; hf: HF generate; decoder: the CPU "
+        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment")
+    temperature: float = positive(1.0, "sampling temperature")
+    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
+    top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,
+                       rule="must be >= 0")
+    generation_prompts_per_call: int = positive(64, "prompts per generate call")
+    vllm_server_base_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server "
+                                      "(generation_backend: vllm)")
+    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
+
+    @property
+    def sampling(self):
+        from stages.trainers.generation_params import GenerationParams
+
+        return GenerationParams(backend=self.generation_backend, max_new_tokens=getattr(self, self.MAX_TOKENS),
+                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
+                                vllm_model=self.vllm_model)
+
+
+def sampling_renames(max_tokens: str) -> dict[str, str]:
+    """The deprecated `generation` section's keys -> the flat fields of a config whose budget is `max_tokens`."""
+    return {**SAMPLING_RENAMES, "max_new_tokens": max_tokens}
+
+
+def tis_cap_field() -> Any:
+    return param(2.0, help="off-policy correction: each token's policy-gradient term is weighted min(pi/mu, cap), "
+                 "pi the policy at sampling time, mu the sampler's own log-prob (truncated importance sampling; 2.0 "
+                 "as in the literature); null: no correction", check=lambda v: v >= 1,
+                 rule="must be >= 1 (a cap below 1 would down-weight on-policy tokens, whose ratio is 1), or null to "
+                 "turn the correction off")
+
+
+def tis_warn_field() -> Any:
+    return positive(0.1, "warn when the logged tis/mean_ratio departs from 1 by more than this: on policy it is 1 to "
+                    "float rounding, and E_mu[pi/mu] = 1 for any sampler covering the policy's support, so a larger "
+                    "departure means the sampler truncates the distribution (top-p/top-k, raw instead of processed "
+                    "log-probs) or the ratios are so heavy-tailed that the capped gradient is biased")

@@ -1,0 +1,35 @@
+"""`OnlineDPOConfig`: online DPO's settings, TRL's names, one declaration (`stages.trainers.online_dpo`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stages.fields import check_fields, deprecated, param, positive
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.method_fields import (SamplingFields, beta_field, chunked_field, objectives_problems,
+                                           loss_type_field, objective_names, sampling_renames)
+
+TrainingArguments = training_arguments()
+
+
+@refuses_trl_fields
+@dataclass
+class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
+    MAX_TOKENS: ClassVar[str] = "max_new_tokens"
+
+    beta: float = beta_field()
+    loss_type: str | list[str] = loss_type_field()
+    loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
+    max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    use_chunked_logprobs: bool = chunked_field()
+    generation: dict | None = deprecated(sampling_renames("max_new_tokens"), "the old nested sampling section")
+
+    @property
+    def objective_names(self) -> list[str]:
+        return objective_names(self.loss_type)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_fields(self, OnlineDPOConfig) + objectives_problems(self)
+        return problems

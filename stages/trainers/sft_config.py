@@ -1,0 +1,35 @@
+"""`SFTConfig`: supervised fine-tuning's settings, TRL's names, one declaration (`stages.trainers.sft`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
+from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.method_fields import num_proc_field
+
+TrainingArguments = training_arguments()
+
+
+@refuses_trl_fields
+@dataclass
+class SFTConfig(MethodConfig, TrainingArguments):
+    """TrainingArguments plus SFT's settings. `warmup_steps` defaults to a 0.05 share of the steps instead of
+    0: AdamW started at the peak rate leaves the tiny model on the loss plateau (docs/decisions.md)."""
+
+    max_length: int = positive(512, "truncate tokenised rows to this many tokens")
+    completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
+    assistant_only_loss: bool = param(False, help="loss on every assistant turn of multi-turn conversations only "
+                                      "(needs {% generation %} markers in the chat template)")
+    dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
+    dataset_num_proc: int | None = num_proc_field()
+    packing: bool = param(False, help="pack rows into max_length sequences, padding-free")
+    packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
+    use_chunked_logprobs: bool = param(True, help="loss from the final hidden states through the chunked lm-head "
+                                       "kernel (no full logits) where the model allows")
+    warmup_steps: float = param(WARMUP_RATIO, help="linear warm-up: steps (>= 1) or a share of all steps (< 1)",
+                                check=lambda v: v >= 0, rule="must be >= 0")
+    max_seq_length: int | None = deprecated("max_length", "the old name of max_length")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return check_fields(self, SFTConfig)

@@ -1,0 +1,33 @@
+"""examples/: each script runs as a user runs it, in a subprocess, and does what it says."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_trl_quickstart_trains_every_trainer(tmp_path):
+    """TRL's SFT, DPO, GRPO, KTO and reward snippets with the import changed: 2 steps each, a finite loss,
+    and the trainable weights changed (all of them; with LoRA, at least every adapter's B matrix, which
+    starts at zero and is the first to move)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_quickstart.py"), "--out", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    runs = {r["trainer"]: r for r in map(json.loads, (line for line in res.stdout.splitlines()
+                                                      if line.startswith('{"trainer"')))}
+    assert list(runs) == ["SFT", "DPO", "GRPO", "KTO", "Reward"]
+    assert runs["SFT"]["peft"] and runs["DPO"]["peft"]
+    for name, run in runs.items():
+        assert run["finite"], run
+        if run["peft"]:
+            assert run["trainable"] > 0 and run["changed"] >= run["trainable"] // 2, run
+        else:
+            assert run["changed"] == run["trainable"] > 0, run
