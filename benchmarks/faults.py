@@ -152,8 +152,7 @@ def kill_points(camp: Campaign, tiny: bool) -> list[tuple[str, str, float]]:
     for stage in lib.STAGE_ORDER:
         points += [("time", stage, round(rng.uniform(0.05, 0.95) * camp.wall[stage], 3)) for _ in range(2)]
         points.append((rng.choice(["manifest-half", "manifest-unrenamed"]), stage, 0))
-    save = {s: lib.SMALL[s]["save_steps"] for s in lib.TRAINING}
-    points += [("checkpoint", stage, after) for stage in lib.TRAINING for after in (0, save[stage])]
+    points += [("checkpoint", stage, after) for stage in lib.TRAINING for after in (0, lib.SAVE_STEPS[stage])]
     points.append(("between-renames", rng.choice(lib.STAGE_ORDER), 0))
     points += [("dvc-commit", "evaluate", round(rng.uniform(0.2, 1.2), 2)) for _ in range(3)]
     return points
@@ -426,7 +425,7 @@ def worker_kill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
     if ref.rc != 0:
         raise RuntimeError(f"the uninterrupted 2-process sft failed:\n{ref.out[-3000:]}")
     reference = lib.outputs(clean)["sft"]
-    save = lib.SMALL["sft"]["save_steps"]
+    save = lib.SAVE_STEPS["sft"]
     outcomes = []
     for after in ((save,) if tiny else (save, 2 * save)):
         outcome = lib.Outcome("worker-kill", f"rank 1 of 2, sft after checkpoint-{after}")

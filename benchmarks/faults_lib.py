@@ -33,18 +33,19 @@ BIN = Path(sys.executable).parent
 STAGE_ORDER = tuple(STAGES)
 TRAINING = tuple(name for name, spec in STAGES.items() if spec.trains)
 
+SAVE_STEPS = {"sft": 3, "reward": 2, "policy": 2}  # checkpoint cadence of each training stage
 # Small enough that `align run` builds every stage in seconds; checkpoints every few steps so that a kill
 # can land before, inside and after a checkpoint save of each training stage.
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20, "num_dev": 20}},
-    "sft": {"max_steps": 8, "save_steps": 3, "per_device_train_batch_size": 16, "logging_steps": 1},
-    "reward": {"max_steps": 6, "save_steps": 2, "per_device_train_batch_size": 8, "logging_steps": 1,
+    "sft": {"max_steps": 8, "save_steps": SAVE_STEPS["sft"], "per_device_train_batch_size": 16, "logging_steps": 1},
+    "reward": {"max_steps": 6, "save_steps": SAVE_STEPS["reward"], "per_device_train_batch_size": 8, "logging_steps": 1,
                "min_accuracy": 0.0},
     "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6},  # the small model is never right:
               "reward_functions": ["reward_model"], "reward_weights": None, "min_score": None},  # RM-only pairs
-    "policy": {"max_steps": 6, "save_steps": 2, "per_device_train_batch_size": 8, "logging_steps": 1,
-               "num_prompts": 16},
+    "policy": {"num_prompts": 16, "dpo": {"max_steps": 6, "save_steps": SAVE_STEPS["policy"], "per_device_train_batch_size": 8,
+                                          "logging_steps": 1}},
     "evaluate": {"max_new_tokens": 4},
 }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stages import artifacts, runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 
 
