@@ -39,13 +39,14 @@ SAVE_STEPS = {"sft": 3, "reward": 2, "policy": 2}  # checkpoint cadence of each 
 SMALL = {
     "model": {"builtin": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},
     "data": {"builtin": {"num_train": 400, "num_preference": 50, "num_eval": 20, "num_dev": 20}},
-    "sft": {"max_steps": 8, "save_steps": SAVE_STEPS["sft"], "per_device_train_batch_size": 16, "logging_steps": 1},
-    "reward": {"max_steps": 6, "save_steps": SAVE_STEPS["reward"], "per_device_train_batch_size": 8, "logging_steps": 1,
-               "min_accuracy": 0.0},
+    "sft": {"max_steps": 8, "save_steps": SAVE_STEPS["sft"], "per_device_train_batch_size": 16,
+            "logging_steps": 1},
+    "reward": {"max_steps": 6, "save_steps": SAVE_STEPS["reward"], "per_device_train_batch_size": 8,
+               "logging_steps": 1, "min_accuracy": 0.0},
     "score": {"num_prompts": 12, "n": 3, "generation": {"max_new_tokens": 6},  # the small model is never right:
               "reward_functions": ["reward_model"], "reward_weights": None, "min_score": None},  # RM-only pairs
-    "policy": {"num_prompts": 16, "dpo": {"max_steps": 6, "save_steps": SAVE_STEPS["policy"], "per_device_train_batch_size": 8,
-                                          "logging_steps": 1}},
+    "policy": {"num_prompts": 16, "dpo": {"max_steps": 6, "save_steps": SAVE_STEPS["policy"],
+                                          "per_device_train_batch_size": 8, "logging_steps": 1}},
     "evaluate": {"max_new_tokens": 4},
 }
 
