@@ -15,7 +15,7 @@ from types import ModuleType
 
 import benchmarks
 
-NOT_BENCHMARKS = {"common"}
+NOT_BENCHMARKS = {"common", "faults_lib"}  # helper modules of the benchmarks
 
 
 def names() -> list[str]:

@@ -1,9 +1,9 @@
 """Fault-injection campaign: inject the faults production throws at a pipeline into real `align run`s and
 check that each run recovers to the bytes of an uninterrupted run, leaving nothing behind.
 
-    python -m benchmarks.faults                 # the whole campaign (10-25 minutes on 2 cores)
-    python -m benchmarks.faults --tiny          # one run of a few faults (the CI subset, about 2 minutes)
-    python -m benchmarks.faults --seed 3 --only sigkill --only flipped-byte
+    python -m benchmarks faults                 # the whole campaign (10-25 minutes on 2 cores)
+    python -m benchmarks faults --tiny          # one run of a few faults (the CI subset, about 2 minutes)
+    python -m benchmarks faults --seed 3 --only sigkill --only flipped-byte
 
 Everything happens in temporary copies of this repository (git + DVC initialised, small params, a
 Prefect server of their own on 127.0.0.1), never in your checkout. One uninterrupted `align run`
@@ -511,7 +511,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="one run of a few faults (the CI subset)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill points and the flipped bits")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault (repeatable)")

@@ -1,15 +1,15 @@
 """Peak memory and seconds of SFT tokenisation: the whole list then `Dataset.from_list` (before) against
 `Dataset.map(batched=True, num_proc=N)` cached as Arrow files (after: stages.data.tokenize.tokenized_dataset).
 
-    python -m benchmarks.tokenize                 # 200,000 synthetic chat rows; num_proc 1 and 2
-    python -m benchmarks.tokenize --tiny          # 2,000 rows: a quick check that every variant runs
-    python -m benchmarks.tokenize --rows 50000 --num-proc 1 2 4
+    python -m benchmarks tokenize                 # 200,000 synthetic chat rows; num_proc 1 and 2
+    python -m benchmarks tokenize --tiny          # 2,000 rows: a quick check that every variant runs
+    python -m benchmarks tokenize --rows 50000 --num-proc 1 2 4
 
 The rows are synthetic conversations (a user turn of 20-60 words, an assistant turn of 30-90) written to a
 .jsonl file, tokenised with the built-in byte-level BPE tokenizer and its chat template at max_length 512,
 as `SFTTrainer._prepare` does. Each variant runs in a fresh process; the table gives the seconds of the
 tokenising call, the peak resident memory it added above what the process held before it (VmHWM, reset first:
-benchmarks/peak_memory.py), the process's peak, and the peak of the largest worker process (num_proc > 1; the
+benchmarks/common.py), the process's peak, and the peak of the largest worker process (num_proc > 1; the
 workers are forked, so their resident memory includes pages shared with the parent). The variants:
 
     before           rows read as dicts (as the pipeline's sft stage reads them), tokenised as one list,
@@ -55,7 +55,7 @@ def child(variant: str, workdir: Path, num_proc: int) -> dict:
     import datasets
     from transformers import AutoTokenizer
 
-    from benchmarks.peak_memory import PeakMemory, status_mib
+    from benchmarks.common import PeakMemory, status_mib
     from stages.data import read_jsonl
     from stages.data.formats import normalise
     from stages.data.tokenize import tokenize_sft, tokenized_dataset
@@ -104,7 +104,13 @@ def run_child(variant: str, workdir: Path, num_proc: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    """The benchmark's rows ({variant, seconds, extra_mib, peak_mib, worker_mib, rows, checksum}), printed too."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--tiny", action="store_true", help="2,000 rows (a check that every variant runs)")
@@ -147,4 +153,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -64,7 +64,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
 
         problems += check_rows(params)
     if problems:
-        raise ParamsError(source, problems)
+        raise ParamsError(source, list(dict.fromkeys(problems)))  # a file two checks read is named once
     return params
 
 

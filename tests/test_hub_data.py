@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from stages import runner
-from stages.config import load_params
+from stages.params_loader import load_params
 from tests.conftest import write_params
 from tests.pipelines import arithmetic_rows, evaluate_table, hub_layout_folder, run_pipeline, write_jsonl
 

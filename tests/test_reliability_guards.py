@@ -79,7 +79,7 @@ def test_nan_exit_code_and_message_from_the_cli(tmp_path, preprocessed, monkeypa
 def test_every_training_stage_gets_the_guard():
     from stages.trainers.callbacks import NumericGuard
 
-    ctx = SimpleNamespace(log=logging.getLogger("test"), work=Path("/nonexistent"))
+    ctx = SimpleNamespace(log=logging.getLogger("test"), work=Path("/nonexistent"), stage="sft")
     assert any(isinstance(c, NumericGuard) for c in training.callbacks(ctx, [])[1])
     for module in ("sft", "reward", "policy"):  # every training stage builds its callbacks there
         source = Path(training.__file__).with_name(f"{module}.py").read_text()

@@ -21,6 +21,7 @@ import logging
 
 from stages.data import FORMATS, MAX_LISTED, LoadReport, iter_rows
 from stages.data.formats import describe_formats
+from stages.data.hub import DataSpec
 from stages.data.io import DataError
 from stages.data.sources import HELD_OUT_KEYS, data_files
 
@@ -59,13 +60,17 @@ def row_problems(data) -> tuple[list[tuple[str, str]], int, bool]:
         return [], 0, not data_files(data)
     problems, pairs, whole = [], 0, True
     for key, path in data_files(data):
-        if not path.exists():  # missing_files reports it with its key
+        one_format = key in HELD_OUT_KEYS  # held-out files hold one format, as preprocess reads them
+        kind = None if one_format else key.removeprefix("data.")
+        if isinstance(path, DataSpec):  # read through `datasets` (its cache keys it by the files' content)
+            found, n, read_all = _file_problems(path, kind, limit, data.on_bad_rows, -1, -1)
+        elif not path.exists():  # missing_files reports it with its key
             whole = False
             continue
-        stat = path.stat()
-        one_format = key in HELD_OUT_KEYS  # held-out files hold one format, as preprocess reads them
-        found, n, read_all = _file_problems(str(path), None if one_format else key.removeprefix("data."), limit,
-                                            data.on_bad_rows, stat.st_size, stat.st_mtime_ns)
+        else:
+            stat = path.stat()
+            found, n, read_all = _file_problems(str(path), kind, limit, data.on_bad_rows, stat.st_size,
+                                                stat.st_mtime_ns)
         problems += found
         pairs += 0 if one_format else n
         whole &= read_all
@@ -73,10 +78,10 @@ def row_problems(data) -> tuple[list[tuple[str, str]], int, bool]:
 
 
 @functools.lru_cache(maxsize=64)
-def _file_problems(path: str, key: str | None, limit: int, on_bad_rows: str, size: int, mtime_ns: int
+def _file_problems(path: str | DataSpec, key: str | None, limit: int, on_bad_rows: str, size: int, mtime_ns: int
                    ) -> tuple[list[tuple[str, str]], int, bool]:
     """(problems, good preference rows, whether the whole file was read) of one file."""
-    report = LoadReport(path)
+    report = LoadReport(str(path))
     pairs = 0
     try:
         for fmt, _ in iter_rows(path, report, key=key, limit=None if limit == ALL_ROWS else limit):

@@ -155,9 +155,10 @@ def test_parquet_wrong_type(capsys, tmp_path, params_for):
 def test_not_a_saved_dataset_folder(capsys, tmp_path, params_for):
     folder = tmp_path / "dataset"
     folder.mkdir()
-    (folder / "notes.txt").write_text("not a dataset")
+    (folder / "notes.bin").write_bytes(b"not a dataset")  # no file `datasets` reads (a .txt would be text rows)
     params = params_for({"data": {"source": str(folder)}})
-    assert_rejected(capsys, params, "preprocess", escape(folder) + r": not a datasets\.save_to_disk folder", code=2)
+    assert_rejected(capsys, params, "preprocess", r"data\.source = " + escape(folder) + r" \[train\]: cannot load it: "
+                    r"DataFilesNotFoundError: No \(supported\) data files found", code=2)
 
 
 @pytest.mark.parametrize("key", ["source", "sft", "preference", "prompts", "eval_source"])

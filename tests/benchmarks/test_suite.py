@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks.__main__ import main, names
+from benchmarks.__main__ import NOT_BENCHMARKS, main, names
 from tests.conftest import ROOT
 
 FAST = {"generation"}  # seconds; the others train, build models or run the pipeline (tens of seconds to minutes)
@@ -40,7 +40,7 @@ def test_no_benchmark_edits_sys_path_or_runs_as_a_script():
         text = path.read_text()
         assert "sys.path" not in text, path.name
         assert not re.search(r"python benchmarks/\w+\.py", text), path.name
-        if path.stem not in ("__init__", "__main__", "common"):
+        if path.stem not in ("__init__", "__main__", *NOT_BENCHMARKS):
             assert re.search(r"^def main\(argv[^)]*\) -> int:", text, re.M), path.name
 
 
