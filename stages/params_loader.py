@@ -20,6 +20,7 @@ import yaml
 
 from stages.config import PIPELINE_KEYS, TRAINING_SECTIONS, Params, PolicyParams
 from stages.fields import deprecations, move_deprecated
+from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 
 
 class ParamsError(ValueError):
@@ -165,8 +166,8 @@ def build(cls: type, raw: Any, prefix: str) -> tuple[Any, list[str]]:
             trl = _trl_problem(cls, prefix, key)
             problems.append(trl or f"{prefix}{key}: unknown key; {hint}")
     if hasattr(cls, "CONFIG"):  # a training section: TrainingArguments keys TRL users set that we do not support
-        problems += [p for key in raw if key in fields and raw[key] != fields[key].default
-                     and (p := _trl_problem(cls, prefix, key))]
+        problems += [p for key in raw if key in TRAINING_ARGUMENT_NAMES and key in fields
+                     and raw[key] != fields[key].default and (p := _trl_problem(cls, prefix, key))]
     values = {}
     for name, f in fields.items():
         if name not in raw:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stages.config import Params
 from stages import runner
 from stages.params_loader import load_params
 from stages.pipeline import training
@@ -79,7 +80,7 @@ def test_nan_exit_code_and_message_from_the_cli(tmp_path, preprocessed, monkeypa
 def test_every_training_stage_gets_the_guard():
     from stages.trainers.callbacks import NumericGuard
 
-    ctx = SimpleNamespace(log=logging.getLogger("test"), work=Path("/nonexistent"), stage="sft")
+    ctx = SimpleNamespace(log=logging.getLogger("test"), work=Path("/nonexistent"), stage="sft", params=Params())
     assert any(isinstance(c, NumericGuard) for c in training.callbacks(ctx, [])[1])
     for module in ("sft", "reward", "policy"):  # every training stage builds its callbacks there
         source = Path(training.__file__).with_name(f"{module}.py").read_text()
