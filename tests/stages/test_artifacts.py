@@ -45,6 +45,7 @@ def test_manifest_written_last_and_lists_every_file(tmp_path):
     (tmp_path / "sub" / "b.bin").write_bytes(b"\x00\x01")
     m = _seal(tmp_path)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk.pop("manifest_hash") == artifacts.hash_json(m)  # sealed by its own hash
     assert on_disk == m
     assert set(m["outputs"]["files"]) == {"a.txt", "sub/b.bin"}
     assert m["outputs"]["hash"] == artifacts.tree_hash(m["outputs"]["files"])
