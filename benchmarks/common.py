@@ -110,3 +110,13 @@ class PeakMemory:
         if self.method == "VmHWM":
             return status_mib("VmHWM") - self.base
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - self.base
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    """`extra` merged into `base` in place, nested mappings key by key (params overrides as nested dicts)."""
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base

@@ -26,6 +26,7 @@ from typing import Callable
 import psutil
 import yaml
 
+from benchmarks.common import deep_update
 from stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,15 +87,6 @@ def downstream(stage: str) -> list[str]:
         if below & set(spec.upstream):
             below.add(name)
     return [s for s in STAGE_ORDER if s in below]
-
-
-def deep_update(base: dict, extra: dict) -> dict:
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            deep_update(base[k], v)
-        else:
-            base[k] = v
-    return base
 
 
 def base_env(work: Path) -> dict[str, str]:

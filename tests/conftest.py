@@ -24,6 +24,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+from benchmarks.common import deep_update  # noqa: E402,F401 (re-exported for the tests)
 from stages.registry import STAGES  # noqa: E402 (after the environment above; imports no Prefect)
 
 STAGE_ORDER = tuple(STAGES)
@@ -47,15 +48,6 @@ SMALL = {
                        "max_completion_length": 6}},
     "evaluate": {"max_new_tokens": 4},
 }
-
-
-def deep_update(base: dict, extra: dict) -> dict:
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            deep_update(base[k], v)
-        else:
-            base[k] = v
-    return base
 
 
 def write_params(folder: Path, extra: dict | None = None, *, small: bool = True) -> Path:
