@@ -88,15 +88,6 @@ def raise_problems(what: str, problems: list[tuple[str, str]]) -> None:
         raise ValueError(f"{what}: {len(problems)} problem(s):\n{lines}")
 
 
-class SectionsAsDicts:
-    """Mixin for a trainer config (params + TrainingArguments) with nested sections (`generation`):
-    `to_dict` gives them as plain dicts, so the arguments still log as JSON (TensorBoard, checkpoints)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                for k, v in super().to_dict().items()}
-
-
 def deprecated(new: str | dict[str, str], help: str) -> Any:
     """An old field name kept for one release: its value moves to `new` (a field name, or for a nested section
     a mapping {old sub-key: new field}) with a FutureWarning naming the new key (`move_deprecated`)."""
