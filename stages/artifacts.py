@@ -19,7 +19,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -29,46 +28,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-MANIFEST = "manifest.json"
+from stages.basics import MANIFEST, file_hashes, hash_json, sha256_file, tree_hash  # noqa: F401 (used here and by callers)
+
 # Top-level entries of an output folder that are logs, not results: they carry wall times, host names
 # and process ids, so two builds of byte-identical weights differ in them. They stay in the folder and
 # the manifest verifies them (`logs`), but they are kept out of the outputs hash that downstream
 # fingerprints use: a rebuild that reproduces its results leaves everything below it current.
 LOGS = ("log_history.json", "tensorboard", "dvclive")
 CODE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding stages/, tasks/, flows/
-_CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def hash_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def file_hashes(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
-    """{relative posix path: sha256} of every file under `folder`, sorted."""
-    out = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
-        if rel in exclude or "__pycache__" in rel:
-            continue
-        out[rel] = sha256_file(path)
-    return out
 
 
 def is_log(rel: str) -> bool:
     """Whether relative path `rel` of an output folder is a log (see LOGS)."""
     return rel.split("/", 1)[0] in LOGS
-
-
-def tree_hash(hashes: dict[str, str]) -> str:
-    return hash_json(sorted(hashes.items()))
 
 
 def input_hash(path: str | Path) -> str | None:

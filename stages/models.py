@@ -1,51 +1,30 @@
-"""Model and tokenizer loading: `builtin:tiny`, a local Hugging Face directory, or a hub id.
+"""Model and tokenizer loading from a local Hugging Face folder or a hub id, and the checks made before loading.
 
-`resolve_model` turns `model.name_or_path` into something `from_pretrained` accepts;
-`model_source_problem` says, in seconds and before any training (params validation calls it),
-why a path or hub id cannot be loaded. The
-built-in model is built once per config into `<run.output_dir>/builtin/` (atomically, keyed
-by the hash of its config and code) and reused by every stage.
+`local_or_hub` turns a `model.name_or_path` that is not a built-in into something `from_pretrained`
+accepts; `model_source_problem` says, in seconds and before any training (params validation calls
+it), why a path or hub id cannot be loaded; `model_skeleton` is a model without weights, for checks.
+`builtin:tiny` is built into run.output_dir by `stages.harness.model_paths`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from stages import artifacts
-from stages.builtin import BUILTIN_MODELS
 from stages.model_source import model_source_problem
 
-if TYPE_CHECKING:  # annotations only: stages.config checks LoRA targets through this module
-    from stages.config import ModelConfig
 
-
-def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> str:
-    """A path or hub id for `from_pretrained`; builds `builtin:tiny` on first use."""
-    name = cfg.name_or_path
-    if name.startswith("builtin:"):
-        if name not in BUILTIN_MODELS:
-            raise ValueError(f"model.name_or_path = {name!r}: unknown built-in model; built-ins: "
-                             f"{', '.join(BUILTIN_MODELS)}")
-        return str(_build_tiny(cfg, Path(output_dir)))
+def local_or_hub(name: str) -> str:
+    """A local folder's path, or else the hub id (cached, or with the hub reachable); FileNotFoundError naming
+    `model.name_or_path` and why when it is neither."""
     if problem := model_source_problem(name):
         raise FileNotFoundError(f"model.name_or_path = {name!r}: {problem}")
     path = Path(name).expanduser()
-    return str(path) if path.exists() else name  # else a hub id, cached or with the hub reachable
+    return str(path) if path.exists() else name
 
 
-def model_fingerprint(cfg: ModelConfig, output_dir: str | Path) -> str:
-    """Lineage: a content hash for local/built-in models, the id for hub models."""
-    path = Path(resolve_model(cfg, output_dir))
-    if path.is_dir():
-        return artifacts.tree_hash(artifacts.file_hashes(path))
-    return f"hub:{cfg.name_or_path}"
-
-
-def model_skeleton(cfg: ModelConfig, *, sequence_classifier: bool = False):
-    """The model's modules without its weights (on the meta device: no memory, no download), for checks made
+def model_skeleton(cfg, *, sequence_classifier: bool = False):
+    """`cfg`: the `model` params section. The model's modules without its weights (on the meta device: no memory, no download), for checks made
     before any training. Reads only config.json (builtin:tiny: its config from model.builtin)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -56,29 +35,12 @@ def model_skeleton(cfg: ModelConfig, *, sequence_classifier: bool = False):
         spec = {k: v for k, v in dataclasses.asdict(cfg.builtin).items() if k != "seed"}
         config = tiny.model_config(**spec)
     else:
-        config = AutoConfig.from_pretrained(resolve_model(cfg, "."), trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(local_or_hub(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM
     if sequence_classifier:
         config.num_labels = 1
     with torch.device("meta"):
         return auto.from_config(config, trust_remote_code=cfg.trust_remote_code)
-
-
-def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
-    from stages.builtin import tiny
-
-    spec = dataclasses.asdict(cfg.builtin)
-    key = artifacts.hash_json({"spec": spec, "code": artifacts.code_hash(("stages/builtin",))})[:12]
-    final = output_dir / "builtin" / f"tiny-{key}"
-    if artifacts.verify(final)[0]:
-        return final
-    with artifacts.lock(final):  # concurrent runs sharing run.output_dir build it once
-        if not artifacts.verify(final)[0]:
-            artifacts.clean_leftovers(final)
-            with artifacts.atomic_output(final) as tmp:
-                tiny.build(tmp, **spec)
-                artifacts.write_manifest(tmp, {"builtin": "tiny", "config": spec})
-    return final
 
 
 def pick_device(device: str) -> str:

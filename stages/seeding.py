@@ -15,11 +15,9 @@ differ can be told apart by it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import random
-from collections.abc import Iterable
 from typing import Any
 
 # cuBLAS reuses workspaces across streams unless told otherwise, which makes its matmuls order-dependent
@@ -98,22 +96,6 @@ def prepare(run, sharing: int = 1) -> None:
     from `run.threads` (split between `sharing` processes for "auto"), then every RNG from `run.seed`."""
     set_threads(run.threads, sharing)
     seed_everything(run.seed)
-
-
-def stable_seed(*parts: int | Iterable[int]) -> int:
-    """A seed in [0, 2**63) from ints and sequences of ints, the same in every process, run and machine.
-
-    BLAKE2b over the parts' decimal digits (Python's `hash` is salted per process); a sequence
-    is framed by its length, so (1, [2, 3]) and ([1, 2], 3) differ.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        if isinstance(part, int):
-            h.update(f"i{part};".encode())
-        else:
-            items = [int(i) for i in part]
-            h.update(f"s{len(items)}:{','.join(map(str, items))};".encode())
-    return int.from_bytes(h.digest(), "big") >> 1
 
 
 def environment(device: str = "auto") -> dict[str, Any]:

@@ -1,25 +1,76 @@
-"""Progress of a long loop as log lines with a rate and an ETA: training steps, sampled prompts, evaluated models.
+"""The helpers both the building blocks and the harness use; this module imports nothing of ours.
 
-    progress = Progress(log, total=len(rows), unit="prompts", what="score: sampling")
-    for batch in batches:
-        ...
-        progress.advance(len(batch))
-    progress.finish()
+- `stable_seed`: one seed from ints and int sequences, the same in every process, run and machine;
+- `sha256_file`, `file_hashes`, `tree_hash`, `hash_json`: content hashes of files, folders and JSON;
+- `Progress`: a long loop's progress as rate-limited log lines with a rate and an ETA:
 
-    10:42:07 INFO    stages.score: score: sampling 192/600 prompts (32%), 41.3 prompts/s, ETA 10s
+      progress = Progress(log, total=len(rows), unit="prompts", what="score: sampling")
+      for batch in batches:
+          progress.advance(len(batch))
+      progress.finish()     # 10:42:07 INFO stages.score: score: sampling 192/600 prompts (32%), 41.3 prompts/s, ETA 10s
 
-The lines go to a `stages.*` logger, so they reach the console, the log file and, inside a
-flow, the Prefect task log (tasks/stage.py forwards the `stages` logger). They are
-rate-limited: at most one every `ALIGN_PROGRESS_EVERY_S` seconds (default 5; 0 logs every
-update), plus the closing line of a loop that took longer than that. Third-party progress
-bars are off (`stages.logs`): this is the only progress output.
+  Lines go to a `stages.*` logger (the console, the log file and, inside a flow, the Prefect task
+  log), at most one every `ALIGN_PROGRESS_EVERY_S` seconds (default 5; 0 logs every update), plus
+  the closing line of a loop that took longer. Third-party progress bars are off (`stages.harness.logs`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"  # the file that seals every output folder (stages.harness.artifacts)
+_CHUNK = 1 << 20
+
+
+def stable_seed(*parts: int | Iterable[int]) -> int:
+    """A seed in [0, 2**63) from ints and sequences of ints, the same in every process, run and machine.
+
+    BLAKE2b over the parts' decimal digits (Python's `hash` is salted per process); a sequence
+    is framed by its length, so (1, [2, 3]) and ([1, 2], 3) differ.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        if isinstance(part, int):
+            h.update(f"i{part};".encode())
+        else:
+            items = [int(i) for i in part]
+            h.update(f"s{len(items)}:{','.join(map(str, items))};".encode())
+    return int.from_bytes(h.digest(), "big") >> 1
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_hashes(folder: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
+    """{relative posix path: sha256} of every file under `folder`, sorted."""
+    out = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel in exclude or "__pycache__" in rel:
+            continue
+        out[rel] = sha256_file(path)
+    return out
+
+
+def tree_hash(hashes: dict[str, str]) -> str:
+    return hash_json(sorted(hashes.items()))
+
 
 DEFAULT_EVERY_S = 5.0
 
