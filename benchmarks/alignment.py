@@ -5,7 +5,7 @@
     python -m benchmarks alignment --sweep 1 --write sweep-1.md   # tune each method on dev (round 1), the choice on eval
     python -m benchmarks alignment --set policy.dpo.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
-Every stage is the real one (`stages.runner.run_stage`, what every entry point calls), run in
+Every stage is the real one (`stages.harness.runner.run_stage`, what every entry point calls), run in
 `--output-dir` (default: a temporary folder). `run.seed` is the seed: it governs preprocess's
 validation split, SFT's data order, the reward model's head and data order, score's samples,
 the policy's initialisation, data order and samples, and evaluate's sampling (none with greedy
@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, host_load, mean_sd, tiny_overrides
-from stages import runner  # noqa: E402
+from stages.harness import runner  # noqa: E402
 from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
-from stages.config import POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: E402
-from stages.params_loader import load_params, parse_overrides  # noqa: E402
+from stages.harness.config import POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: E402
+from stages.harness.params_loader import load_params, parse_overrides  # noqa: E402
 from stages.data import read_jsonl  # noqa: E402
-from stages.registry import STAGES  # noqa: E402
+from stages.harness.registry import STAGES  # noqa: E402
 
 METHODS = tuple(m for m in POLICY_METHODS if m != "none")
 SHARED = ("preprocess", "sft", "reward", "score")  # the stages no policy setting changes

@@ -7,7 +7,7 @@
 
 Per seed (`run.seed`), in one process, each side timed alone (never two trainings at once):
 
-- data: our `preprocess` stage (`stages.runner.run_stage`, params.yaml + `--set` overrides) in a temporary
+- data: our `preprocess` stage (`stages.harness.runner.run_stage`, params.yaml + `--set` overrides) in a temporary
   `run.output_dir`, which also builds `builtin:tiny` (the same base weights for every seed and both sides);
 - SFT: params.yaml's `sft` settings on both sides, from the same base weights, on the same
   prompt/completion rows (chat messages, rendered by the model's chat template on both sides),
@@ -62,14 +62,14 @@ def final_number_reward(tokenizer):
     block) equals the row's `answer`, else 0.0.
 
     It reads the generated token ids (`completion_ids`, which both trainers pass to reward functions) and
-    decodes them itself with our `stages.utils.decode_and_strip_padding` (the text our GRPO gives its reward
+    decodes them itself with our `stages.completion_text.decode_and_strip_padding` (the text our GRPO gives its reward
     functions), so both sides score the same text. The decoded strings each trainer passes as `completions`
     differ: TRL decodes with `skip_special_tokens=True`, which drops this tokenizer's `<think>`/`</think>`
     special tokens and glues the column sums to the answer ("...4+6+1=11</think>114" -> "...=11114"), so a
     final-number reward on TRL's `completions` scores almost every answer wrong. Then evaluate's answer regex
     `(-?\d+)\s*$` takes the final number."""
-    from stages.rewards import final_integer
-    from stages.utils import decode_and_strip_padding
+    from stages.reward_functions import final_integer
+    from stages.completion_text import decode_and_strip_padding
 
     def final_number_reward(prompts, completions, completion_ids=None, answer=None, **_):
         texts = [decode_and_strip_padding([list(ids)], tokenizer)[0] for ids in completion_ids]
@@ -151,7 +151,7 @@ def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: 
     args = common_args(p, s, work, "sft", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.trainers.sft import SFTTrainer
+            from stages.trainers.sft_trainer import SFTTrainer
 
             cfg = our_config(p, s, work, "sft", precision, steps)
             trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows)
@@ -178,7 +178,7 @@ def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps:
     args = common_args(p, d, work, "policy.dpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.trainers.dpo import DPOTrainer
+            from stages.trainers.dpo_trainer import DPOTrainer
 
             cfg = our_config(p, d, work, "policy.dpo", precision, steps)
             assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
@@ -206,7 +206,7 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
     args = common_args(p, g, work, "policy.grpo", precision, steps)
     with Clock() as clock:
         if side == "ours":
-            from stages.trainers.grpo import GRPOTrainer
+            from stages.trainers.grpo_trainer import GRPOTrainer
 
             cfg = our_config(p, g, work, "policy.grpo", precision, steps)
             trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
@@ -235,7 +235,7 @@ RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
 
 
 def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
-    from stages.params_loader import load_params
+    from stages.harness.params_loader import load_params
 
     return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
 
@@ -243,8 +243,8 @@ def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
              eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess") -> list[dict[str, Any]]:
     import torch
-    from stages import runner
-    from stages.models import resolve_model
+    from stages.harness import runner
+    from stages.harness.model_paths import resolve_model
 
     p = seed_params(out, seed, overrides)
     runner.run_stage("preprocess", p)
@@ -364,7 +364,7 @@ def run(argv=None) -> list[dict[str, Any]]:
     """Every method and seed on both sides; the records, one per method, side and seed."""
     import torch
     import trl
-    from stages.params_loader import parse_overrides
+    from stages.harness.params_loader import parse_overrides
 
     import transformers
 

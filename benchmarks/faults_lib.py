@@ -27,7 +27,7 @@ import psutil
 import yaml
 
 from benchmarks.common import deep_update
-from stages.registry import STAGES
+from stages.harness.registry import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -226,7 +226,7 @@ def outputs(project: Project) -> dict[str, dict]:
 def differences(project: Project, reference: dict[str, dict]) -> list[str]:
     """What differs from the reference outputs, file by file; [] when every stage's output files are
     byte-identical (their hashes equal the reference's and the files on disk still hash to them)."""
-    from stages import artifacts
+    from stages.harness import artifacts
 
     found = []
     mine = outputs(project)
@@ -421,13 +421,13 @@ def rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process | None:
 
 def all_bytes(folder: Path) -> dict[str, str]:
     """{relative path: sha256} of every file under `folder`, the manifest included."""
-    from stages.artifacts import file_hashes
+    from stages.harness.artifacts import file_hashes
 
     return file_hashes(folder, exclude=())
 
 
 def folder_size(folder: Path) -> int:
-    from stages.artifacts import folder_bytes
+    from stages.harness.artifacts import folder_bytes
 
     return folder_bytes(folder)
 

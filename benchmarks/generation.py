@@ -11,7 +11,7 @@ Workload: the first `--prompts` prompts of the built-in task (chat form), `--sam
 Variants of the same call, `generate(model, tok, prompts, SamplingParams(n=4, do_sample=True, ...))`:
 - batched (backend auto) against one prompt per call (`batch_size=1`): what batching buys;
 - batched through HF's own batch sampler (`model.generate(do_sample=True)`, torch's global RNG) against
-  `backend="hf"`: what seeding each prompt's rows apart (`stages.generation.row_sampling`) costs;
+  `backend="hf"`: what seeding each prompt's rows apart (`stages.generation.per_row_sampler`) costs;
 - batched with `backend="hf"` and `backend="decoder"`: what the CPU decoder buys over HF `generate`.
 Throughput = generated tokens (EOS included) / wall time, the best of `--repeats` rounds run round-robin
 after an untimed warm-up. It also checks that greedy decoding gives the same tokens batched and one at a time.
@@ -47,7 +47,7 @@ def build_model(args, folder: Path):
 
 def task_prompts(n: int) -> list:
     from stages.builtin import arithmetic
-    from stages.config import ArithmeticConfig
+    from stages.harness.config import ArithmeticConfig
 
     cfg = dataclasses.asdict(ArithmeticConfig(num_train=10, num_preference=n, num_eval=10, num_dev=0))
     return [r["prompt"] for r in arithmetic.generate(**cfg)["prompts"]][:n]
@@ -60,7 +60,7 @@ def hf_batch_sampler(model, tok, prompts, sampling, batch_size: int) -> list[lis
 
     from stages.data.tokenize import render_prompt
     from stages.generation.common import eos_token_ids, trim_at_eos
-    from stages.utils import pad
+    from stages.tensors import pad
 
     eos = eos_token_ids(tok, model)
     ids = tok([render_prompt(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]

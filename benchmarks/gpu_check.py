@@ -62,7 +62,7 @@ def build_model(folder: Path, sizes: dict, device: str) -> int:
 
 def task_rows(n: int) -> dict[str, list]:
     from stages.builtin import arithmetic
-    from stages.config import ArithmeticConfig
+    from stages.harness.config import ArithmeticConfig
 
     cfg = ArithmeticConfig(num_train=n, num_preference=n, num_eval=4, num_dev=0)
     return arithmetic.generate(**dataclasses.asdict(cfg))
@@ -70,7 +70,7 @@ def task_rows(n: int) -> dict[str, list]:
 
 def load(path: str, quantized: bool, device: str):
     """The model a stage trains: bf16 base (4-bit for QLoRA) with fresh LoRA adapters on every linear layer."""
-    from stages.config import LoraParams
+    from stages.harness.config import LoraParams
     from stages.models import load_causal_lm
     from stages.trainers.adapters import apply_lora, quantization_config
 
@@ -115,10 +115,10 @@ def run_mode(mode: str, base: str, out: Path, rows: dict, steps: int, device: st
     from transformers import AutoTokenizer
 
     from stages.data.formats import normalise
-    from stages.trainers.dpo import DPOConfig, DPOTrainer
+    from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
     from stages.trainers.generation_params import GenerationParams
-    from stages.trainers.grpo import GRPOConfig, GRPOTrainer
-    from stages.trainers.sft import SFTConfig, SFTTrainer
+    from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
+    from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
     quantized, tok, results = mode == "qlora", AutoTokenizer.from_pretrained(base), []
 

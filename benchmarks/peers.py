@@ -221,24 +221,24 @@ def load(model_dir: Path, kind: str = "causal"):
 def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str, out: str):
     a = common_args(steps, precision, out)
     if name == "sft":
-        from stages.trainers.sft import SFTConfig, SFTTrainer
+        from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
         cfg = SFTConfig(**a, max_length=PACKED_LENGTH, packing=True, packing_strategy="bfd")
         return SFTTrainer(load(model_dir), cfg, processing_class=tokenizer, train_dataset=rows["sft"])
     if name == "dpo":
-        from stages.trainers.dpo import DPOConfig, DPOTrainer
+        from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 
         cfg = DPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, precompute_ref_log_probs=False)
         return DPOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["preference"])
     if name == "kto":
-        from stages.trainers.kto import KTOConfig, KTOTrainer
+        from stages.trainers.kto_trainer import KTOConfig, KTOTrainer
 
         cfg = KTOConfig(**a, beta=0.1, max_length=MAX_LENGTH)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return KTOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["unpaired"])
     if name == "grpo":
-        from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+        from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
 
         cfg = GRPOConfig(**a, num_generations=GENERATIONS, beta=0.0, loss_type="grpo", epsilon=0.2,
                          scale_rewards="group", num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0,
@@ -246,14 +246,14 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
         return GRPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
                            train_dataset=rows["prompts"])
     if name == "online_dpo":
-        from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+        from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
         cfg = OnlineDPOConfig(**a, beta=0.1, loss_type="sigmoid", max_length=MAX_LENGTH, max_new_tokens=NEW_TOKENS,
                               temperature=1.0, generation_prompts_per_call=64)
         return OnlineDPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
                                 train_dataset=rows["prompts"])
     if name == "reward":
-        from stages.trainers.reward import RewardConfig, RewardTrainer
+        from stages.trainers.reward_trainer import RewardConfig, RewardTrainer
 
         cfg = RewardConfig(**a, max_length=MAX_LENGTH)
         return RewardTrainer(load(model_dir, "reward"), args=cfg, processing_class=tokenizer,
@@ -326,7 +326,7 @@ def phase_markers(trainer):
     import torch
     from torch.profiler import record_function
 
-    from stages.trainers.logprobs import unwrap
+    from stages.sharding import unwrap
 
     model = unwrap(trainer.model)
     restore = []
@@ -423,7 +423,7 @@ def release_memory() -> None:
 
 
 def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int) -> dict:
-    from stages.trainers.logprobs import unwrap
+    from stages.sharding import unwrap
 
     release_memory()
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():

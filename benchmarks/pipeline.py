@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.common import ROOT, host_load, tiny_overrides
-from stages.registry import STAGES
+from stages.harness.registry import STAGES
 BIN = Path(sys.executable).parent
 
 

@@ -7,7 +7,7 @@ Usage::
     python -m benchmarks sft --threads 2  # torch threads per process (default 1, see below)
 
 Every model is a `builtin:tiny` Llama (`stages.builtin.tiny.build`) written to a temporary
-folder; every training run is `stages.trainers.sft.SFTTrainer`.
+folder; every training run is `stages.trainers.sft_trainer.SFTTrainer`.
 
 1. Packing. A skewed dataset in the conversational prompt/completion form: 90 % short
    additions (1-2 digits, ~23 tokens) and 10 % long ones (36-42 digits with column-by-
@@ -21,7 +21,7 @@ folder; every training run is `stages.trainers.sft.SFTTrainer`.
    step. Throughput is real (non-pad) tokens / wall time of `trainer.train()`; quality is
    the loss on 64 held-out rows of the same distribution after training.
 2. LoRA. r=8 adapters on q/k/v/o (`stages.trainers.adapters.apply_lora` with
-   `stages.config.LoraParams`) vs full fine-tuning of the same model: trainable share of
+   `stages.harness.config.LoraParams`) vs full fine-tuning of the same model: trainable share of
    the parameters, and peak memory of 3 training steps (AdamW, 2 packed rows, ~900
    tokens, per step).
 3. Activation checkpointing. One forward+backward at batch 8 x 512 tokens on an 8-layer
@@ -122,7 +122,7 @@ def _load(path: Path):
 
 
 def _sft_args(out: Path, **kw):
-    from stages.trainers.sft import SFTConfig
+    from stages.trainers.sft_trainer import SFTConfig
 
     return SFTConfig(output_dir=str(out), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
                      dataloader_num_workers=0, **{**TRAINING, **kw})
@@ -144,7 +144,7 @@ class _CountingCollator:
 
 
 def _lora_params(r: int, targets: list[str]):
-    from stages.config import LoraParams
+    from stages.harness.config import LoraParams
 
     return LoraParams(enabled=True, r=r, alpha=2 * r, dropout=0.05, target_modules=targets)
 
@@ -157,7 +157,7 @@ def packing_run(path: Path, sizes: dict, packed: bool, batch: int, out: Path) ->
     import torch
     from transformers import PrinterCallback
 
-    from stages.trainers.sft import SFTTrainer
+    from stages.trainers.sft_trainer import SFTTrainer
 
     model, tok = _load(path)
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def warm_up(path: Path, sizes: dict, out: Path) -> None:
     """A few steps of both modes on a handful of rows, so one-off library set-up is paid before timing."""
     from transformers import PrinterCallback
 
-    from stages.trainers.sft import SFTTrainer
+    from stages.trainers.sft_trainer import SFTTrainer
 
     for packed in (True, False):
         model, tok = _load(path)
@@ -217,7 +217,7 @@ def _child_lora(path: Path, sizes: dict, lora: bool, out: Path) -> dict:
     from transformers import PrinterCallback
 
     from stages.trainers.adapters import apply_lora, trainable_fraction
-    from stages.trainers.sft import SFTTrainer
+    from stages.trainers.sft_trainer import SFTTrainer
 
     model, tok = _load(path)
     if lora:

@@ -59,7 +59,7 @@ def child(variant: str, workdir: Path, num_proc: int) -> dict:
     from stages.data import read_jsonl
     from stages.data.formats import normalise
     from stages.data.tokenize import tokenize_sft, tokenized_dataset
-    from stages.trainers.sft import _tokenize_checked, check_targets
+    from stages.trainers.sft_trainer import _tokenize_checked, check_targets
 
     datasets.disable_progress_bars()
     datasets.config.HF_DATASETS_CACHE = workdir / "cache"

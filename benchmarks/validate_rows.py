@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.common import ROOT as REPO, host_load
 TIMED = """
 import sys, time
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 start = time.perf_counter()
 load_params(sys.argv[1], sys.argv[3:], rows=sys.argv[2] == "1")
 print(time.perf_counter() - start)

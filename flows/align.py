@@ -2,7 +2,7 @@
 
     preprocess -> sft -> reward -> score -> reference -> policy -> merge -> evaluate [-> promote]
 
-The DAG is the stage table, stages/registry.py: each stage's task (tasks/stage.py) runs after its `upstream`
+The DAG is the stage table, stages/harness/registry.py: each stage's task (tasks/stage.py) runs after its `upstream`
 stages, in the table's order. Each task finishes "Cached" when its stage's output folder is current (same
 params, code and inputs, files intact), so rerunning the flow only executes what changed downstream of a
 change. With `promote=True` (the nightly deployment) the merged model replaces models/production only if it is
@@ -24,10 +24,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
 from flows.promote import promote as promote_task
-from stages.config import Params
-from stages.params_loader import load_params
-from stages.registry import STAGES
-from stages.runner import output_dir
+from stages.harness.config import Params
+from stages.harness.params_loader import load_params
+from stages.harness.registry import STAGES
+from stages.harness.runner import output_dir
 from stages.trackers import RUN_ENV
 from tasks.cluster import shard_runner
 from tasks.shards import fan_out

@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, add_help=False, help="see python -m stages --help")
     args, rest = parser.parse_known_args(argv)
 
-    from stages import logs
+    from stages.harness import logs
 
     logs.setup()  # before Prefect is imported: its records then go through our console and log-file handlers
     from stages.__main__ import main as stages_main
-    from stages.params_loader import ParamsError, load_params
+    from stages.harness.params_loader import ParamsError, load_params
 
     if args.command == "server":
         return server_command(args.action, args.port)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
         params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
         if args.command == "run":  # and what transformers refuses in the training sections, before any stage
-            from stages.preflight import trainer_config_problems
+            from stages.harness.preflight import trainer_config_problems
 
             if problems := trainer_config_problems(params):
                 raise ParamsError(args.params, problems)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(params_file: str, overrides: list[str]) -> int:
     """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file."""
     from flows import shutdown
-    from stages import logs
+    from stages.harness import logs
     from stages.__main__ import exit_code, failure_line
 
     shutdown.stop_on_sigterm("align run", RUN_STOPPED)  # no temporary Prefect server or training process left

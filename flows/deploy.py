@@ -20,7 +20,7 @@ from prefect.schedules import Cron
 
 from flows import shutdown
 from flows.align import align
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 
 log = logging.getLogger("flows.deploy")
 

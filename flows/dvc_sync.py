@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from stages.artifacts import MANIFEST
-from stages.dvcgen import OUTPUT_DIR
+from stages.harness.artifacts import MANIFEST
+from stages.harness.dvcgen import OUTPUT_DIR
 
 
 def dvc_command() -> list[str] | None:

@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stages import promotion
-from stages.config import Params
+from stages.harness.config import Params
 from tasks.report import publish_report
 
 

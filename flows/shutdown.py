@@ -48,7 +48,7 @@ def exit_now(command: str, last_line: str, code: int = EXIT_CODE) -> None:
     """End every child process, print `last_line` as the very last line and exit with `code`, without waiting
     for threads or exit handlers (a training stage's worker thread cannot be interrupted; Prefect's
     handlers would stop a temporary server that is already gone, and log it after `last_line`)."""
-    from stages import logs
+    from stages.harness import logs
 
     logs.console_level(logging.WARNING)
     pids = end_process_tree()

@@ -4,7 +4,7 @@ The same command `dvc.yaml` runs and `align stage <stage>` calls. It validates a
 and every problem listed, nothing written), skips the stage if its output folder is current, otherwise builds
 it atomically with a manifest. A failure ends with `error: <stage>: <cause>` as the last line; its traceback is
 in the log file named just above (`<run.output_dir>/logs/`). Training stages with `run.launch.num_processes`
-> 1 go through `accelerate launch` (`stages.launch`); everything else runs in this process.
+> 1 go through `accelerate launch` (`stages.harness.launch`); everything else runs in this process.
 
     python -m stages sft --set sft.learning_rate=1e-3
     python -m stages status          # which stages are current, and why not
@@ -21,8 +21,8 @@ import logging
 import sys
 from pathlib import Path
 
-from stages.params_loader import ParamsError, load_params
-from stages.registry import STAGES
+from stages.harness.params_loader import ParamsError, load_params
+from stages.harness.registry import STAGES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a failure ends with `error: <cause>` as the last line and its traceback in the log file."""
     args = build_parser().parse_args(argv)
-    from stages import logs, processes
+    from stages.harness import logs, processes
 
     logs.setup(logging.INFO if processes.process_rank() == 0 else logging.WARNING)  # ranks > 0 repeat rank 0's lines
     if args.stage == "params":
-        from stages.params_yaml import render
+        from stages.harness.params_yaml import render
 
         text = render()
         Path(args.params).write_text(text) if args.write else sys.stdout.write(text)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         params = load_params(args.params, args.overrides, preflight=args.stage != "status",
                              rows=args.stage == "preprocess" and args.shard is None)
         if args.stage in ("sft", "reward", "policy"):  # what transformers refuses, before the model is built
-            from stages.preflight import trainer_config_problems
+            from stages.harness.preflight import trainer_config_problems
 
             if problems := trainer_config_problems(params):
                 raise ParamsError(args.params, problems)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.stage == "dvc-yaml":  # the input files params.yaml names become deps too
-        from stages.dvcgen import render_dvc_yaml
+        from stages.harness.dvcgen import render_dvc_yaml
 
         sys.stdout.write(render_dvc_yaml(params=params))
         return 0
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, params) -> int:
-    from stages import launch, processes, runner
+    from stages.harness import launch, processes, runner
 
     if args.shard is not None:
         print(json.dumps(runner.run_shard(args.stage, params, args.shard, args.num_shards), indent=2))
@@ -117,7 +117,7 @@ def exit_code(error: BaseException) -> int:
     """3: an upstream output is missing; 4: a quality gate failed; 5: the stage stopped (disk full, a NaN
     loss; nothing published, the previous output intact); 6: a launched rank crashed or ran out of time
     (every rank has ended); 1: anything else (bad data, a bad model path: the message says what to fix)."""
-    from stages import launch, runner
+    from stages.harness import launch, runner
 
     codes = {runner.UpstreamMissing: 3, runner.QualityGateFailed: 4, runner.StageFailed: 5, launch.LaunchFailed: 6}
     return next((code for kind, code in codes.items() if isinstance(error, kind)), 1)
@@ -125,7 +125,7 @@ def exit_code(error: BaseException) -> int:
 
 def failure_line(stage: str | None, error: BaseException) -> str:
     """`<stage>: <the error's message on one line>`; the type's name too for errors that are not ours to raise."""
-    from stages import logs
+    from stages.harness import logs
 
     message = logs.one_line(error)
     if not isinstance(error, (ValueError, OSError, RuntimeError, FloatingPointError)):

@@ -3,7 +3,7 @@
 A field declared with `param(default, help=..., check=..., rule=...)` states its default, what it
 means and its valid range once. Two readers use the same declaration:
 
-- `stages.config.build` (params.yaml and `--set`), which checks each value as it reads it;
+- `stages.harness.config.build` (params.yaml and `--set`), which checks each value as it reads it;
 - `check_fields(obj)`, which checks an object built directly in Python, e.g. a trainer config
   (`GRPOConfig(output_dir=..., num_generations=1)`) that never went through params.yaml.
 
@@ -17,7 +17,7 @@ import typing
 from dataclasses import field
 from typing import Any, Callable, Literal
 
-# Linear warm-up as a share of the steps: the training sections' default (stages.config.STAGE_DEFAULTS) and
+# Linear warm-up as a share of the steps: the training sections' default (stages.harness.config.STAGE_DEFAULTS) and
 # SFTConfig's, where TrainingArguments' would be 0 (docs/decisions.md).
 WARMUP_RATIO = 0.05
 

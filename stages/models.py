@@ -52,7 +52,7 @@ def pick_device(device: str) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("run.device = 'cuda' but no CUDA device is visible; use auto or cpu")
-    if device == "cuda" and "LOCAL_RANK" in os.environ:  # a launched rank (stages.launch): "cuda" is its own GPU
+    if device == "cuda" and "LOCAL_RANK" in os.environ:  # a launched rank (stages.harness.launch): "cuda" is its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return device
 

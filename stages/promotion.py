@@ -105,7 +105,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     another evaluation (eval_key differs); without it the recorded value is used (and said so).
     `confidence`: see `decide` (the rows' `n` are the counts).
     """
-    from stages.merge import model_identity
+    from stages.adapter_merge import model_identity
 
     models_dir = Path(models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +157,7 @@ def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         tmp = releases / f".{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
-        from stages import model_card
+        from stages.harness import model_card
 
         model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version,  # README.md, lineage.json
                             stages=stages)
@@ -201,7 +201,7 @@ def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = 
 
 def eval_key(evaluate_manifest: dict[str, Any]) -> str:
     """What a table value depends on: the eval data and the evaluate settings (not the plots)."""
-    from stages import artifacts
+    from stages.harness import artifacts
 
     params = {k: v for k, v in evaluate_manifest["params"].items()}
     if isinstance(params.get("evaluate"), dict):
@@ -211,9 +211,9 @@ def eval_key(evaluate_manifest: dict[str, Any]) -> str:
 
 def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     """The gate on the pipeline's outputs: stage evaluate's table, the candidate row's model folder."""
-    from stages import artifacts
-    from stages.merge import is_adapter
-    from stages.runner import output_dir
+    from stages.harness import artifacts
+    from stages.adapter_merge import is_adapter
+    from stages.harness.runner import output_dir
 
     pr = params.promote
     evaluate_dir = output_dir(params, "evaluate")
@@ -256,7 +256,7 @@ def evaluate_production(params, path: str) -> dict[str, Any]:
     from stages.data import read_jsonl
     from stages.models import pick_device
     from stages.pipeline import evaluate as ev
-    from stages.runner import output_dir
+    from stages.harness.runner import output_dir
 
     e = params.evaluate
     rows = read_jsonl(output_dir(params, "preprocess") / "eval.jsonl")

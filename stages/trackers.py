@@ -19,7 +19,7 @@ What each tracker gets:
   transformers' MLflowCallback (the TrainingArguments and model config as params, the training curves).
 - DVCLive: `dvclive/` inside the stage's output (metrics.json, params.yaml, plots/metrics/*.tsv);
   `align dvc-yaml` declares them as top-level metrics and plots, so `dvc exp show` and `dvc plots diff`
-  show each stage's curves. A log like tensorboard/ (`stages.artifacts.LOGS`): kept out of the outputs hash.
+  show each stage's curves. A log like tensorboard/ (`stages.harness.artifacts.LOGS`): kept out of the outputs hash.
 - TensorBoard: `tensorboard/` inside the stage's output.
 - W&B: the run is named `<pipeline run>/<stage>` in the group `<pipeline run>` (project `$WANDB_PROJECT`,
   default `align`); score/evaluate metrics go into a run `<pipeline run>/<stage>` of the same group.

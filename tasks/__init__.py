@@ -1,1 +1,1 @@
-"""Thin Prefect tasks, one per stage; each calls `stages.runner.run_stage` and reports to the UI."""
+"""Thin Prefect tasks, one per stage; each calls `stages.harness.runner.run_stage` and reports to the UI."""

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from prefect.task_runners import TaskRunner
 
-from stages.config import DASK_ADDRESS, Params
+from stages.harness.config import DASK_ADDRESS, Params
 
 KEY = "run.dask_address"
 CONNECT_TIMEOUT_S = 5.0

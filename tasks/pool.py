@@ -8,8 +8,8 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from stages import artifacts
-from stages.config import Params
+from stages.harness import artifacts
+from stages.harness.config import Params
 from stages.trackers import RUN_ENV
 
 FLOW_NAME = "align-stage"  # the flow of flows/stage_pool.py; its deployments are named after their pool

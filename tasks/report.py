@@ -5,8 +5,8 @@ import json
 
 from prefect.artifacts import create_markdown_artifact
 
-from stages.config import Params
-from stages.runner import output_dir
+from stages.harness.config import Params
+from stages.harness.runner import output_dir
 
 
 def publish_report(params: Params, extra: str = "") -> str:

@@ -1,4 +1,4 @@
-"""Prefect tasks for the shards of stages `score` and `evaluate` (see `stages.runner.run_shard`).
+"""Prefect tasks for the shards of stages `score` and `evaluate` (see `stages.harness.runner.run_shard`).
 
 With `run.parallel_shards` = N > 1 the flow first fans a stage's independent work out as N
 `stage_shard` tasks through its task runner (score: the prompt shards; evaluate: the models),
@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.task_runners import TaskRunner
 
-from stages.config import Params
-from stages.runner import inspect, run_shard_process
+from stages.harness.config import Params
+from stages.harness.runner import inspect, run_shard_process
 
 
 @task(name="shard", cache_policy=NO_CACHE, task_run_name="{name}-shard-{shard}-of-{num_shards}")

@@ -1,14 +1,14 @@
 """The Prefect task of every stage, made from the stage table (`STAGE_TASKS`): run the stage, forward its
 logs, report its metrics, mark cache hits.
 
-Whether a stage is current is decided by its manifest (see `stages.artifacts`), the same
+Whether a stage is current is decided by its manifest (see `stages.harness.artifacts`), the same
 check `python -m stages` and `dvc repro` go through. Prefect's own result cache is not
 used: it would be a second cache that can drift from the files on disk (a Prefect cache
 hit restores no files). A stage found current returns a Completed state named "Cached",
 which is what the UI and `align run` show.
 
 Training stages with `run.launch.num_processes` > 1 (or several machines) run through
-`stages.launch`: `accelerate launch` as a subprocess in its own process group, each output
+`stages.harness.launch`: `accelerate launch` as a subprocess in its own process group, each output
 line forwarded to the task's logger, `run.launch.timeout_s` enforced by killing every process
 (Prefect's `timeout_seconds` cannot interrupt a blocking thread), a failure raised so the
 task's retries apply. With `run.launch.work_pool` set they run as a flow run on that Prefect
@@ -24,10 +24,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from stages import launch
-from stages.config import Params
-from stages.registry import STAGES, get_stage
-from stages.runner import flat_metrics, inspect, run_stage
+from stages.harness import launch
+from stages.harness.config import Params
+from stages.harness.registry import STAGES, get_stage
+from stages.harness.runner import flat_metrics, inspect, run_stage
 from tasks.pool import run_on_pool
 from tasks.report import publish_report
 

@@ -25,7 +25,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from benchmarks.common import deep_update  # noqa: E402,F401 (re-exported for the tests)
-from stages.registry import STAGES  # noqa: E402 (after the environment above; imports no Prefect)
+from stages.harness.registry import STAGES  # noqa: E402 (after the environment above; imports no Prefect)
 
 STAGE_ORDER = tuple(STAGES)
 
@@ -70,8 +70,8 @@ def small_params(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def built_pipeline(tmp_path_factory):
     """Every stage built once on small settings (for tests that only read outputs)."""
-    from stages.params_loader import load_params
-    from stages.runner import run_stage
+    from stages.harness.params_loader import load_params
+    from stages.harness.runner import run_stage
 
     folder = tmp_path_factory.mktemp("pipeline")
     params = load_params(write_params(folder))

@@ -51,7 +51,7 @@ def arithmetic_files(folder: Path, *, plain: bool = False, **sizes) -> dict[str,
 
 def run_pipeline(params, stages=STAGE_ORDER) -> dict[str, dict]:
     """Every stage in order, in this process; {stage: manifest}."""
-    from stages.runner import run_stage
+    from stages.harness.runner import run_stage
 
     return {name: run_stage(name, params) for name in stages}
 

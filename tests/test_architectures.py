@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 from stages.data import read_jsonl
 from tests import architectures
 from tests.conftest import write_params
@@ -58,8 +58,8 @@ def check_softcapped_reference(params) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.trainers.preference import REF_COLUMNS
-    from stages.trainers.reference import compute_reference_logps
-    from stages.trainers.logprobs import lm_head_for_chunking
+    from stages.trainers.reference_model import compute_reference_logps
+    from stages.logprobs import lm_head_for_chunking
 
     out = Path(params.run.output_dir)
     rows = read_jsonl(out / "reference" / "pairs.jsonl")[:4]

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from stages.dvcgen import render_dvc_yaml
+from stages.harness.dvcgen import render_dvc_yaml
 from stages.metrics.report import HEADLINE
 from tests.conftest import ROOT, STAGE_ORDER, write_params
 

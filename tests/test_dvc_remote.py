@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stages import artifacts
+from stages.harness import artifacts
 from tests.test_dvc import dvc_repo, sh  # noqa: F401  (the fixture: a git + DVC checkout of the project)
 
 pytestmark = pytest.mark.slow

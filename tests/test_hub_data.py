@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 from tests.pipelines import arithmetic_rows, evaluate_table, hub_layout_folder, run_pipeline, write_jsonl
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import artifacts, runner
-from stages.params_loader import load_params
+from stages.harness import artifacts, runner
+from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 
 

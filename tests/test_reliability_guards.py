@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.config import Params
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness.config import Params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from stages.pipeline import training
 from tests.conftest import write_params
 
@@ -27,7 +27,7 @@ def preprocessed(tmp_path_factory):
 
 def poison_loss_from(monkeypatch, step: int):
     """Make SFT's loss NaN from optimizer step `step` (1-based) on."""
-    from stages.trainers.sft import SFTTrainer
+    from stages.trainers.sft_trainer import SFTTrainer
 
     real = SFTTrainer.compute_loss
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from stages.pipeline.training import complete_checkpoint
 from tests.conftest import ROOT, write_params
 

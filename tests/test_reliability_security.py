@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import runner
-from stages.config import Params
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.config import Params
+from stages.harness.params_loader import load_params
 from tests.conftest import ROOT, write_params
 
 SOURCES = sorted(p for d in ("stages", "flows", "tasks") for p in (ROOT / d).rglob("*.py"))
@@ -88,7 +88,7 @@ def test_stage_outputs_hold_no_pickles(built_pipeline):
 
 
 def test_reward_functions_are_imported_never_evaluated(tmp_path, monkeypatch):
-    from stages.rewards import load_reward_function
+    from stages.reward_functions import load_reward_function
 
     monkeypatch.chdir(tmp_path)
     for spec in ["__import__('os').system('touch pwned')", "os:system('touch pwned')", "lambda p, c: 1"]:
@@ -99,7 +99,7 @@ def test_reward_functions_are_imported_never_evaluated(tmp_path, monkeypatch):
 
 def test_servers_default_to_loopback(monkeypatch, tmp_path):
     from flows import server
-    from stages.config import GenerationParams
+    from stages.harness.config import GenerationParams
     from stages.generation import vllm
 
     assert GenerationParams().vllm_url.startswith("http://127.0.0.1:")

@@ -29,7 +29,7 @@ from stages.data.formats import FORMATS, detect_format, is_conversational
 from stages.data.hub import (HUB_ID, PLAIN_SUFFIXES, DataSourceError, DataSpec, check, is_spec_value, shape_problems,
                              spec_of)
 from stages.data.hub import read_rows as read_spec_rows
-from stages.reward_names import REWARD_MODEL_REWARDS
+from stages.reward_function_names import REWARD_MODEL_REWARDS
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
 HELD_OUT_KEYS = ("data.eval_source", "data.dev_source")  # held-out rows with references, never trained on

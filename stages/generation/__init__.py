@@ -13,7 +13,7 @@ Backends (``BACKENDS``), the first three in this process on a loaded model (``st
   (``stages.generation.vllm``; ``serve_command`` builds its command line).
 
 All render prompts with the tokenizer's chat template, return completions in prompt-major order and apply
-the same EOS trimming and reasoning-block policy (``stages.utils.parse_completions``).
+the same EOS trimming and reasoning-block policy (``stages.completion_text.parse_completions``).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
         sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt).
         backend: a ``BACKENDS`` key.
         batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm").
-        progress: log rate-limited progress lines with an ETA (``stages.progress``).
+        progress: log rate-limited progress lines with an ETA (``stages.basics``).
         **backend_options: passed to the backend, e.g. ``base_url=`` for "vllm".
 
     Returns:

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from stages.seeding import stable_seed
-from stages.utils import parse_completions, pad
+from stages.basics import stable_seed
+from stages.completion_text import parse_completions
+from stages.tensors import pad
 
 THINK_TAGS = ("<think>", "</think>")
 
@@ -89,7 +90,7 @@ class Generations:
             (all n completions of prompt 0, then prompt 1, ...).
         prompt_ids: len P: the tokenised rendered prompt (chat template + generation prompt), no padding.
         completion_ids: len P*n: generated tokens up to and including the first EOS; no padding.
-        completions: len P*n: the text reward functions score (``stages.utils.decode_and_strip_padding``).
+        completions: len P*n: the text reward functions score (``stages.completion_text.decode_and_strip_padding``).
         reasoning: len P*n: the ``<think>`` block text, or None.
         finished: len P*n: ended with EOS and no open reasoning block (False: cut at max_new_tokens).
         seed: the sampling seed.

@@ -21,7 +21,7 @@ import torch
 from stages.data.tokenize import render_prompt
 from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
 from stages.sharding import generate_kwargs
-from stages.utils import pad
+from stages.tensors import pad
 
 
 CHOICES = ("auto", "hf", "decoder")
@@ -74,7 +74,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                 attention_mask = pad([torch.ones_like(r) for r in rows], 0, "left").to(device)
                 extra = {}
                 if per_row:  # n consecutive rows per prompt, as HF's num_return_sequences lays them out
-                    from stages.generation.row_sampling import per_row_sampler
+                    from stages.generation.per_row_sampler import per_row_sampler
 
                     extra["logits_processor"] = per_row_sampler([prompt_ids[i] for i in batch], sampling,
                                                                 input_ids.shape[1], device)
@@ -159,6 +159,6 @@ def _progress_bar(total: int, enabled: bool):
         return None
     import logging
 
-    from stages.progress import Progress
+    from stages.basics import Progress
 
     return Progress(logging.getLogger("stages.generation"), total=total, unit="prompts", what="generate")

@@ -89,7 +89,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     if progress:
         import logging
 
-        from stages.progress import Progress
+        from stages.basics import Progress
 
         bar = Progress(logging.getLogger("stages.generation"), total=len(bodies), unit="prompts",
                        what="generate (vllm)")

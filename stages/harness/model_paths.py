@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from stages.builtin import BUILTIN_MODELS
-from stages.config import ModelConfig
+from stages.harness.config import ModelConfig
 from stages.harness import artifacts
 from stages.models import local_or_hub
 

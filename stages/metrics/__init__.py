@@ -12,7 +12,7 @@ from pathlib import Path
 
 METRICS_DIR = Path(__file__).resolve().parent
 # Loaded by path, not imported: listed so that they are part of the code of every stage importing this module
-# (stages.imports reads this literal).
+# (stages.harness.imports reads this literal).
 CODE_FILES = ("bleu/bleu.py", "rouge/rouge.py")
 LOCAL_METRICS = tuple(Path(f).parent.name for f in CODE_FILES)
 

@@ -1,1 +1,1 @@
-"""One module per pipeline stage; each exposes `run(ctx: StageContext) -> metrics`. See stages.registry."""
+"""One module per pipeline stage; each exposes `run(ctx: StageContext) -> metrics`. See stages.harness.registry."""

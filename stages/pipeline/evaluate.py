@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from stages import generation, trackers
-from stages.artifacts import write_json_atomic
+from stages.harness.artifacts import write_json_atomic
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
-from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
-from stages.progress import Progress
-from stages.utils import answer_after_reasoning
+from stages.harness.model_paths import resolve_model
+from stages.models import load_causal_lm, load_tokenizer, pick_device
+from stages.basics import Progress
+from stages.completion_text import answer_after_reasoning
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
 THINK = ("<think>", "</think>")
@@ -90,7 +91,7 @@ def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
     k % num_shards == shard) into `ctx.work/outputs/`; the stage's `run` afterwards (same params, so
     the same work folder) finds them saved and only scores them and writes the table.
 
-    Run through `stages.runner.run_shard` (`python -m stages evaluate --shard K --num-shards N`).
+    Run through `stages.harness.runner.run_shard` (`python -m stages evaluate --shard K --num-shards N`).
     Returns {"models": the labels of this share}.
     """
     device = pick_device(ctx.params.run.device)
@@ -149,11 +150,11 @@ def candidates(ctx) -> dict[str, tuple[str, str | None]]:
 def load_model(path: str, base: str | None, *, dtype: str, device: str, trust_remote_code: bool = False):
     """(model, tokenizer). An adapter with a known `base` is loaded on it, unmerged (the adapter model the
     merged row is compared with); other adapters and full models through `load_causal_lm`."""
-    from stages import merge
+    from stages import adapter_merge
 
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    if base is not None and merge.is_adapter(path):
-        return merge.load_adapter_model(base, path, dtype=dtype, device=device,
+    if base is not None and adapter_merge.is_adapter(path):
+        return adapter_merge.load_adapter_model(base, path, dtype=dtype, device=device,
                                         trust_remote_code=trust_remote_code), tokenizer
     return load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code), tokenizer
 
@@ -208,7 +209,7 @@ def check_references(rows: list[dict], metrics: list[str], path: Path) -> None:
 def score_rewards(rows: list[dict], outputs: dict[str, Outputs], reward_path: str, device: str
                   ) -> dict[str, list[float]]:
     """The reward model's score of every completion, per model label."""
-    from stages.rewards import load_reward_function
+    from stages.reward_functions import load_reward_function
 
     fn = load_reward_function("reward_model", reward_model_path=reward_path, device=device, key="evaluate.metrics")
     prompts = [r["prompt"] for r in rows]
@@ -255,7 +256,7 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
         row["win_rate"] = (round(sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(rewards, sft_rewards))
                                  / n, 4) if rewards is not None and sft_rewards is not None else None)
     if "format" in metrics:
-        from stages.rewards import reasoning_format
+        from stages.reward_functions import reasoning_format
 
         row["format"] = round(sum(reasoning_format([], out.completions, reasoning=out.reasoning)) / n, 4)
     if "length" in metrics:
@@ -279,7 +280,7 @@ def reference_text(completion: Any) -> str:
 
 
 def after_reasoning(text: str) -> str:
-    """A reference's answer part, by the reasoning-block policy of `stages.utils` ("" if a block is left open)."""
+    """A reference's answer part, by the reasoning-block policy of `stages.completion_text` ("" if a block is left open)."""
     return answer_after_reasoning(text)
 
 

@@ -23,10 +23,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stages import merge, model_card
+from stages import adapter_merge
+
+from stages.harness import model_card
 from stages.data import read_jsonl
 from stages.data.tokenize import render_prompt
-from stages.models import load_causal_lm, load_tokenizer, pick_device, resolve_model
+from stages.harness.model_paths import resolve_model
+from stages.models import load_causal_lm, load_tokenizer, pick_device
 
 
 def run(ctx) -> dict[str, Any]:
@@ -43,25 +46,25 @@ def run(ctx) -> dict[str, Any]:
         model = load_causal_lm(source, dtype=dtype, device=device, trust_remote_code=p.model.trust_remote_code)
         report = {"method": "none", "combination": None, "adapters": 0, "prune": None, "logits_max_diff": 0.0,
                   "change_max_diff": 0.0, "dtype": dtype, "tolerance": m.tolerance}
-        merge.save_merged(model, tokenizer, out)
+        adapter_merge.save_merged(model, tokenizer, out)
         write_card(ctx, out, report, stage)
-        lineage = merge.lineage(base=source, specs=[], report=report, output=out, base_record={"stage": stage})
+        lineage = adapter_merge.lineage(base=source, specs=[], report=report, output=out, base_record={"stage": stage})
     else:
-        if not merge.is_adapter(source):
+        if not adapter_merge.is_adapter(source):
             base = source  # extra adapters on a fully trained policy model: it is their base
-        merge.check_adapters(specs, base=base, combination=m.combination, density=m.density,
+        adapter_merge.check_adapters(specs, base=base, combination=m.combination, density=m.density,
                              prune_fraction=m.prune_fraction, prune_method=m.prune_method)  # before any loading
-        probe = merge.probe_batch(tokenizer, probe_texts(ctx, tokenizer, m.probe_size))
+        probe = adapter_merge.probe_batch(tokenizer, probe_texts(ctx, tokenizer, m.probe_size))
         ctx.log.info("merge: %d adapter(s) into %s (%s, weights %s)", len(specs), base, m.combination,
                      [s.weight for s in specs])
-        model, report = merge.merge_adapters(
+        model, report = adapter_merge.merge_adapters(
             base, specs, combination=m.combination, density=m.density, svd_rank=m.svd_rank,
             prune_fraction=m.prune_fraction, prune_method=m.prune_method, dtype=dtype, probe=probe,
             tolerance=m.tolerance, device=device, seed=p.run.seed, trust_remote_code=p.model.trust_remote_code)
-        merge.save_merged(model, tokenizer, out)
+        adapter_merge.save_merged(model, tokenizer, out)
         write_card(ctx, out, report, stage)
-        lineage = merge.lineage(base=base, specs=specs, report=report, output=out,
-                                base_record={"adapter": merge.is_adapter(base)})
+        lineage = adapter_merge.lineage(base=base, specs=specs, report=report, output=out,
+                                base_record={"adapter": adapter_merge.is_adapter(base)})
         ctx.log.info("merge: logits max diff %.3g (merged vs adapter model, tolerance %g)",
                      report["logits_max_diff"], m.tolerance)
     lineage["base_model"] = {"name_or_path": p.model.name_or_path}
@@ -72,7 +75,7 @@ def run(ctx) -> dict[str, Any]:
 
 
 def write_card(ctx, out: Path, report: dict[str, Any], source: str) -> None:
-    """The merged model's card (stages.model_card), before the lineage hashes the folder: the eval table comes
+    """The merged model's card (stages.harness.model_card), before the lineage hashes the folder: the eval table comes
     with promotion, after stage evaluate."""
     model_card.write_stage_card(ctx, out, extra={"merge_method": report["method"], "source": source})
 
@@ -99,13 +102,13 @@ def model_source(ctx) -> tuple[str, str, str]:
     return str(sft), "sft", resolve_model(p.model, p.run.output_dir)
 
 
-def adapter_specs(source: str, extra: list[str], weights: list[float] | None) -> list[merge.AdapterSpec]:
+def adapter_specs(source: str, extra: list[str], weights: list[float] | None) -> list[adapter_merge.AdapterSpec]:
     """The policy's adapter (if it is one) first, then merge.adapters; weights paired, count checked."""
-    paths = ([source] if merge.is_adapter(source) else []) + list(extra)
-    specs = merge.pair_weights(paths, weights)
+    paths = ([source] if adapter_merge.is_adapter(source) else []) + list(extra)
+    specs = adapter_merge.pair_weights(paths, weights)
     if paths and paths[0] == source:  # name the policy adapter by what it is, not by a params key
-        specs[0] = merge.AdapterSpec(specs[0].path, specs[0].weight, "the policy stage's adapter")
-        specs[1:] = [merge.AdapterSpec(s.path, s.weight, f"merge.adapters[{i}]") for i, s in enumerate(specs[1:])]
+        specs[0] = adapter_merge.AdapterSpec(specs[0].path, specs[0].weight, "the policy stage's adapter")
+        specs[1:] = [adapter_merge.AdapterSpec(s.path, s.weight, f"merge.adapters[{i}]") for i, s in enumerate(specs[1:])]
     return specs
 
 

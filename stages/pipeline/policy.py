@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
 from stages.pipeline.prompts import preference_pairs, prompt_rows, reward_model_path, unpaired_rows
-from stages.rewards import build_reward_functions
+from stages.reward_functions import build_reward_functions
 
 
 def run(ctx) -> dict[str, Any]:
@@ -93,26 +93,26 @@ def online_data(section: str):
 
 
 def dpo_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
-    from stages.trainers.dpo import DPOTrainer
+    from stages.trainers.dpo_trainer import DPOTrainer
 
     return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
 def kto_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
-    from stages.trainers.kto import KTOTrainer
+    from stages.trainers.kto_trainer import KTOTrainer
 
     return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
 
 
 def online_dpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.online_dpo import OnlineDPOTrainer
+    from stages.trainers.online_dpo_trainer import OnlineDPOTrainer
 
     return OnlineDPOTrainer(model, reward_funcs=rewards, args=config, processing_class=tokenizer, train_dataset=rows,
                             callbacks=callbacks)
 
 
 def grpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.grpo import GRPOTrainer
+    from stages.trainers.grpo_trainer import GRPOTrainer
 
     preference = None
     if config.reward_head == "shared":
@@ -122,7 +122,7 @@ def grpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
 
 
 def ppo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.ppo import PPOTrainer
+    from stages.trainers.ppo_trainer import PPOTrainer
 
     return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
                       callbacks=callbacks)
@@ -144,7 +144,7 @@ METHODS = {
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
     """The rows (pairs, unpaired rows or prompts) `policy.method` trains on and one device's share of a step
-    (`StageSpec.training_rows`, for the checks of `stages.launch`); None before they are counted upstream."""
+    (`StageSpec.training_rows`, for the checks of `stages.harness.launch`); None before they are counted upstream."""
     p, method = params.policy, params.policy.method
     counted = manifests["preprocess"].get("metrics", {}).get("rows", {})
     per_device, unit = p.trained.per_device_train_batch_size, "rows"

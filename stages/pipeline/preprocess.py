@@ -28,7 +28,8 @@ from stages.data.formats import normalise, validate
 from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
-from stages.models import load_tokenizer, resolve_model
+from stages.harness.model_paths import resolve_model
+from stages.models import load_tokenizer
 
 EVAL_FORMATS = ("prompt_completion", "messages", "alpaca")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from stages.data import DataError, read_jsonl
 from stages.data.templates import unpair_preference_dataset
-from stages.trainers import online_sampling
+from stages.trainers import online_generation
 
 PAIR_SOURCES = ("score", "preprocess")
 
@@ -78,4 +78,4 @@ def reward_model_path(ctx) -> str | None:
     return str(folder) if folder.is_dir() else None
 
 
-backend_options = online_sampling.backend_options  # one definition, shared with the online trainers
+backend_options = online_generation.backend_options  # one definition, shared with the online trainers

@@ -23,10 +23,11 @@ from typing import Any
 
 from stages import gates
 from stages.data import read_jsonl
-from stages.errors import QualityGateFailed
+from stages.harness.errors import QualityGateFailed
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.reward import RewardTrainer, evaluate_reward_model, load_reward_model
+from stages.reward_model import evaluate_reward_model, load_reward_model
+from stages.trainers.reward_trainer import RewardTrainer
 
 
 def run(ctx) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def split_pairs(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dic
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
     """The training pairs (the held-out share excluded) and one device's share of a step
-    (`StageSpec.training_rows`, for the checks of `stages.launch`); None before preprocess has counted them."""
+    (`StageSpec.training_rows`, for the checks of `stages.harness.launch`); None before preprocess has counted them."""
     n = manifests["preprocess"].get("metrics", {}).get("rows", {}).get("preference")
     return None if not isinstance(n, int) else {
         "rows": n - round(n * params.reward.eval_fraction), "what": "preference pairs",

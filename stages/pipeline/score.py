@@ -1,7 +1,7 @@
 """Stage `score`: sample completions from the SFT model, score them, turn the scores into pairs.
 
 For every prompt, `score.n` completions are sampled through `stages.generation` (`score.generation.backend`)
-and scored by the weighted reward functions of `score.reward_functions` (`stages.rewards`). Each prompt's
+and scored by the weighted reward functions of `score.reward_functions` (`stages.reward_functions`). Each prompt's
 scored completions become preference pairs (best vs worst, or all pairs apart by more than
 `score.min_margin`), filtered by minimum score, margin, length and duplicates; every filter's count is kept.
 With `score.source: dataset` the rows of `score.dataset` (prompt + `completions`) are scored instead.
@@ -33,10 +33,10 @@ from stages.generation import Generations, SamplingParams, generate
 from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
-from stages.progress import Progress
+from stages.basics import Progress
 from stages.trainers.generation_params import sampling_seed
-from stages.rewards import build_reward_functions, exact_match
-from stages.utils import answer_after_reasoning
+from stages.reward_functions import build_reward_functions, exact_match
+from stages.completion_text import answer_after_reasoning
 
 COLUMNS_NOT_PASSED = ("prompt", "completions")
 PAIR_KEYS = ("prompt", "completions", "completion", "chosen", "rejected")  # a pair row keeps the prompt's other columns
@@ -94,7 +94,7 @@ def run_shard(ctx, shard: int, num_shards: int) -> dict[str, Any]:
     k % num_shards == shard) into `ctx.work/shards/`, and assemble nothing: the stage's `run`
     afterwards (same params, so the same work folder) finds them saved and only pairs them.
 
-    Run through `stages.runner.run_shard` (`python -m stages score --shard K --num-shards N`).
+    Run through `stages.harness.runner.run_shard` (`python -m stages score --shard K --num-shards N`).
     Returns {"shards": the prompt-shard numbers of this share, "sampled": how many were sampled now}.
     """
     s = ctx.params.score

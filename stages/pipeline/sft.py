@@ -1,7 +1,7 @@
 """Stage `sft`: supervised fine-tuning of the base model on the preprocessed SFT rows.
 
 Full fine-tuning or LoRA/QLoRA (`sft.lora`), the loss on completion (or assistant) tokens
-only, optional packing, gradient checkpointing and streaming (`stages.trainers.sft`).
+only, optional packing, gradient checkpointing and streaming (`stages.trainers.sft_trainer`).
 Checkpoints go to the stage's work folder every `sft.save_steps`; a rerun after a crash
 resumes from the last one (weights, optimizer, scheduler, RNG, data position).
 
@@ -19,9 +19,10 @@ import importlib
 from typing import Any
 
 from stages.data import DataError, read_jsonl
-from stages.models import load_tokenizer, model_fingerprint, pick_device, resolve_model
+from stages.harness.model_paths import model_fingerprint, resolve_model
+from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training
-from stages.trainers.sft import SFTTrainer
+from stages.trainers.sft_trainer import SFTTrainer
 
 
 def run(ctx) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def run(ctx) -> dict[str, Any]:
 
 def online_eval(trainer, val: list[dict], s):
     """Greedy exact match on the first sft.eval_samples validation prompts every sft.eval_steps steps."""
-    from stages.rewards import exact_match
+    from stages.reward_functions import exact_match
     from stages.trainers.callbacks import OnlineEval
 
     rows = [r for r in val if "prompt" in r][: s.eval_samples]
@@ -102,7 +103,7 @@ def load_formatting_func(path: str | None):
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
     """The rows an epoch trains on and one device's share of a step (`StageSpec.training_rows`, for the
-    checks of `stages.launch`); None before preprocess has counted them."""
+    checks of `stages.harness.launch`); None before preprocess has counted them."""
     n = manifests["preprocess"].get("metrics", {}).get("rows", {}).get("sft_train")
     return None if not isinstance(n, int) else {
         "rows": n, "what": "SFT rows", "per_device": params.sft.per_device_train_batch_size, "unit": "rows",

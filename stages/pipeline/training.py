@@ -13,12 +13,14 @@ from typing import Any
 from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from stages import model_card, trackers
+from stages import trackers
+
+from stages.harness import model_card
 from stages.models import load_causal_lm
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard
-from stages.trainers.logprobs import unwrap
-from stages.trainers.precision import mixed_precision, trainer_precision
+from stages.sharding import unwrap
+from stages.precision import mixed_precision, trainer_precision
 
 TRACKERS = trackers.TRACKERS  # report_to names (stages/trackers.py)
 

@@ -2,7 +2,7 @@
 
 Each method config (`stages/trainers/<method>_config.py`) is one dataclass declared on
 `training_arguments()`: transformers' `TrainingArguments` when imported normally, as TRL's
-configs are. Params validation (`stages.config`) must not import torch (4 s here; `align
+configs are. Params validation (`stages.harness.config`) must not import torch (4 s here; `align
 status` takes 0.2 s), so it executes the same config modules a second time, privately
 (`light_module`), on `LightTrainingArguments`: a torch-free dataclass with transformers' own
 fields, names, defaults and help, read from transformers' source with `ast`. One

@@ -6,13 +6,13 @@ import math
 
 from transformers import TrainerCallback
 
-from stages.progress import Progress
+from stages.basics import Progress
 
 
 class LogToLogger(TrainerCallback):
     """Forward the Trainer's progress and logs to a stdlib logger (the console, the log file, the Prefect task).
 
-    Progress: a rate-limited line per `stages.progress` with step/total, steps/s, the ETA and the
+    Progress: a rate-limited line per `stages.basics` with step/total, steps/s, the ETA and the
     last logged loss (and rewards/accuracies when the trainer logs them). Every logged dict is
     kept in `history`; eval and end-of-training lines are logged in full, the others at DEBUG
     (the log file has them, the console is left to the progress line).
@@ -99,7 +99,7 @@ class OnlineEval(TrainerCallback):
     prompts are scored by `score_fn` and the mean is logged as `name` (TensorBoard, log_history, the logger).
 
     `score_fn(prompts, completions, **columns) -> list[float | None]` is a reward function
-    (`stages.rewards`; e.g. `exact_match`, which reads the rows' `answer` or reference `completion`);
+    (`stages.reward_functions`; e.g. `exact_match`, which reads the rows' `answer` or reference `completion`);
     None scores (no reference) are left out of the mean. Generation goes through
     `stages.generation` (seeded, the trainer's RNG state untouched; the model's train mode restored).
     """

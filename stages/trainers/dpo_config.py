@@ -1,4 +1,4 @@
-"""`DPOConfig`: direct preference optimisation's settings, TRL's names, one declaration (`stages.trainers.dpo`).
+"""`DPOConfig`: direct preference optimisation's settings, TRL's names, one declaration (`stages.trainers.dpo_trainer`).
 
 `beta` defaults to 0.3 (TRL: 0.1), chosen on the built-in task's dev split (docs/methods.md). The
 objectives named in `loss_type` are resolved (and so checked to exist) by the trainer.

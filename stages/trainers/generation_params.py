@@ -1,7 +1,7 @@
 """Sampling settings of the online methods and `score`: `GenerationParams` (the `generation` sections
 and the online trainers' `generation` field), the backends, the seed formula and backend options.
 No torch or generation backend is imported here, so params validation stays light; the sampling
-itself is `stages.trainers.online_sampling`.
+itself is `stages.trainers.online_generation`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import non_negative, param, positive
-from stages.seeding import stable_seed
+from stages.basics import stable_seed
 
 
 @dataclass

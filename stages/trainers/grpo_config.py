@@ -1,4 +1,4 @@
-"""`GRPOConfig`: group relative policy optimisation's settings, TRL's names, one declaration (`stages.trainers.grpo`).
+"""`GRPOConfig`: group relative policy optimisation's settings, TRL's names, one declaration (`stages.trainers.grpo_trainer`).
 
 The choices of `loss_type` and `scale_rewards` are the keys of `stages.losses.GRPO_AGGREGATIONS`
 and `GRPO_REWARD_SCALES` (a test keeps them equal).

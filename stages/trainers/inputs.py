@@ -124,7 +124,7 @@ def apply_peft(model, peft_config=None, *, task_type: str = "CAUSAL_LM"):
     if peft_config is None:
         return model
     from stages.trainers.adapters import wrap_peft
-    from stages.trainers.reference import is_peft
+    from stages.trainers.reference_model import is_peft
 
     if is_peft(model):
         raise ValueError("peft_config given, but the model already has PEFT adapters: pass the base model with "
@@ -201,7 +201,7 @@ def looks_like_rewards(value) -> bool:
     reward name or a module:function path (catches TRL-order mistakes such as OnlineDPOTrainer(model, rewards))."""
     from torch import nn
 
-    from stages.reward_names import REWARD_BUILTINS
+    from stages.reward_function_names import REWARD_BUILTINS
 
     if isinstance(value, (list, tuple)):
         return True

@@ -1,4 +1,4 @@
-"""`KTOConfig`: Kahneman-Tversky optimisation's settings, TRL's names, one declaration (`stages.trainers.kto`)."""
+"""`KTOConfig`: Kahneman-Tversky optimisation's settings, TRL's names, one declaration (`stages.trainers.kto_trainer`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

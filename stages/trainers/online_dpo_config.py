@@ -1,4 +1,4 @@
-"""`OnlineDPOConfig`: online DPO's settings, TRL's names, one declaration (`stages.trainers.online_dpo`)."""
+"""`OnlineDPOConfig`: online DPO's settings, TRL's names, one declaration (`stages.trainers.online_dpo_trainer`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""`PPOConfig`: proximal policy optimisation's settings, TRL's names, one declaration (`stages.trainers.ppo`).
+"""`PPOConfig`: proximal policy optimisation's settings, TRL's names, one declaration (`stages.trainers.ppo_trainer`).
 
 `per_device_train_batch_size` prompts per rollout. The choices of `kl_estimator` are the keys of
 `stages.losses.KL_ESTIMATORS` (a test keeps them equal).

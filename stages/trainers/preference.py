@@ -5,7 +5,7 @@ Shared by DPO, online DPO, KTO, GRPO's reward head, the reward trainer and the p
 rejected (`tokenize_pairs`); `PairCollator` stacks a batch of B pairs into 2B right-padded rows,
 chosen first; `sequence_logps` gives each row's summed completion log-prob, from the final
 hidden states through `stages.kernels.chunked_logprobs` where the model allows (see
-`stages.trainers.logprobs`), else from the logits through `stages.kernels.selective_log_softmax`.
+`stages.logprobs`), else from the logits through `stages.kernels.selective_log_softmax`.
 `stages.losses.preference_loss` combines the named objectives on those sums.
 
 The small trainer plumbing the preference trainers share (a tokenised `datasets.Dataset`,
@@ -22,9 +22,9 @@ from transformers import Trainer
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
-from stages.trainers.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
-from stages.trainers.pair_packing import forward_inputs
-from stages.utils import pad
+from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
+from stages.pair_packing import forward_inputs
+from stages.tensors import pad
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precomputed reference log-probs (summed) per pair
 
@@ -87,7 +87,7 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = Fal
     """Summed (or per-token averaged) completion log-probs of every row: (rows,).
 
     pairs: the rows are a `PairCollator` batch (B chosen, then B rejected); each pair then runs as one row
-    packed on its shared prefix where the model allows (`stages.trainers.pair_packing`), with the same result.
+    packed on its shared prefix where the model allows (`stages.pair_packing`), with the same result.
     """
     inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs)
     targets = batch["input_ids"][:, 1:]

@@ -2,7 +2,7 @@
 
 A `transformers.Trainer` checkpoint restores weights, optimizer, scheduler, the global RNGs
 and the data position; sampling seeds follow from the run seed, the step and the prompt
-(`stages.trainers.online_sampling`), so they need no state. What an online trainer (GRPO) must
+(`stages.trainers.online_generation`), so they need no state. What an online trainer (GRPO) must
 add: rollouts generated at one step and reused by later ones (`num_iterations` > 1, with their
 log-probs at sampling time; the policy has moved since, so they cannot be sampled again) and
 private `torch.Generator`s. `save_state` writes them, per process, into the checkpoint folder

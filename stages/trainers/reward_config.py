@@ -1,4 +1,4 @@
-"""`RewardConfig`: the reward model's settings, TRL's names, one declaration (`stages.trainers.reward`)."""
+"""`RewardConfig`: the reward model's settings, TRL's names, one declaration (`stages.trainers.reward_trainer`)."""
 from __future__ import annotations
 
 import math

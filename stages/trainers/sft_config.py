@@ -1,4 +1,4 @@
-"""`SFTConfig`: supervised fine-tuning's settings, TRL's names, one declaration (`stages.trainers.sft`)."""
+"""`SFTConfig`: supervised fine-tuning's settings, TRL's names, one declaration (`stages.trainers.sft_trainer`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

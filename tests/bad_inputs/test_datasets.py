@@ -215,7 +215,7 @@ def test_too_few_held_out_pairs_for_the_reward_gate_stop_before_sft(capsys, tmp_
 def test_few_held_out_pairs_are_warned_about(caplog, tmp_path, params_for):
     """300 pairs hold out 30: the gate can pass, but a reward model right on 95% of them would not; a warning
     with the key, and the run goes on."""
-    from stages.params_loader import load_params
+    from stages.harness.params_loader import load_params
 
     (tmp_path / "sft.jsonl").write_bytes(jsonl(good(100)))
     (tmp_path / "pairs.jsonl").write_bytes(jsonl(pairs(300)))

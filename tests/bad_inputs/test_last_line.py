@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.params_loader import ParamsError, load_params
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import ROOT
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
@@ -44,8 +44,8 @@ def test_unknown_key_suggests_the_closest_known_key(tmp_path, params_for):
 
 
 def test_unknown_key_without_a_close_one_lists_the_known_keys():
-    from stages.config import RunConfig
-    from stages.params_loader import build
+    from stages.harness.config import RunConfig
+    from stages.harness.params_loader import build
 
     _, problems = build(RunConfig, {"zzz": 1}, "run.")
     assert problems[0].startswith("run.zzz: unknown key; known keys here: ") and "output_dir" in problems[0]

@@ -5,8 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from tests.bad_inputs.conftest import assert_rejected, escape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -96,7 +96,7 @@ def test_custom_tokenizer_code_needs_trust_remote_code(tmp_path, params_for, mod
     """The same for a tokenizer that names its own class (tokenizer_config.json's auto_map)."""
     import pytest
 
-    from stages.params_loader import ParamsError
+    from stages.harness.params_loader import ParamsError
 
     folder = copy_tokenizer(model_dir, tmp_path / "custom-tok")
     shutil.copy(model_dir / "config.json", folder / "config.json")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.params_loader import ParamsError, load_params
+from stages.harness.params_loader import ParamsError, load_params
 from stages.data import DataError
 from tests.conftest import ROOT, deep_update, write_params
 from tests.pipelines import arithmetic_files, evaluate_table, run_pipeline
@@ -165,7 +165,7 @@ def test_promotion_on_the_dev_split_suggests_eval(project):
 
 # where the code makes each `--set` suggestion in an error message (the key, or the f-string placeholder)
 SUGGESTIONS = {
-    "stages/config.py": ["data.source"],
+    "stages/harness/config.py": ["data.source"],
     "stages/data/sources.py": ["policy.data", "policy.method", "policy.grpo.reward_head", "score.enabled",
                                "policy.grpo.reward_functions", "policy.grpo.reward_weights", "{key}",
                                "{key.rsplit('.', 1)[0]}.reward_weights"],

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import artifacts
-from stages.params_loader import load_params
+from stages.harness import artifacts
+from stages.harness.params_loader import load_params
 from tests.benchmarks.helpers import as_sets
 from tests.conftest import SMALL
 

@@ -60,7 +60,7 @@ def low_ids_none_on_rank_1(prompts, completions, completion_ids, **_):
 def train(method: str, model_path: str, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_sampling import GenerationParams
+    from stages.trainers.online_generation import GenerationParams
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -69,13 +69,13 @@ def train(method: str, model_path: str, out: Path) -> dict:
                 save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, dataloader_num_workers=0,
                 generation=GenerationParams(max_new_tokens=MAX_NEW_TOKENS))
     if method == "online_dpo":
-        from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+        from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
         trainer = OnlineDPOTrainer(model, reward_funcs=[("low_ids", low_ids_unless_rank_1)], processing_class=tok,
                                    train_dataset=prompts(), args=OnlineDPOConfig(**args, per_device_train_batch_size=4,
                                                                                  beta=0.5))
     elif method == "ppo":
-        from stages.trainers.ppo import PPOConfig, PPOTrainer
+        from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
 
         # chunked log-probs read lm_head outside the forward, which DDP rejects in PPO's backward ("Expected to
         # mark a variable ready only once"): not this test's subject (issue 14, item 6), so the logits path
@@ -83,7 +83,7 @@ def train(method: str, model_path: str, out: Path) -> dict:
                                                    num_mini_batches=2, use_chunked_logprobs=False),
                              processing_class=tok, train_dataset=prompts(), reward_funcs=low_ids_none_on_rank_1)
     else:
-        from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+        from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
 
         trainer = GRPOTrainer(model, [("low_ids", low_ids_unless_rank_1)], processing_class=tok,
                               train_dataset=prompts(), args=GRPOConfig(**args, per_device_train_batch_size=8,
@@ -96,7 +96,7 @@ def train(method: str, model_path: str, out: Path) -> dict:
 def sample_target(model_path: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_sampling import GenerationParams, sample_online, sampling_seed
+    from stages.trainers.online_generation import GenerationParams, sample_online, sampling_seed
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
-    from stages.processes import shutdown_distributed
+    from stages.harness.processes import shutdown_distributed
 
     ok = False
     try:

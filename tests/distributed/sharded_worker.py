@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # launched as a script
     sys.path.insert(0, str(ROOT))
 
 from stages.builtin import arithmetic  # noqa: E402
-from stages.config import ArithmeticConfig  # noqa: E402
+from stages.harness.config import ArithmeticConfig  # noqa: E402
 from stages.data.formats import normalise  # noqa: E402
 
 SHARDINGS = ("blocks", "head")
@@ -68,9 +68,9 @@ def measure(how: str, model_path: str, rank: int) -> dict:
     from stages.generation import SamplingParams
     from stages.generation.hf import generate
     from stages.sharding import generate_kwargs, sharding_engine
-    from stages.trainers.logprobs import lm_head_for_chunking
+    from stages.logprobs import lm_head_for_chunking
     from stages.trainers.preference import sequence_logps
-    from stages.trainers.reference import frozen_reference
+    from stages.trainers.reference_model import frozen_reference
     from stages.trainers.rollout import completion_logps
 
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -19,9 +19,9 @@ import sys
 import pytest
 import torch
 
-from stages.config import LaunchConfig
-from stages.launch import launch_command
-from stages.processes import run_command
+from stages.harness.config import LaunchConfig
+from stages.harness.launch import launch_command
+from stages.harness.processes import run_command
 from tests.distributed import worker
 from tests.distributed.conftest import free_port
 
@@ -117,7 +117,7 @@ def test_accumulating_micro_batches_of_1_equals_one_batch(method, adapter, model
 
 def test_ppo_refuses_gradient_accumulation_before_training(tmp_path):
     """PPO's own optimizer steps per rollout make accumulation meaningless: refused, naming the key."""
-    from stages.trainers.ppo import PPOConfig
+    from stages.trainers.ppo_trainer import PPOConfig
 
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         PPOConfig(**worker.common_args(tmp_path, "ppo", "full", 1, 2, STEPS))

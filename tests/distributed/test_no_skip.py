@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from stages.builtin import tiny
-from stages.config import LaunchConfig
-from stages.launch import launch_command
-from stages.processes import run_command
+from stages.harness.config import LaunchConfig
+from stages.harness.launch import launch_command
+from stages.harness.processes import run_command
 from tests.distributed import no_skip_worker as worker
 from tests.distributed.conftest import free_port
 
@@ -70,7 +70,7 @@ def test_a_rank_whose_rewards_all_tie_still_steps_and_the_weights_agree(launched
 def test_rank_1_samples_a_prompt_as_one_process_does_alone(launched):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_sampling import GenerationParams, sample_online, sampling_seed
+    from stages.trainers.online_generation import GenerationParams, sample_online, sampling_seed
 
     model, out = launched
     tok, lm = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from stages.processes import run_command
+from stages.harness.processes import run_command
 from tests.distributed import sharded_worker
 from tests.distributed.conftest import free_port
 

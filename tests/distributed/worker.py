@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # launched as a script
     sys.path.insert(0, str(ROOT))
 
 from stages.builtin import arithmetic  # noqa: E402
-from stages.config import ArithmeticConfig, LoraParams  # noqa: E402
+from stages.harness.config import ArithmeticConfig, LoraParams  # noqa: E402
 from stages.data.formats import normalise  # noqa: E402
 
 METHODS = ("sft", "reward", "dpo_precomputed", "dpo_live", "kto", "online_dpo", "grpo_beta0", "grpo_beta", "ppo")
@@ -101,7 +101,8 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
     args = common_args(out, cell_name(method, adapter), adapter, batch, accum, steps)
     lora = adapter == "lora"
     if method == "reward":
-        from stages.trainers.reward import RewardConfig, RewardTrainer, load_reward_model
+        from stages.reward_model import load_reward_model
+        from stages.trainers.reward_trainer import RewardConfig, RewardTrainer
 
         model = load_reward_model(model_path, tokenizer=tok)  # the LM's trunk + a fresh head (seeded above)
         model = apply_lora(model, LORA, task_type="SEQ_CLS") if lora else model
@@ -112,33 +113,33 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
 
     generation = GenerationParams(max_new_tokens=NEW_TOKENS)
     if method == "sft":
-        from stages.trainers.sft import SFTConfig, SFTTrainer
+        from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
         return SFTTrainer(model, SFTConfig(**args, max_seq_length=256), processing_class=tok, train_dataset=sft_rows())
     if method.startswith("dpo"):
-        from stages.trainers.dpo import DPOConfig, DPOTrainer
+        from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 
         config = DPOConfig(**args, beta=0.5, precompute_ref_log_probs=method == "dpo_precomputed")
         return DPOTrainer(model, args=config, processing_class=tok, train_dataset=pair_rows())
     if method == "kto":
-        from stages.trainers.kto import KTOConfig, KTOTrainer
+        from stages.trainers.kto_trainer import KTOConfig, KTOTrainer
 
         return KTOTrainer(model, args=KTOConfig(**args, beta=0.5), processing_class=tok,
                           train_dataset=unpaired_rows())
     if method == "online_dpo":
-        from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+        from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
         return OnlineDPOTrainer(model, reward_funcs=REWARDS, args=OnlineDPOConfig(**args, beta=0.5, generation=generation),
                                 processing_class=tok, train_dataset=prompt_rows())
     if method.startswith("grpo"):
-        from stages.trainers.grpo import GRPOConfig, GRPOTrainer
+        from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
 
         args["per_device_train_batch_size"] = batch * GENERATIONS  # counts completions
         config = GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo", generation=generation,
                             beta=0.0 if method == "grpo_beta0" else 0.2)
         return GRPOTrainer(model, REWARDS, args=config, processing_class=tok, train_dataset=prompt_rows())
     if method == "ppo":
-        from stages.trainers.ppo import PPOConfig, PPOTrainer
+        from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
 
         config = PPOConfig(**args, num_ppo_epochs=1, num_mini_batches=1, generation=generation)
         return PPOTrainer(model, args=config, processing_class=tok, train_dataset=prompt_rows(), reward_funcs=REWARDS)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--cells", default=",".join(cell_name(*c) for c in CELLS))
     a = ap.parse_args(argv)
-    from stages.processes import shutdown_distributed
+    from stages.harness.processes import shutdown_distributed
 
     ok = False
     try:

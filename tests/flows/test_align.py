@@ -1,7 +1,7 @@
 """The `align` flow end to end on the embedded default (small settings), on a real Prefect server."""
 import pytest
 
-from stages.params_loader import ParamsError
+from stages.harness.params_loader import ParamsError
 from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from stages import artifacts, runner
-from stages.params_loader import load_params
+from stages.harness import artifacts, runner
+from stages.harness.params_loader import load_params
 from tests.conftest import ROOT, STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow

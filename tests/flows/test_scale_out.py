@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow

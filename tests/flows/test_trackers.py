@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.params_loader import load_params
-from stages.runner import output_dir
+from stages.harness.params_loader import load_params
+from stages.harness.runner import output_dir
 from tests.conftest import write_params
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from stages import artifacts
+from stages.harness import artifacts
 from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig, TinyModelConfig
+from stages.harness.config import ArithmeticConfig, TinyModelConfig
 
 
 def _task(**kw):

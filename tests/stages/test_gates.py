@@ -100,7 +100,7 @@ def test_held_out_pairs():
 def test_the_defaults_pass_the_builtin_task_on_every_measured_seed():
     """docs/decisions.md: held-out pair accuracy 0.978 / 0.941 / 0.915 / 0.919 on seeds 0-3 (about 270 pairs) with
     the default reward recipe; each passes the default gate, 7 pairs cannot (16 are needed)."""
-    from stages.config import RewardSection
+    from stages.harness.config import RewardSection
 
     r = RewardSection()
     for accuracy in (0.978, 0.941, 0.915, 0.919):

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from stages import runner
+from stages.harness import runner
 from stages.builtin import tiny
-from stages.config import ModelConfig
-from stages.params_loader import load_params
+from stages.harness.config import ModelConfig
+from stages.harness.params_loader import load_params
 from stages.model_source import hub_unreachable_reason, model_source_problem
-from stages.models import resolve_model
+from stages.harness.model_paths import resolve_model
 from tests.conftest import STAGE_ORDER, write_params
 
 
@@ -103,7 +103,7 @@ def test_a_saved_tokenizer_does_not_depend_on_hub_offline_mode(tmp_path, monkeyp
     into a stage's output it made the flow's and the CLI's byte-identical builds differ by the environment."""
     from huggingface_hub import constants
 
-    from stages.config import ModelConfig
+    from stages.harness.config import ModelConfig
     from stages.models import load_tokenizer
 
     folder = resolve_model(ModelConfig(), tmp_path)

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from stages import promotion, runner
+from stages import promotion
+
+from stages.harness import runner
 from stages.builtin import tiny
 from tests.stages.test_merge import SIZE
 

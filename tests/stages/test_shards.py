@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import runner
+from stages.harness import runner
 from stages.__main__ import main
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 
 

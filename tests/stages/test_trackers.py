@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from stages import trackers
-from stages.params_loader import load_params
-from stages.runner import StageContext
+from stages.harness.params_loader import load_params
+from stages.harness.runner import StageContext
 from tests.conftest import ROOT, write_params
 
 
@@ -56,7 +56,7 @@ def test_pipeline_run_name(tmp_path, monkeypatch):
 def test_pipeline_run_is_the_same_in_every_stage_process(tmp_path):
     """`python -m stages` runs and `dvc repro`: a fresh process per stage finds the same name."""
     params = write_params(tmp_path)
-    code = ("import sys; from stages.params_loader import load_params; from stages.trackers import pipeline_run; "
+    code = ("import sys; from stages.harness.params_loader import load_params; from stages.trackers import pipeline_run; "
             "print(pipeline_run(load_params(sys.argv[1])))")
     env = {k: v for k, v in os.environ.items() if k not in (trackers.RUN_ENV, "DVC_EXP_NAME")}
     env["PYTHONPATH"] = str(ROOT)

@@ -12,7 +12,7 @@ import torch
 
 from stages.builtin import tiny
 from stages.data import apply_chat_template, is_conversational, maybe_extract_prompt, unpair_preference_dataset
-from stages.utils import pad, pad_to_length, selective_log_softmax
+from stages.tensors import pad, pad_to_length, selective_log_softmax
 
 SKY = [{"role": "user", "content": "What color is the sky?"}]
 BLUE = [{"role": "assistant", "content": "It is blue."}]

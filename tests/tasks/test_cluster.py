@@ -3,7 +3,7 @@ import socket
 
 import pytest
 
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 from tasks.cluster import ClusterUnreachable, check_reachable, shard_runner
 from tests.conftest import ROOT
 

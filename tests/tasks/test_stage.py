@@ -1,5 +1,5 @@
 """tasks.stage: one Prefect task per stage of the table, made by one factory."""
-from stages.registry import STAGES
+from stages.harness.registry import STAGES
 from tasks.stage import AFTER_RUN, STAGE_TASKS
 
 

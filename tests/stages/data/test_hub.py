@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import runner
-from stages.params_loader import ParamsError, load_params
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from stages.data import load_grouped, load_source
 from stages.data.hub import DataSpec, rows_hash, source_identity, spec_of
 from tests.conftest import write_params

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from stages.config import DataConfig
-from stages.params_loader import ParamsError, load_params
+from stages.harness.config import DataConfig
+from stages.harness.params_loader import ParamsError, load_params
 from stages.data import row_checks
 from tests.conftest import write_params
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stages.config import Params
+from stages.harness.config import Params
 from stages.data import sources
 from stages.data.sources import DataShape, destination_problem, missing_files, needs, peek
 

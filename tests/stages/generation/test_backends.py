@@ -48,7 +48,7 @@ def test_an_architecture_the_decoder_does_not_cover(gpt2_model):
 
 
 def test_an_unknown_backend_in_params_names_the_key_and_the_choices(tmp_path):
-    from stages.params_loader import load_params
+    from stages.harness.params_loader import load_params
     from tests.conftest import write_params
 
     with pytest.raises(Exception) as err:
@@ -59,8 +59,8 @@ def test_an_unknown_backend_in_params_names_the_key_and_the_choices(tmp_path):
 
 @pytest.mark.slow
 def test_the_manifest_records_the_backends_that_ran(built_pipeline, tmp_path):
-    from stages import runner
-    from stages.params_loader import load_params
+    from stages.harness import runner
+    from stages.harness.params_loader import load_params
 
     params, manifests = built_pipeline
     assert manifests["score"]["generation"] == {"backends": ["decoder"]}  # the default: auto, on the built-in Llama

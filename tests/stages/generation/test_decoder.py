@@ -4,7 +4,7 @@ import torch
 
 from stages.generation import SamplingParams, generate
 from stages.generation.decoder import Decoder, why_not
-from stages.generation.row_sampling import per_row_sampler
+from stages.generation.per_row_sampler import per_row_sampler
 
 from .conftest import PROMPTS
 
@@ -123,7 +123,7 @@ def test_stops_when_every_row_has_finished_and_pads_after_eos():
 
 @pytest.mark.parametrize("attention", ["sdpa", "sdpa_cpu_fp32"])
 def test_under_bf16_autocast_it_tracks_hf_generate(attention):
-    from stages.trainers.precision import use_fp32_cpu_attention
+    from stages.precision import use_fp32_cpu_attention
 
     model = _model("qwen2")
     if attention == "sdpa_cpu_fp32":

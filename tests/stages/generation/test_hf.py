@@ -7,7 +7,7 @@ import torch
 from stages.builtin import tiny
 from stages.data.tokenize import render_prompt
 from stages.generation import BACKENDS, Generations, SamplingParams, generate
-from stages.utils import decode_and_strip_padding
+from stages.completion_text import decode_and_strip_padding
 
 from .conftest import PROMPTS
 

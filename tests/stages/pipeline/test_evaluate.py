@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from stages import runner
+from stages.harness import runner
 from stages.data import DataError, read_jsonl
 from stages.metrics import load_metric
 from stages.pipeline.evaluate import after_reasoning, check_references, extract
@@ -69,7 +69,7 @@ def test_a_crashed_evaluate_reuses_the_outputs_it_finished(tmp_path, built_pipel
     """The models evaluated before a crash are not generated again on the rerun."""
     import shutil
 
-    from stages.params_loader import load_params
+    from stages.harness.params_loader import load_params
     from stages.pipeline import evaluate
     from tests.conftest import write_params
 

@@ -8,12 +8,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from stages import merge, runner
-from stages.params_loader import ParamsError, load_params
-from stages.merge import MergeError
+from stages import adapter_merge
+
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
+from stages.adapter_merge import MergeError
 from stages.models import load_tokenizer
 from stages.pipeline import merge as merge_stage
-from stages.runner import StageContext
+from stages.harness.runner import StageContext
 from tests.conftest import write_params
 from tests.stages.test_merge import make_adapter
 
@@ -57,7 +59,7 @@ def lora_run(built_pipeline, tmp_path_factory):
     p = load_params(write_params(folder, lora))
     runner.run_stage("reference", p)
     policy = runner.run_stage("policy", p)
-    assert policy["executed"] and merge.is_adapter(runner.output_dir(p, "policy") / "model")
+    assert policy["executed"] and adapter_merge.is_adapter(runner.output_dir(p, "policy") / "model")
     return folder, lora, p
 
 
@@ -74,11 +76,11 @@ def test_lora_policy_adapter_is_merged_exactly(lora_run):
     assert lineage["adapters"][0]["weight"] == 1.0 and lineage["adapters"][0]["hash"].startswith("sha256:")
     # the merged folder reproduces the adapter model (on its pipeline base) after a round trip
     tok = load_tokenizer(str(sft))
-    probe = merge.probe_batch(tok, ["<|user|>\n12+34<|end|><|assistant|>\n", "<|user|>\n99+1<|end|>"])
+    probe = adapter_merge.probe_batch(tok, ["<|user|>\n12+34<|end|><|assistant|>\n", "<|user|>\n99+1<|end|>"])
     reloaded = AutoModelForCausalLM.from_pretrained(str(runner.output_dir(p, "merge") / "model"))
-    expected = merge.probe_logits(merge.load_adapter_model(str(sft), str(adapter)), probe)
-    assert merge.max_abs_diff(merge.probe_logits(reloaded, probe), expected) < 1e-4
-    assert merge.max_abs_diff(merge.probe_logits(AutoModelForCausalLM.from_pretrained(str(sft)), probe),
+    expected = adapter_merge.probe_logits(adapter_merge.load_adapter_model(str(sft), str(adapter)), probe)
+    assert adapter_merge.max_abs_diff(adapter_merge.probe_logits(reloaded, probe), expected) < 1e-4
+    assert adapter_merge.max_abs_diff(adapter_merge.probe_logits(AutoModelForCausalLM.from_pretrained(str(sft)), probe),
                               expected) > 0  # the adapter did change the model
 
 

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from stages import runner
-from stages.params_loader import ParamsError, load_params
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 
@@ -57,7 +57,7 @@ def test_no_preference_pairs_is_a_clear_error(tmp_path):
 
 
 def test_beta_only_rerun_runs_no_reference_forward(tmp_path, built_pipeline):
-    from stages.trainers import reference
+    from stages.trainers import reference_model as reference
 
     params, _ = built_pipeline
     shutil.copytree(params.run.output_dir, tmp_path / "artifacts")

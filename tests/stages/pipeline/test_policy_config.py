@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.params_loader import load_params
+from stages.harness.params_loader import load_params
 from stages.pipeline.training import trainer_config
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT
@@ -52,7 +52,7 @@ def test_preflight_reports_what_transformers_refuses_before_any_stage(tmp_path):
     import subprocess
     import sys
 
-    from stages.preflight import trainer_config_problems
+    from stages.harness.preflight import trainer_config_problems
 
     params = load_params(ROOT / "params.yaml", {"policy.dpo.eval_strategy": "epoch",
                                                  "policy.dpo.load_best_model_at_end": True})

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from stages.data import read_jsonl
 from tests.conftest import write_params
 

@@ -1,5 +1,5 @@
 """Stage `reference`: reference log-probs of the DPO pairs, computed once, only when DPO needs them."""
-from stages import runner
+from stages.harness import runner
 from stages.data import read_jsonl
 
 
@@ -16,7 +16,7 @@ def test_reference_logps_cover_every_pair(built_pipeline):
 
 
 def test_nothing_to_compute_for_other_methods():
-    from stages.config import PolicyParams
+    from stages.harness.config import PolicyParams
     from stages.pipeline.reference import needed
 
     assert needed(PolicyParams()) is None
@@ -43,9 +43,9 @@ def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipelin
     import json
     import shutil
 
-    from stages.params_loader import load_params
+    from stages.harness.params_loader import load_params
     from stages.models import load_causal_lm, load_tokenizer
-    from stages.trainers.dpo import DPOConfig, DPOTrainer
+    from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
     from tests.conftest import write_params
 
     params, manifests = built_pipeline

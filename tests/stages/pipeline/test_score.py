@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages import runner
-from stages.params_loader import ParamsError, load_params
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from stages.data import read_jsonl
 from stages.pipeline.score import build_pairs
 from tests.conftest import write_params

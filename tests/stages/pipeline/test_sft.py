@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from stages import runner
-from stages.params_loader import load_params
+from stages.harness import runner
+from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 
 

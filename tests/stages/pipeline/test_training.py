@@ -1,12 +1,12 @@
 """stages.pipeline.training: mixed precision, activation checkpointing and QLoRA, the same for every training
-stage (`sft`, `reward`, `policy`), from the keys each section shares (stages.config.PrecisionParams)."""
+stage (`sft`, `reward`, `policy`), from the keys each section shares (stages.harness.config.PrecisionParams)."""
 import shutil
 
 import pytest
 import torch
 
-from stages import runner
-from stages.params_loader import ParamsError, load_params
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 
 
@@ -92,7 +92,7 @@ def test_qlora_from_an_adapter_folder_merges_then_quantizes(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from stages.config import LoraParams
+    from stages.harness.config import LoraParams
     from stages.models import load_causal_lm
     from stages.trainers.adapters import quantization_config
     from tests.stages.trainers.conftest import build_tiny

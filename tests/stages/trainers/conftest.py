@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from stages.builtin import arithmetic, tiny
-from stages.config import ArithmeticConfig
+from stages.harness.config import ArithmeticConfig
 from stages.data.formats import normalise
 
 

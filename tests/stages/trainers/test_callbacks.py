@@ -5,7 +5,7 @@ import re
 import torch
 
 from stages.trainers.callbacks import LogToLogger
-from stages.trainers.sft import SFTConfig, SFTTrainer
+from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 LINE = re.compile(r"^step (\d+)/12 steps \((\d+)%\), [\d.e+]+ steps/s, (ETA \d+s|done in \d+s)(, loss=[\d.]+)?")

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from stages.losses import dpo_loss
-from stages.trainers import reference
-from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.trainers import reference_model as reference
+from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from stages.trainers.preference import REF_COLUMNS, completion_token_counts, sequence_logps
-from stages.trainers.reference import compute_reference_logps, reference_logps_table
-from stages.trainers.sampling import BalancedBatchSampler
+from stages.trainers.reference_model import compute_reference_logps, reference_logps_table
+from stages.trainers.balanced_sampler import BalancedBatchSampler
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 

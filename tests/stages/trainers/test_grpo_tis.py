@@ -18,7 +18,7 @@ import torch
 
 from stages.generation import SamplingParams, generate
 from stages.losses import grpo_loss, truncated_importance_weights
-from stages.trainers.grpo import GRPOConfig, GRPOTrainer, completion_tensors, per_token_logps
+from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer, completion_tensors, per_token_logps
 from stages.trainers.rollout import sampler_logps
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 

@@ -4,7 +4,7 @@ import textwrap
 import pytest
 import torch
 
-from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from stages.losses import OBJECTIVES, resolve_objective
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 

@@ -1,8 +1,8 @@
 """OnlineEval: a greedy exact-match evaluation every eval_steps, logged like any training metric."""
 from stages.models import load_causal_lm, load_tokenizer
-from stages.rewards import exact_match
+from stages.reward_functions import exact_match
 from stages.trainers.callbacks import OnlineEval
-from stages.trainers.sft import SFTConfig, SFTTrainer
+from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from stages.trainers.dpo import DPOConfig, DPOTrainer
+from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from stages.trainers.reward_mean import STATE_FILE, RewardMean
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
@@ -71,7 +71,7 @@ def test_online_dpo_keeps_the_same_running_mean(setup, tmp_path):
     means of rewards/chosen and rewards/rejected weighted by each step's kept pairs (8 prompts - dropped ties)."""
     from transformers import AutoModelForCausalLM
 
-    from stages.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
     path, tok, _ = setup
     args = OnlineDPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=5e-2,

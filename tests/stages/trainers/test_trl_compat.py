@@ -244,7 +244,7 @@ def test_stages_trainers_exports_what_from_trl_import_gives(pairs):
 # ------------------------------------------------------------------------------ bad input, without TRL
 
 def test_unsupported_trl_fields_names_the_field_as_trls():
-    from stages.trainers.grpo import GRPOConfig
+    from stages.trainers.grpo_trainer import GRPOConfig
 
     problems = unsupported_trl_fields(GRPOConfig, {"use_vllm": True, "beta": 0.1, "entropy_coef": 0.01})
     assert [k for k, _ in problems] == ["use_vllm", "entropy_coef"]
@@ -253,7 +253,7 @@ def test_unsupported_trl_fields_names_the_field_as_trls():
 
 
 def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default():
-    from stages.trainers.sft import SFTConfig
+    from stages.trainers.sft_trainer import SFTConfig
 
     assert unsupported_trl_fields(SFTConfig, {"use_liger_kernel": False}) == []
     [(key, message)] = unsupported_trl_fields(SFTConfig, {"use_liger_kernel": True})
@@ -265,7 +265,7 @@ def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default(
 
 def test_a_field_of_our_own_is_never_refused():
     """PPOConfig declares disable_dropout itself; the bare entry for TRL's other configs does not touch it."""
-    from stages.trainers.ppo import PPOConfig
+    from stages.trainers.ppo_trainer import PPOConfig
 
     assert unsupported_trl_fields(PPOConfig, {"disable_dropout": False}) == []
     assert unsupported_trl_fields("DPOConfig", {"disable_dropout": True})[0][0] == "disable_dropout"

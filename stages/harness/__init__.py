@@ -1,0 +1,1 @@
+"""The run machinery: params, stage registry, runner, artifacts, launchers, processes, logs, DVC generation."""

@@ -1,0 +1,581 @@
+"""The params schema: one dataclass per `params.yaml` section, each field with its default, help and check.
+
+The training sections (`sft`, `reward`, `policy.<method>`) are the trainer configs themselves
+(`stages/trainers/<method>_config.py`, read torch-free: `stages.trainers.arguments`) plus the
+few keys only the pipeline has (`TrainingStage` and a stage's own). Every `TrainingArguments`
+key can be set there. Reading the file and `--set` overrides: `stages.harness.params_loader`; the
+checks that open the user's files and model folder: `stages.harness.preflight`.
+
+Adding a parameter: a field on the method's config (or on a section below for pipeline-only
+keys), then `align params --write` lists it in params.yaml.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
+from stages.reward_function_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
+from stages.trainers.arguments import as_declared, light_module
+from stages.trainers.generation_params import GenerationParams
+
+
+# A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
+DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TinyModelConfig:
+    """Size of the built-in `builtin:tiny` Llama model (used only when model.name_or_path is builtin:tiny)."""
+
+    hidden_size: int = positive(128, "width of the residual stream")
+    num_layers: int = positive(4, "decoder layers")
+    num_heads: int = positive(4, "attention heads; must divide hidden_size")
+    intermediate_size: int = positive(384, "MLP width")
+    vocab_size: int = param(384, help="BPE vocabulary size, special tokens included",
+                            check=lambda v: 300 <= v <= 65536, rule="must be in [300, 65536] (bytes + merges)")
+    seed: int = param(0, help="seed of the random initialisation")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.hidden_size % self.num_heads:
+            return [("num_heads", f"= {self.num_heads}: must divide hidden_size ({self.hidden_size})")]
+        return []
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = param("builtin:tiny", help="builtin:tiny, a local Hugging Face model directory, or a hub id")
+    dtype: Literal["float32", "bfloat16", "float16"] = param("float32", help="weights dtype for training and eval")
+    trust_remote_code: bool = param(False, help="allow custom modelling code from the model directory")
+    builtin: TinyModelConfig = param(default_factory=TinyModelConfig, help="size of builtin:tiny")
+
+
+@dataclass
+class ArithmeticConfig:
+    """The built-in verifiable task `builtin:arithmetic` (used only when data.source is builtin:arithmetic)."""
+
+    num_train: int = positive(6000, "SFT demonstrations")
+    num_preference: int = positive(3000, "preference pairs (correct chosen, wrong rejected)")
+    num_eval: int = positive(300, "held-out evaluation prompts, never seen in training")
+    num_dev: int = non_negative(300, "held-out dev prompts for model selection (evaluate.split: dev), never seen in "
+                                "training and disjoint from the eval prompts")
+    digits: int = param(2, help="digits per operand", check=lambda v: 1 <= v <= 9, rule="must be in [1, 9]")
+    error_rate: float = fraction(0.7, "fraction of carry-needing sums whose demonstration drops the carry",
+                                 open_right=False)
+    reasoning: bool = param(True, help="answers carry a <think>...</think> block with the column sums")
+    seed: int = param(0, help="seed of the task generator")
+
+
+@dataclass
+class DataConfig:
+    """Where the rows come from (`stages.data.sources`): one mixed file or built-in task, and/or a file per kind."""
+
+    source: str | dict | None = param("builtin:arithmetic", help="builtin:arithmetic, or one data source whose rows "
+                                      "may mix formats (null: none). Every data key takes a local .jsonl/.json/"
+                                      ".parquet/.csv file, a datasets.save_to_disk folder, a hub-layout folder or "
+                                      "a glob, or a mapping {path: org/name | folder | glob, name, split, columns, "
+                                      "data_files, revision} read through datasets.load_dataset "
+                                      "(stages.data.hub)")
+    sft: str | dict | None = param(None, help="SFT rows (messages, prompt/completion, alpaca or text): a path or a "
+                                   "mapping (see data.source)")
+    preference: str | dict | None = param(None, help="preference rows (prompt/chosen/rejected) or unpaired rows "
+                                          "(prompt/completion/label): a path or a mapping (see data.source)")
+    prompts: str | dict | None = param(None, help="prompt-only rows for score and the online methods: a path or a "
+                                       "mapping (see data.source)")
+    eval_source: str | dict | None = param(None, help="held-out eval prompts with references (a path or a mapping, "
+                                           "see data.source); default: carved from the SFT rows (or the preference "
+                                           "rows' chosen side)")
+    dev_source: str | dict | None = param(None, help="held-out dev prompts with references for model selection "
+                                          "(evaluate.split: dev; a path or a mapping, see data.source); default: "
+                                          "carved like the eval split; rows whose prompt is an eval prompt are "
+                                          "dropped, training rows with a dev prompt too")
+    on_bad_rows: Literal["error", "skip"] = param("error", help="error: stop at the first bad row; "
+                                                  "skip: drop bad rows and count them in the manifest")
+    validate_rows: int = param(100_000, help="params validation reads this many rows of each data file "
+                               "(streamed) and reports bad ones with the params problems (-1: all, 0: off)",
+                               check=lambda v: v >= -1, rule="must be -1 (all rows), 0 (off) or a row count")
+    builtin: ArithmeticConfig = param(default_factory=ArithmeticConfig, help="the built-in task")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        own = [k for k in ("sft", "preference", "prompts") if getattr(self, k)]
+        if isinstance(self.source, str) and self.source.startswith("builtin:") and own:
+            problems.append(("source", f"= {self.source!r} together with data.{own[0]}: the built-in task's rows "
+                             f"would be mixed into yours; set --set data.source=null to use only your files"))
+        if not self.source and not own:
+            problems.append(("source", "= null and no data.sft, data.preference or data.prompts: name at least "
+                             "one data file (or builtin:arithmetic)"))
+        return problems
+
+
+@dataclass
+class PreprocessConfig:
+    max_length: int = positive(512, "drop rows whose prompt + completion is longer (tokens)")
+    dedup: bool = param(True, help="drop exact duplicate rows")
+    validation_fraction: float = fraction(0.05, "share of SFT rows held out for validation loss")
+    eval_fraction: float = fraction(0.1, "share of rows held out for evaluation when data.eval_source is unset")
+    dev_fraction: float = fraction(0.1, "share of rows held out as the dev split (model selection) when "
+                                   "data.dev_source is unset; builtin:arithmetic: data.builtin.num_dev")
+    streaming: bool = param(False, help="one pass in constant memory for corpora larger than RAM (.jsonl best): "
+                            "rows are split by a hash of their content instead of a shuffle")
+
+    def validate(self) -> list[tuple[str, str]]:
+        held_out = self.eval_fraction + self.dev_fraction + self.validation_fraction
+        if held_out >= 1:
+            return [("dev_fraction", f"= {self.dev_fraction}: eval_fraction + dev_fraction + validation_fraction = "
+                                     f"{held_out:g} leaves no rows to train on; lower them to a sum below 1")]
+        return []
+
+
+@dataclass
+class LoraParams:
+    """LoRA / QLoRA adapters for a training stage (off by default: full fine-tuning)."""
+
+    enabled: bool = param(False, help="train LoRA adapters instead of all weights")
+    r: int = positive(16, "adapter rank")
+    alpha: float = positive(32, "scaling numerator (scale = alpha / r)")
+    dropout: float = fraction(0.05, "dropout on the adapter input")
+    target_modules: list[str] = param(default_factory=lambda: ["all-linear"],
+                                      help="module names to adapt (e.g. q_proj, v_proj), or all-linear")
+    modules_to_save: list[str] = param(default_factory=list, help="modules trained in full and saved with the "
+                                       "adapter (e.g. embed_tokens, lm_head)")
+    quantization: Literal["none", "4bit", "8bit"] = param("none", help="QLoRA: load the base in 4 or 8 bits "
+                                                          "(bitsandbytes, CUDA only)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.quantization != "none" and not self.enabled:
+            return [("quantization", f"= {self.quantization!r} with lora.enabled = false: a quantized base trains "
+                     "only through adapters (QLoRA); set lora.enabled: true, or quantization: none")]
+        return []
+
+
+# The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
+# The reward model squashed, σ(r) in (0, 1), at weight 0.5: a right answer scores at least 1, a wrong one under
+# 0.5 (score.min_score), whatever scale the reward model learnt (stages.reward_functions.RewardModelReward).
+VERIFIED_FIRST = ("exact_match", "reward_model_prob")
+VERIFIED_FIRST_WEIGHTS = (1.0, 0.5)
+
+
+def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
+    """Config-time checks of a reward_functions / reward_weights pair (imports happen in the stage)."""
+    problems = []
+    if not names:
+        problems.append(("reward_functions", "= []: name at least one (" + ", ".join(REWARD_BUILTINS)
+                         + ", or a dotted path module:function)"))
+    for i, name in enumerate(names):
+        if name not in REWARD_BUILTINS and (":" not in name or not all(name.partition(":")[::2])):
+            problems.append((f"reward_functions[{i}]", f"= {name!r}: neither a built-in ("
+                             f"{', '.join(REWARD_BUILTINS)}) nor a dotted path module:function"))
+    if weights is not None and len(weights) != len(names):
+        problems.append(("reward_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} reward "
+                         "function(s); give one weight per function or null for all 1.0"))
+    return problems
+
+
+@dataclass
+class ScoreParams:
+    """Sample completions from the SFT model, score them with reward functions, build preference pairs."""
+
+    enabled: bool = param(True, help="false: skip (no scored pairs; policy.data must then be preprocess)")
+    source: Literal["generate", "dataset"] = param("generate", help="generate: sample n completions per prompt "
+                                                   "from the SFT model; dataset: score existing completions "
+                                                   "(score.dataset) without generating")
+    dataset: str | None = param(None, help="offline mode: .jsonl with prompt + completions (a list) per row")
+    num_prompts: int = param(-1, help="score at most N prompts (-1: all)", check=lambda v: v == -1 or v > 0,
+                             rule="must be -1 or > 0")
+    n: int = positive(4, "completions sampled per prompt (>= 2 to form pairs)")
+    generation: GenerationParams = param(default_factory=GenerationParams, help="sampling settings")
+    reward_functions: list[str] = param(default_factory=lambda: list(VERIFIED_FIRST),
+                                        help="built-ins or module:function dotted paths")
+    reward_weights: list[float] | None = param(default_factory=lambda: list(VERIFIED_FIRST_WEIGHTS),
+                                               help="one weight per reward function (null: all 1.0)")
+    pairing: Literal["best_worst", "all_pairs"] = param("best_worst", help="best_worst: one pair per prompt; "
+                                                         "all_pairs: every pair whose scores differ by > min_margin")
+    min_score: float | None = param(0.5, help="drop pairs whose chosen score is below this (null: off); with the "
+                                    "default weights: the chosen answer must be right")
+    min_margin: float = non_negative(0.0, "drop pairs whose score difference is <= this (ties always dropped)")
+    max_length: int = positive(512, "drop completions whose prompt + completion is longer (tokens)")
+    dedup: bool = param(True, help="collapse identical completions of one prompt before pairing")
+    histogram_bins: int = positive(20, "bins of the score histogram in the manifest")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = check_reward_functions(self.reward_functions, self.reward_weights)
+        if self.enabled and self.source == "generate" and self.n < 2:
+            problems.append(("n", f"= {self.n}: pairs need at least 2 completions per prompt"))
+        if self.enabled and self.source == "dataset" and not self.dataset:
+            problems.append(("dataset", "= null: source dataset needs a .jsonl path with prompt + completions"))
+        return problems
+
+
+@dataclass
+class TrainingStage:
+    """The keys every training section adds to its method config: how the pipeline loads and runs the model.
+
+    The trainer config (`stages/trainers/<method>_config.py`) is the rest of the section: every
+    `TrainingArguments` key and the method's own. The pipeline sets a few `TrainingArguments` keys itself
+    (PIPELINE_KEYS: the seed, the output folder, the device, the autocast)."""
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto", help="autocast of the forward, fp32 master weights: auto (bf16 on GPUs that have it, no on CPU) | "
+        "no | bf16 (GPU or CPU) | fp16 (GPU only)")
+    gradient_checkpointing_every: int = positive(1, "with gradient_checkpointing: every k-th decoder block only")
+    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
+    warmup_ratio: float | None = deprecated("warmup_steps", "the old name of warmup_steps (a share of the steps "
+                                            "when < 1)")
+
+
+# TrainingArguments keys the pipeline sets from elsewhere: {key: where the user sets it}.
+PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed": "run.seed",
+                 "use_cpu": "run.device", "bf16": "<section>.mixed_precision", "fp16": "<section>.mixed_precision",
+                 "disable_tqdm": "(progress is logged with an ETA)", "save_strategy": "<section>.save_steps",
+                 "logging_nan_inf_filter": "(the NaN/Inf guard needs every value)"}
+# The defaults every training section starts from where they differ from TrainingArguments' (the pipeline saves
+# and logs more often, keeps 2 checkpoints, warms up, and reports to run.report_to: stages/trackers.py).
+STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,
+                  "save_total_limit": 2, "logging_steps": 20, "report_to": None,
+                  "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "num_train_epochs": 1.0}
+# What a key means in a section where the pipeline reads it differently from transformers.
+STAGE_HELP = {"report_to": "trackers of this stage: tensorboard, mlflow, dvclive, wandb, trackio, comet_ml, clearml, "
+                           "none, or a list (null: run.report_to)"}
+
+
+def section(config: str, *extra: type, **defaults: Any) -> type:
+    """A training section: the light `config` ("module:Class", the trainer config itself), the pipeline's
+    `extra` keys, and the pipeline's `defaults` for keys the config declares (STAGE_DEFAULTS first)."""
+    module, _, name = config.partition(":")
+    base = getattr(light_module(module), name)
+    declared = base.__dataclass_fields__
+    fields = []
+    for key, value in {**STAGE_DEFAULTS, **defaults}.items():
+        f = declared[key]
+        meta = {**f.metadata, "help": STAGE_HELP.get(key, f.metadata.get("help", ""))}
+        default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=meta)
+                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type), metadata=meta))
+        fields.append((key, f.type, default))
+    cls = dataclasses.make_dataclass(name.replace("Config", "Section"), fields, bases=(*extra, TrainingStage, base))
+    cls.__module__ = __name__
+    cls.CONFIG = config
+    cls.__doc__ = f"A params section that is `{config.replace(':', '.')}` plus the pipeline's training keys."
+    return cls
+
+
+@dataclass
+class SFTStage:
+    formatting_func: str | None = param(None, help="module:function turning a row into a training text")
+    streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
+    eval_samples: int = positive(32, "validation prompts of the online evaluation (eval_steps)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = super().validate()
+        if self.streaming and self.max_steps <= 0:
+            problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
+        if self.streaming and self.packing:
+            problems.append(("packing", "= true: packing needs the whole dataset; turn off sft.streaming or packing"))
+        if self.formatting_func is not None and ":" not in self.formatting_func:
+            problems.append(("formatting_func", f"= {self.formatting_func!r}: expected module:function"))
+        return problems
+
+
+@dataclass
+class RewardStage:
+    eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
+                                 check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
+    min_accuracy: float = fraction(0.85, "quality gate: the held-out pair accuracy's lower confidence bound "
+                                   "(reward.gate_confidence) below this fails the stage and stops everything "
+                                   "downstream (0: no gate; stages/gates.py). 0.85 at 95%: on 270 pairs a "
+                                   "measured 0.889 passes, and at least 16 pairs are needed", open_right=False)
+    gate_confidence: float = param(0.95, help="confidence of the gate's one-sided Wilson lower bound (0.5: judge "
+                                   "the accuracy itself)", check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
+    calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
+                                     "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
+
+
+def _reward_functions(*default: str) -> Any:
+    return param(default_factory=lambda: list(default), help="reward functions: built-ins (" + ", ".join(
+        REWARD_BUILTINS) + ") or module:function dotted paths (the trainer's reward_funcs)")
+
+
+@dataclass
+class VerifiedFirst:
+    """The reward functions an online method builds by name; the verifiable reward decides, the reward model breaks
+    ties (their weights: the config's reward_weights)."""
+
+    reward_functions: list[str] = _reward_functions(*VERIFIED_FIRST)
+
+    def validate(self) -> list[tuple[str, str]]:
+        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
+
+
+@dataclass
+class ExactMatch(VerifiedFirst):
+    reward_functions: list[str] = _reward_functions("exact_match")
+
+
+# The pipeline's defaults that differ from the configs' (chosen on the built-in task's dev split, docs/methods.md).
+SFTSection = section("stages.trainers.sft_config:SFTConfig", SFTStage, learning_rate=3e-3, num_train_epochs=3.0)
+RewardSection = section("stages.trainers.reward_config:RewardConfig", RewardStage, learning_rate=6e-4,
+                        num_train_epochs=8.0, per_device_train_batch_size=8)
+DPOSection = section("stages.trainers.dpo_config:DPOConfig", learning_rate=5e-5)
+KTOSection = section("stages.trainers.kto_config:KTOConfig", learning_rate=5e-5)
+OnlineDPOSection = section("stages.trainers.online_dpo_config:OnlineDPOConfig", VerifiedFirst, learning_rate=1e-4,
+                           reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+GRPOSection = section("stages.trainers.grpo_config:GRPOConfig", ExactMatch, learning_rate=3e-4,
+                      per_device_train_batch_size=128, max_steps=150)
+PPOSection = section("stages.trainers.ppo_config:PPOConfig", VerifiedFirst, learning_rate=3e-5,
+                     reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+TRAINING_SECTIONS = {"sft": SFTSection, "reward": RewardSection, "policy.dpo": DPOSection, "policy.kto": KTOSection,
+                     "policy.online_dpo": OnlineDPOSection, "policy.grpo": GRPOSection, "policy.ppo": PPOSection}
+
+POLICY_METHODS = ("dpo", "kto", "online_dpo", "grpo", "ppo", "none")
+
+
+@dataclass
+class PolicyParams:
+    """Policy optimisation after SFT: one method, each with its own section (its trainer config)."""
+
+    method: Literal["dpo", "kto", "online_dpo", "grpo", "ppo", "none"] = param(
+        "dpo", help="dpo | kto | online_dpo | grpo | ppo | none (evaluate then reports base and SFT only)")
+    data: Literal["score", "preprocess"] = param("score", help="dpo/kto pairs: score (sampled from SFT and "
+                                                 "scored) or preprocess (the preference data of data.source)")
+    num_prompts: int = param(-1, help="online methods: train on at most N prompts (-1: all)",
+                             check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
+    dpo: DPOSection = param(default_factory=DPOSection, help="policy.method: dpo (stages.trainers.DPOConfig)")
+    kto: KTOSection = param(default_factory=KTOSection, help="policy.method: kto (stages.trainers.KTOConfig)")
+    online_dpo: OnlineDPOSection = param(default_factory=OnlineDPOSection, help="policy.method: online_dpo "
+                                         "(stages.trainers.OnlineDPOConfig)")
+    grpo: GRPOSection = param(default_factory=GRPOSection, help="policy.method: grpo (stages.trainers.GRPOConfig)")
+    ppo: PPOSection = param(default_factory=PPOSection, help="policy.method: ppo (stages.trainers.PPOConfig)")
+
+    @property
+    def trained(self):
+        """The section of the chosen method (None for method none)."""
+        return None if self.method == "none" else getattr(self, self.method)
+
+
+EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "length")
+
+
+@dataclass
+class EvaluateParams:
+    max_new_tokens: int = positive(32, "generation budget per prompt")
+    batch_size: int = positive(300, "prompts per generate call")
+    max_samples: int = param(-1, help="evaluate on at most N held-out prompts (-1: all)",
+                             check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
+    answer_regex: str | None = param(r"(-?\d+)\s*$", help="regex whose first group is the answer in both completion "
+                                     "and reference (null: compare whole stripped texts)")
+    baseline: bool = param(True, help="also evaluate the untrained base model as a baseline row")
+    decoding: Literal["greedy", "beam", "sample"] = param("greedy", help="greedy | beam (num_beams) | sample "
+                                                         "(temperature, top_p, top_k, seeded by run.seed)")
+    num_beams: int = positive(4, "beams of decoding: beam")
+    temperature: float = positive(1.0, "decoding: sample temperature")
+    top_p: float = param(1.0, help="decoding: sample nucleus mass", check=lambda v: 0 < v <= 1,
+                         rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "decoding: sample from the k most likely tokens only (0: off)")
+    metrics: list[str] = param(default_factory=lambda: list(EVAL_METRICS), help="columns of the table: "
+                               + ", ".join(EVAL_METRICS) + " (accuracy, bleu and rouge need reference completions)")
+    plots: bool = param(True, help="write PNG plots and DVC plot data under plots/")
+    split: Literal["eval", "dev"] = param("eval", help="the held-out split to score: eval (the reported table, "
+                                          "the promotion gate) or dev (model selection, tuning)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        import re
+
+        problems = []
+        unknown = [m for m in self.metrics if m not in EVAL_METRICS]
+        if unknown:
+            problems.append(("metrics", f"= {self.metrics}: unknown {unknown}; known: {', '.join(EVAL_METRICS)}"))
+        if self.answer_regex is None:
+            return problems
+        try:
+            re.compile(self.answer_regex)
+        except re.error as e:
+            problems.append(("answer_regex", f"= {self.answer_regex!r}: not a valid regular expression ({e})"))
+        return problems
+
+
+MERGE_COMBINATIONS = ("linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "sequential")
+
+
+@dataclass
+class MergeParams:
+    """Merge the policy's adapter (and any extra adapters) into a full model (`stages.adapter_merge`)."""
+
+    adapters: list[str] = param(default_factory=list, help="extra LoRA adapter folders to combine with the policy's "
+                                "adapter (trained on the same base: the SFT model)")
+    weights: list[float] | None = param(None, help="one weight per adapter, the policy's first (null: all 1.0)")
+    combination: Literal["linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "sequential"] = param(
+        "cat", help="how several adapters are combined (PEFT add_weighted_adapter types; cat is exact) or "
+        "sequential (merged one after the other)")
+    density: float = param(0.5, help="ties/dare_*: share of each update kept", check=lambda v: 0 < v <= 1,
+                           rule="must be in (0, 1]")
+    svd_rank: int | None = param(None, help="svd: rank of the combined adapter (null: the largest rank)",
+                                 check=lambda v: v > 0, rule="must be > 0 or null")
+    prune_fraction: float = fraction(0.0, "drop this share of each adapter update before merging (0: off)")
+    prune_method: Literal["magnitude", "rank"] = param("magnitude", help="magnitude: smallest |entries| of each "
+                                                       "ΔW = B·A; rank: keep the top singular directions")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = param(None, help="saved dtype (null: model.dtype); "
+                                                                    "the merge itself runs in float32")
+    probe_size: int = positive(8, "eval prompts (+ references) in the probe batch of the logits check")
+    tolerance: float = positive(1e-3, "largest allowed |merged - adapter model| logit on the probe batch")
+
+
+@dataclass
+class HubParams:
+    model_id: str | None = param(None, help="push the promoted model to this Hugging Face Hub repo (needs HF_TOKEN "
+                                 "in the environment; null: no push)")
+    private: bool = param(True, help="create the hub repo as private")
+
+
+@dataclass
+class PromoteParams:
+    """The promotion gate after evaluate (`stages.promotion`; on in the nightly deployment)."""
+
+    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
+    min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
+    confidence: float = param(0.95, help="share metrics (accuracy, format): promote only when the one-sided lower "
+                              "bound of candidate - production at this confidence is above min_improvement "
+                              "(0.5: compare the values themselves; stages/gates.py)",
+                              check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
+    candidate: str = param("merged", help="row of the evaluate table that is promoted (its model folder is copied)")
+    models_dir: str = param("models", help="holds production (the promoted model), production.json, "
+                            "history.jsonl and releases/")
+    hub: HubParams = param(default_factory=HubParams, help="optional push of the promoted model")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.metric not in EVAL_METRICS or self.metric == "length":
+            return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')} "
+                     "(higher is better)")]
+        return []
+
+
+@dataclass
+class ScheduleConfig:
+    cron: str = param("0 3 * * *", help="cron expression of the nightly deployment")
+    timezone: str = param("UTC", help="IANA timezone of the cron expression, e.g. Europe/Paris")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if len(self.cron.split()) != 5:
+            problems.append(("cron", f"= {self.cron!r}: needs 5 fields (minute hour day month weekday)"))
+        try:
+            import zoneinfo
+
+            zoneinfo.ZoneInfo(self.timezone)
+        except Exception:
+            problems.append(("timezone", f"= {self.timezone!r}: unknown timezone; use an IANA name like UTC"))
+        return problems
+
+
+@dataclass
+class LaunchConfig:
+    """How training stages (sft, reward, policy) run: in-process (1 process), or `accelerate launch` (see stages.harness.launch)."""
+
+    num_processes: int = positive(1, "processes over all machines (one per GPU); 1: in-process, no launcher")
+    num_machines: int = positive(1, "machines taking part; each runs the same command with its machine_rank")
+    machine_rank: int = non_negative(0, "this machine's rank; 0 is the main machine")
+    main_process_ip: str | None = param(None, help="address of machine_rank 0 (needed when num_machines > 1)")
+    main_process_port: int = param(29500, help="rendezvous port on the main machine",
+                                   check=lambda v: 1024 <= v <= 65535, rule="must be in [1024, 65535]")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto", help="auto: each stage's own mixed_precision decides; otherwise passed to accelerate launch")
+    accelerate_config: str = param("configs/accelerate/ddp.yaml", help="accelerate config file (DDP, FSDP, "
+                                   "DeepSpeed ZeRO-2/3 under configs/accelerate/); relative to the working "
+                                   "directory or the repository")
+    timeout_s: int = non_negative(0, "deadline of a launched stage in seconds; the whole process group is "
+                                  "killed past it (0: none)")
+    connect_timeout_s: int = positive(300, "how long a machine_rank > 0 waits for the main process to answer")
+    work_pool: str | None = param(None, help="Prefect work pool the flow sends training stages to (deploy "
+                                  "flows/stage_pool.py there first); null: the flow's own machine")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.num_processes % self.num_machines:
+            problems.append(("num_processes", f"= {self.num_processes}: must be a multiple of num_machines "
+                             f"({self.num_machines}); it counts processes over all machines"))
+        if self.machine_rank >= self.num_machines:
+            problems.append(("machine_rank", f"= {self.machine_rank}: must be < num_machines ({self.num_machines})"))
+        if self.num_machines > 1 and not self.main_process_ip:
+            problems.append(("main_process_ip", "is not set: with num_machines > 1 every machine needs the address "
+                             "of machine_rank 0, e.g. 10.0.0.1"))
+        return problems
+
+
+@dataclass
+class RunConfig:
+    seed: int = param(0, help="global seed for training and sampling")
+    report_to: str | list[str] = param(default_factory=lambda: ["tensorboard"], help="trackers of every training "
+                                       "stage whose report_to is null (stages/trackers.py): tensorboard, wandb, "
+                                       "mlflow, trackio, dvclive, comet_ml, clearml, none, or a list")
+    output_dir: str = param("artifacts", help="where stage outputs go (one folder per stage)")
+    device: Literal["auto", "cpu", "cuda"] = param("auto", help="auto: cuda when available")
+    threads: int | Literal["auto"] = param(1, help="torch's intra-op CPU threads in every stage, shard and launched "
+                                         "rank (stages.harness.seeding.set_threads). 1: byte-identical outputs on any "
+                                         "core count, and a stage keeps its speed beside other CPU-bound jobs; "
+                                         "auto: every core this process may use (CPU affinity, cgroup quota), "
+                                         "for large models on an idle machine",
+                                         check=lambda v: v == "auto" or v >= 1, rule="must be >= 1, or auto")
+    schedule: ScheduleConfig = param(default_factory=ScheduleConfig, help="nightly deployment schedule")
+    launch: LaunchConfig = param(default_factory=LaunchConfig, help="processes and machines of training stages")
+    parallel_shards: int = positive(1, "the flow computes score's prompt shards and evaluate's models in this many "
+                                    "processes at once, through its task runner (1: in the stage's own run)")
+    dask_address: str | None = param(None, help="Dask scheduler whose workers run the flow's shard tasks "
+                                     "(tasks/cluster.py; pip install -e '.[dask]'); null: threads of the flow's "
+                                     "own process", check=lambda v: DASK_ADDRESS.fullmatch(v) is not None,
+                                     rule="expected [tcp:// or tls://]host:port, e.g. tcp://10.0.0.5:8786")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.dask_address and self.parallel_shards < 2:
+            return [("dask_address", f"= {self.dask_address!r} but run.parallel_shards = {self.parallel_shards}: "
+                     "no shard task would go to the cluster; set run.parallel_shards to its number of workers, or "
+                     "run.dask_address to null")]
+        return []
+
+
+@dataclass
+class Params:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    sft: SFTSection = field(default_factory=SFTSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    score: ScoreParams = field(default_factory=ScoreParams)
+    policy: PolicyParams = field(default_factory=PolicyParams)
+    merge: MergeParams = field(default_factory=MergeParams)
+    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    promote: PromoteParams = field(default_factory=PromoteParams)
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Rules across sections (what the user's files hold: `stages.harness.preflight`)."""
+        from stages.trackers import problems as tracker_problems
+
+        problems = tracker_problems(self)  # a tracker that is not installed: the pip command
+        if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
+            problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
+                             f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
+        m, trained = self.merge, self.policy.trained
+        adapters = len(m.adapters) + (trained.lora.enabled if trained is not None else self.sft.lora.enabled)
+        if m.weights is not None and len(m.weights) != adapters:
+            problems.append(("merge.weights", f"= {m.weights}: {len(m.weights)} weight(s) for {adapters} adapter(s) "
+                             f"(the {'policy' if self.policy.method != 'none' else 'sft'} stage's adapter if it "
+                             "trains one, then merge.adapters); give one per adapter or null for all 1.0"))
+        return problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def select(self, keys: tuple[str, ...]) -> dict[str, Any]:
+        """The values of dotted `keys` (sections or leaves), for fingerprints and manifests."""
+        d = self.to_dict()
+        out = {}
+        for key in keys:
+            node = d
+            for part in key.split("."):
+                node = node[part]
+            out[key] = node
+        return out

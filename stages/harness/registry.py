@@ -1,0 +1,144 @@
+"""The pipeline's stages: what each one runs, reads and trains on.
+
+One entry per stage, in pipeline order. Everything else is derived from this table: the
+Prefect flow and its tasks (flows/align.py, tasks/stage.py), `python -m stages <stage>`,
+`accelerate launch` of the stages that train (stages/harness/launch.py), the work pool
+(flows/stage_pool.py) and `dvc.yaml` (stages/harness/dvcgen.py). A stage's code is not listed: it is
+the closure of the project modules its entry module imports (`StageSpec.code`, see
+`stages.harness.imports`), and that closure is what its fingerprint hashes and `dvc.yaml` depends on.
+
+Adding a stage: its module under `stages/pipeline/` (with `run(ctx)`), one entry here, and
+its params section (stages/harness/config.py and params.yaml) if it has new params.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.harness import imports
+from stages.harness.artifacts import CODE_ROOT
+from stages.harness.config import POLICY_METHODS
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    entry: str  # "module:function" called with a StageContext, returns the stage's metrics
+    upstream: tuple[str, ...]  # stages whose outputs this one reads
+    params: tuple[str, ...]  # dotted params keys (sections or leaves) this stage reads
+    # "module:function"(ctx, shard, num_shards): computes one share of the stage's independent work into
+    # ctx.work (stages.harness.runner.run_shard); the flow fans it out with run.parallel_shards > 1. None: no shares.
+    shards: str | None = None
+    # "module:function"(params, upstream manifests) -> {"rows", "what", "per_device", "unit", "batch_key"} or
+    # None when not counted yet: set for a stage that trains, which `accelerate launch` and the work pool can run.
+    training_rows: str | None = None
+    # dotted params keys naming the user's files or folders the stage reads (data files, a local model): their
+    # content is part of the fingerprint, so editing a data file in place makes the stage stale
+    inputs: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.entry.partition(":")[0]
+
+    @property
+    def trains(self) -> bool:
+        return self.training_rows is not None
+
+    def code(self, root: Path = CODE_ROOT) -> tuple[str, ...]:
+        """The files (relative to `root`) the stage runs: the import closure of its entry module and of
+        RUN_WITH."""
+        return tuple(sorted({f for m in (self.module, *RUN_WITH) for f in imports.closure(m, root)}))
+
+
+# What stages.harness.runner runs every stage with that shapes its outputs (the seeds drawn before it starts); the
+# rest of the harness (runner, launch, registry) decides when a stage runs, not what it computes.
+RUN_WITH = ("stages.harness.seeding",)
+DATA_FILES = ("data.source", "data.sft", "data.preference", "data.prompts", "data.eval_source", "data.dev_source")
+MODEL_LOADING = ("model.dtype", "model.trust_remote_code")  # what loading an upstream model reads
+# Read by stages but not declared: where a run writes and what it computes on, not what it computes (the same
+# outputs elsewhere count as current; tests/stages/harness/test_registry_params.py checks that nothing else is read).
+RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads",
+                # where a run reports (score and evaluate log to the training stages' trackers: stages.trackers)
+                "run.report_to", "sft.report_to", "reward.report_to",
+                *(f"policy.{m}.report_to" for m in POLICY_METHODS if m != "none"))
+
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec(
+            name="preprocess",
+            entry="stages.pipeline.preprocess:run",
+            upstream=(),
+            params=("model", "data", "preprocess", "run.seed"),
+            inputs=(*DATA_FILES, "model.name_or_path"),
+        ),
+        StageSpec(
+            name="sft",
+            entry="stages.pipeline.sft:run",
+            upstream=("preprocess",),
+            params=("model", "sft", "run.seed", "run.report_to"),
+            inputs=("model.name_or_path",),
+            training_rows="stages.pipeline.sft:training_rows",
+        ),
+        StageSpec(
+            name="reward",
+            entry="stages.pipeline.reward:run",
+            upstream=("preprocess", "sft"),
+            params=(*MODEL_LOADING, "reward", "run.seed", "run.report_to"),
+            training_rows="stages.pipeline.reward:training_rows",
+        ),
+        StageSpec(
+            name="score",
+            entry="stages.pipeline.score:run",
+            upstream=("preprocess", "sft", "reward"),
+            params=(*MODEL_LOADING, "score", "run.seed"),
+            inputs=("score.dataset",),
+            shards="stages.pipeline.score:run_shard",
+        ),
+        StageSpec(
+            name="reference",
+            entry="stages.pipeline.reference:run",
+            upstream=("preprocess", "sft", "score"),
+            params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
+                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
+                    # the policy's numerics, which its reference log-probs must share
+                    "policy.dpo.mixed_precision", "policy.dpo.lora.enabled", "policy.dpo.lora.quantization"),
+        ),
+        StageSpec(
+            name="policy",
+            entry="stages.pipeline.policy:run",
+            upstream=("preprocess", "sft", "reward", "score", "reference"),
+            params=(*MODEL_LOADING, "policy", "run.seed", "run.report_to"),
+            training_rows="stages.pipeline.policy:training_rows",
+        ),
+        StageSpec(
+            name="merge",
+            entry="stages.pipeline.merge:run",
+            upstream=("preprocess", "sft", "policy"),
+            params=("model", "merge", "run.seed"),
+            inputs=("model.name_or_path",),
+        ),
+        StageSpec(
+            name="evaluate",
+            entry="stages.pipeline.evaluate:run",
+            upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
+            params=("model", "evaluate", "run.seed"),
+            inputs=("model.name_or_path",),
+            shards="stages.pipeline.evaluate:run_shard",
+        ),
+    ]
+}
+
+
+def get_stage(name: str) -> StageSpec:
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    return STAGES[name]
+
+
+def resolve(ref: str) -> Callable[..., Any]:
+    """The function a "module:function" reference of a StageSpec names (imports the module)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,464 @@
+"""Group relative policy optimisation: `GRPOTrainer` (a `transformers.Trainer`; config: `grpo_config.py`).
+
+Every optimizer step: sample `num_generations` completions per prompt from the policy itself
+(`stages.generation`, seeded from the run seed, the step and the prompt, so ranks and resumes agree),
+score them with the reward functions (`stages.reward_functions`), turn the rewards into group-relative
+advantages (`stages.losses.grpo_advantages`) and train on `stages.losses.grpo_loss` over the
+chunked per-token log-probs. `per_device_train_batch_size` counts completions, as in TRL.
+`num_iterations` > 1 reuses one generation for that many updates (importance ratio to the sampling
+policy); `beta` > 0 adds a k3 KL to the reference; `vllm_importance_sampling_cap` weights each token
+by min(π/μ, cap) against the sampler's own log-probs. `reward_head="shared"` trains a Bradley-Terry
+head on the policy's trunk in the same update (self-rewarding). Checkpoints keep the buffered
+rollouts and RNG states, so a resumed run samples and trains as an uninterrupted one.
+The details (aggregations, logged metrics, timing): docs/trainers.md.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+from transformers import Trainer
+
+from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
+from stages.reward_functions import build_reward_functions
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    no_unknown_kwargs, refuse, renamed_kwarg)
+from stages.sharding import unwrap
+from stages.trainers.off_policy import OffPolicyWarning
+from stages.trainers.online_generation import sample_online, sampling_seed
+from stages.trainers.preference import PairCollator, tokenize_pairs
+from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.trainers.reference_model import frozen_reference, reference_model
+from stages.trainers.resume import flatten, load_state, save_state, unflatten
+from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
+from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+
+REWARD_HEAD_FILE = "reward_head.safetensors"
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: prompt rows pass through as lists; batches repeat for num_iterations
+# ---------------------------------------------------------------------------------------------
+
+def rows_collator(features: list[dict]) -> list[dict]:
+    """The rows of a batch, unchanged: prompts are rendered and tokenised by the generation backend."""
+    return list(features)
+
+
+class RepeatBatchSampler(Sampler):
+    """Shuffled batches of row indices; each run of `group` batches is yielded `repeats` times in a row.
+
+    group = gradient_accumulation_steps x processes (one optimizer step's batches), so with
+    num_iterations = repeats every optimizer step of a generation sees the same prompts.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, group: int, repeats: int, seed: int):
+        self.num_rows, self.batch_size, self.group, self.repeats, self.seed = num_rows, batch_size, group, repeats, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        batches = [order[i:i + self.batch_size].tolist() for i in range(0, self.num_rows, self.batch_size)]
+        for start in range(0, len(batches), self.group):
+            for _ in range(self.repeats):
+                yield from batches[start:start + self.group]
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_rows / self.batch_size) * self.repeats
+
+
+def completion_tensors(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_token_id: int,
+                       eos_token_id: int | list[int]) -> dict[str, torch.Tensor]:
+    """`stages.trainers.rollout.pad_rollout`'s batch plus "truncated": (B,) bool, no EOS generated.
+
+    completion_mask (B, C) is 1 on real tokens up to and including the first EOS: padding and
+    everything after the first EOS are 0, also when the pad id equals the EOS id.
+    """
+    batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    mask = batch["completion_mask"]
+    tokens = batch["input_ids"][:, -mask.shape[1]:]
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    batch["truncated"] = ~(torch.isin(tokens, eos) & mask.bool()).any(dim=1)
+    return batch
+
+
+def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, chunked: bool = True,
+                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logps, entropy or None), each (B, C): `rollout.completion_logps` on a completion_tensors batch."""
+    out = completion_logps(model, batch, temperature=temperature, chunked=chunked, with_entropy=entropy)
+    return out["logps"], (out["entropy"].detach() if entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-rewarding: a scalar head on the policy's trunk
+# ---------------------------------------------------------------------------------------------
+
+class RewardHead(nn.Module):
+    """Linear(hidden, 1) on the final hidden state of each sequence's last real token: (N, H) -> (N,)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.score = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=1 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.score.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1)
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(folder) / REWARD_HEAD_FILE
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"hidden_size": str(self.score.in_features)})
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "RewardHead":
+        from safetensors import safe_open
+
+        path = Path(folder) / REWARD_HEAD_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no reward head here; it is written by GRPOTrainer with "
+                                    "reward_head = 'shared'")
+        with safe_open(str(path), framework="pt") as f:
+            head = cls(int(f.metadata()["hidden_size"]))
+            head.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        return head
+
+
+def last_token_hidden(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden state at each row's last attended position: (B, H)."""
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters else {}
+    hidden = model(**inputs, use_cache=False, output_hidden_states=True, **kwargs).hidden_states[-1]
+    mask = inputs["attention_mask"]
+    last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+class GRPOTrainer(OffPolicyWarning, Trainer):
+    @property
+    def loss_is_scaled_for_ga(self) -> bool:
+        # dapo divides by the whole optimizer step's token count, so its micro-batch losses already sum to the
+        # step's loss; the others are means over a micro-batch, which Trainer divides by the accumulation steps.
+        return self.args.loss_type == "dapo" and getattr(self, "_loss_tokens", None) is not None
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, *, ref_model=None, preference_dataset=None,
+                 reward_head: RewardHead | None = None, data_collator=None, **deprecated):
+        refuse("GRPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
+               tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
+        reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
+                                     trainer="GRPOTrainer")
+        no_unknown_kwargs("GRPOTrainer", deprecated)
+        args = args or default_args(GRPOConfig, model, "GRPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
+        missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+        if not rows or missing:
+            where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
+            raise ValueError(f"train_dataset: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} "
+                             f"rows lack it{where}")
+        if reward_funcs is None and args.reward_head != "shared":
+            raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
+                             "['exact_match']) or reward_head = 'shared' with a preference_dataset")
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
+        args.remove_unused_columns = False
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
+        super().__init__(model=model, args=args, data_collator=data_collator or rows_collator,
+                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+            if reward_funcs is not None else None
+        self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
+
+        self.reward_head, self.preference_rows = None, None
+        if args.reward_head == "shared":
+            if not preference_dataset:
+                raise ValueError("reward_head = 'shared' needs preference_dataset (prompt/chosen/rejected rows) to "
+                                 "train the head; pass it, or use reward_head = 'separate'")
+            self.reward_head = (reward_head or RewardHead(unwrap(self.model).config.hidden_size)).to(args.device)
+            self.preference_rows = tokenize_pairs(processing_class, list(preference_dataset), args.max_length)
+            self._pair_rng = torch.Generator().manual_seed(args.seed)
+
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._buffer: dict[int, dict[str, torch.Tensor]] = {}
+        self._slot, self._slot_step = 0, None
+        self._window_rows: list[list[dict]] = []  # the prompts of every micro-batch of this optimizer step
+        self._loss_tokens: torch.Tensor | None = None  # their loss tokens over all processes (dapo's denominator)
+        self.timing: dict[str, float] = defaultdict(float)  # cumulative seconds and tokens
+        self._window: dict[str, float] = defaultdict(float)  # the same since the last log
+        self._window_start_step = 0
+
+    # ---- data ----
+    def get_train_dataloader(self) -> DataLoader:
+        a = self.args
+        sampler = RepeatBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations,
+                                     group=a.gradient_accumulation_steps * a.world_size, repeats=a.num_iterations,
+                                     seed=a.seed)
+        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
+                                                   collate_fn=self.data_collator))
+
+    # ---- one step: generation and scoring, then the update ----
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The prompts of this optimizer step's micro-batches, kept so its first `training_step` generates them all."""
+        self._window_rows = list(itertools.islice(epoch_iterator, num_batches))
+        return self._window_rows, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._slot_step != self.state.global_step:  # a new optimizer step
+            self._slot_step, self._slot = self.state.global_step, 0
+            if self.reward_head is not None:  # Trainer zeroes the model's gradients only, not the head's
+                self.reward_head.zero_grad(set_to_none=True)
+            self._generate_window()
+        slot, self._slot = self._slot, self._slot + 1
+        if slot not in self._buffer:  # called outside the Trainer loop, without get_batch_samples
+            self._buffer[slot] = self.make_batch(inputs)
+        batch, start = self._buffer[slot], time.perf_counter()
+        loss = super().training_step(model, batch, self._loss_tokens)
+        self._tick("training_s", time.perf_counter() - start)
+        self._tick("tokens", batch["attention_mask"].sum().item())
+        return loss
+
+    def _generate_window(self) -> None:
+        """Rollouts for every micro-batch of the step (reused from the buffer on the later iterations of a
+        generation), then their loss tokens summed over micro-batches and processes: dapo's denominator.
+
+        Generation runs here, in the step's first `training_step` rather than in `get_batch_samples`, because
+        on a resume the Trainer restores the checkpoint's buffered rollouts between the two.
+        """
+        window, self._window_rows = self._window_rows, []
+        if self.state.global_step % self.args.num_iterations == 0:
+            self._buffer = {}
+        if not window:  # training_step called by hand: each micro-batch alone (dapo: its own token count)
+            self._loss_tokens = None
+            return
+        for slot, rows in enumerate(window):
+            if slot not in self._buffer:
+                self._buffer[slot] = self.make_batch(rows)
+        batches = [self._buffer[slot] for slot in range(len(window))]
+        local = sum((b["loss_mask"].sum() for b in batches), torch.zeros((), device=self.args.device)).float()
+        self._loss_tokens = self.accelerator.reduce(local, reduction="sum").clamp(min=1)  # all unscored: loss 0
+
+    def _tick(self, key: str, value: float) -> None:
+        self.timing[key] += value
+        self._window[key] += value
+
+    @torch.no_grad()
+    def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Generate, score and compute advantages (and old / reference log-probs) for one micro-batch."""
+        from stages.generation.common import eos_token_ids
+
+        a, tok = self.args, self.processing_class
+        policy = self.accelerator.unwrap_model(self.model)
+        prompts = [r["prompt"] for r in rows]
+        start = time.perf_counter()
+        gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
+                             seed=sampling_seed(a.seed, self.state.global_step),
+                             precision=trainer_precision(a))
+        self._tick("generation_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        index = gens.prompt_index
+        eos = eos_token_ids(tok, policy)
+        batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
+                                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+        if gens.logprobs is not None:  # what the off-policy correction divides by
+            batch["sampler_logps"] = sampler_logps(gens.logprobs, batch["completion_mask"].shape[1])
+        batch = {k: v.to(a.device) for k, v in batch.items()}
+        columns = gens.reward_columns(rows)
+        totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)
+        self._tick("scoring_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        valid = torch.tensor([t is not None for t in totals], device=a.device)
+        rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
+        batch["advantages"] = grpo_advantages(rewards, a.num_generations, scale_rewards=a.scale_rewards, valid=valid)
+        loss_mask = batch["completion_mask"] * valid[:, None]
+        if a.mask_truncated_completions:
+            loss_mask = loss_mask * ~batch["truncated"][:, None]
+        batch["loss_mask"] = loss_mask
+        chunked = a.use_chunked_logprobs
+        if a.num_iterations > 1:  # later updates reuse these samples: weight them by the ratio to the sampler
+            batch["old_logps"], _ = per_token_logps(self.model, batch, temperature=a.sampling.temperature,
+                                                    chunked=chunked)
+        if a.beta > 0:
+            with reference_model(self.model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+                batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.sampling.temperature,
+                                                        chunked=chunked)
+        self._tick("training_s", time.perf_counter() - start)
+        self._log_generation(rewards, valid, per_function, batch)
+        return batch
+
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list], batch: dict[str, torch.Tensor]
+              ) -> tuple[list[float | None], dict[str, list[float | None]]]:
+        """Weighted total reward per completion (None: unscored) and each function's scores."""
+        if self.reward_functions is not None:
+            totals, per_function = self.reward_functions(prompts, completions, **columns)
+        else:
+            totals, per_function = [0.0] * len(completions), {}
+        if self.reward_head is not None:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                      "position_ids": position_ids(batch["attention_mask"])}
+            head = self.reward_head(last_token_hidden(self.model, inputs)).float().tolist()
+            bad = [i for i, s in enumerate(head) if not math.isfinite(s)]
+            if bad:
+                raise ValueError(f"the reward head gave a non-finite score for completion {bad[0]}: training has "
+                                 "diverged; lower learning_rate or reward_head_coef")
+            per_function["reward_head"] = head
+            w = self.args.reward_head_weight
+            totals = [None if t is None else t + w * s for t, s in zip(totals, head)]
+        return totals, per_function
+
+    def _log_generation(self, rewards, valid, per_function, batch) -> None:
+        m, g = self._metrics, self.args.num_generations
+        rewards, valid = self.accelerator.gather(rewards), self.accelerator.gather(valid)  # every rank's groups
+        scored = rewards[valid]
+        m["reward"].append(scored.mean().item() if scored.numel() else math.nan)
+        m["reward_std"].append(scored.std().item() if scored.numel() > 1 else 0.0)
+        m["frac_reward_none"].append(1 - valid.float().mean().item())
+        groups = [{v for v, ok in zip(r, k) if ok} for r, k in zip(rewards.view(-1, g).tolist(),
+                                                                     valid.view(-1, g).tolist())]
+        m["frac_reward_zero_std"].append(sum(len(s) <= 1 for s in groups) / len(groups))
+        for name, values in per_function.items():
+            got = torch.tensor([v for v in values if v is not None], dtype=torch.float64)
+            if got.numel():
+                m[f"rewards/{name}/mean"].append(got.mean().item())
+                m[f"rewards/{name}/std"].append(got.std().item() if got.numel() > 1 else 0.0)
+        lengths = batch["completion_mask"].sum(1).float()
+        m["completions/mean_length"].append(lengths.mean().item())
+        m["completions/min_length"].append(lengths.min().item())
+        m["completions/max_length"].append(lengths.max().item())
+        m["completions/truncated_ratio"].append(batch["truncated"].float().mean().item())
+        self._tick("generated_tokens", lengths.sum().item())
+
+    # ---- the loss ----
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        a = self.args
+        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
+                                         chunked=a.use_chunked_logprobs, entropy=True)
+        mask = inputs["loss_mask"]
+        weights, tis = None, {}
+        if "sampler_logps" in inputs:  # the policy at sampling time (old_logps, else now) over the sampler
+            at_sampling = inputs["old_logps"] if inputs.get("old_logps") is not None else logps.detach()
+            cap = a.vllm_importance_sampling_cap if a.vllm_importance_sampling_cap is not None else math.inf
+            weights, tis = truncated_importance_weights(at_sampling, inputs["sampler_logps"], mask, cap=cap)
+        loss, metrics = grpo_loss(logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], mask,
+                                  beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
+                                  loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
+                                  max_completion_length=a.sampling.max_new_tokens,
+                                  importance_weights=weights if a.vllm_importance_sampling_cap is not None else None)
+        metrics.update(tis)
+        if self.loss_is_scaled_for_ga:  # dapo over the step's global count: DDP averages the ranks' gradients,
+            loss = loss * self.accelerator.num_processes  # where that denominator wants their sum
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        if self.reward_head is not None:
+            bt, bt_metrics = self.reward_head_loss(model)
+            head = a.reward_head_coef * bt
+            if self.loss_is_scaled_for_ga:  # the step sums its micro-batch losses: the head's mean takes its share
+                head = head / self.current_gradient_accumulation_steps
+            loss = loss + head
+            metrics["reward_head/loss"] = bt
+            metrics.update({f"reward_head/{k}": v for k, v in bt_metrics.items()})
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, device=loss.device).detach().float()
+            self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    def reward_head_loss(self, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Bradley-Terry loss of the reward head on a random minibatch of preference pairs."""
+        from stages.losses import reward_loss
+
+        n = min(self.args.reward_head_batch_size, len(self.preference_rows))
+        picks = torch.randperm(len(self.preference_rows), generator=self._pair_rng)[:n].tolist()
+        pairs = PairCollator(self.processing_class.pad_token_id)([self.preference_rows[i] for i in picks])
+        inputs = {k: pairs[k].to(self.args.device) for k in ("input_ids", "attention_mask")}
+        scores = self.reward_head(last_token_hidden(model, inputs)).float()
+        chosen, rejected = scores.chunk(2)
+        return reward_loss(chosen, rejected)
+
+    # ---- the reward head joins the optimizer, checkpoints and the saved model ----
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.reward_head is not None:
+            known = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            params = [p for p in self.reward_head.parameters() if id(p) not in known]
+            if params:
+                optimizer.add_param_group({"params": params, "weight_decay": 0.0})
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        super()._save(output_dir, state_dict)
+        if self.reward_head is not None:
+            self.reward_head.save(output_dir or self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.reward_head is not None and (Path(resume_from_checkpoint) / REWARD_HEAD_FILE).exists():
+            self.reward_head.load_state_dict(RewardHead.load(resume_from_checkpoint).state_dict())
+
+    # ---- checkpoints carry the sampling state (stages.trainers.resume), so a resume samples alike ----
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        reused = self.state.global_step % self.args.num_iterations != 0  # the next step reuses these rollouts
+        tensors = flatten(self._buffer) if reused else {}
+        if self.reward_head is not None:
+            tensors["pair_rng"] = self._pair_rng.get_state()
+        save_state(output_dir, self.args.process_index, tensors)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        self._window_start_step = self.state.global_step
+        tensors = load_state(checkpoint, self.args.process_index)
+        if tensors is None:
+            logger.warning("%s has no rollout state for process %d (saved by an older version or another number "
+                           "of processes): training resumes, but may sample and train differently from an "
+                           "uninterrupted run", checkpoint, self.args.process_index)
+            return
+        self._buffer = unflatten(tensors, device=self.args.device)
+        if self.reward_head is not None and "pair_rng" in tensors:
+            self._pair_rng.set_state(tensors["pair_rng"])
+
+    # ---- logging ----
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        for key, values in self._metrics.items():
+            logs[key] = sum(values) / len(values)
+        self._metrics.clear()
+        self.warn_off_policy(logs)
+        steps = self.state.global_step - self._window_start_step
+        if steps > 0 and self._window:
+            w = self._window
+            for key in ("generation_s", "scoring_s", "training_s"):
+                logs[f"timing/{key}"] = w[key] / steps
+            total = w["generation_s"] + w["scoring_s"] + w["training_s"]
+            logs["timing/tokens_per_s"] = w["tokens"] / max(total, 1e-9)
+            logs["timing/generated_tokens_per_s"] = w["generated_tokens"] / max(w["generation_s"], 1e-9)
+            self._window.clear()
+            self._window_start_step = self.state.global_step
+        super().log(logs, start_time)
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",
+           "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]

@@ -1,0 +1,197 @@
+"""Kahneman-Tversky optimisation: `KTOTrainer` (a `transformers.Trainer`; config: `kto_config.py`).
+
+Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
+under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
+the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
+docs/trainers.md.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import Trainer
+
+from stages.data.tokenize import tokenize_sft
+from stages.losses import kto_loss
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.preference import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
+from stages.tensors import pad
+from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
+
+KL_PREFIX = "kl_"
+
+
+def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: int = 0, kl: bool = True
+                      ) -> list[dict]:
+    """Each prompt/completion/label row -> prompt_ids, completion_ids (truncated to max_length together), label,
+    and with `kl` kl_completion_ids: the next row's completion (the last row's: the first's; `with_kl_pairs`
+    does the same for a whole tokenised Dataset). `start`: the index of the first of `rows` in the whole dataset,
+    for the messages."""
+    bad = [i for i, r in enumerate(rows) if not isinstance(r.get("label"), bool)]
+    if bad:
+        raise ValueError(f"row {start + bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
+                         f"(desirable) or false (undesirable) ({len(bad)} such row(s))")
+    out = []
+    for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length))):
+        n_prompt = t["completion_mask"].index(1) if any(t["completion_mask"]) else len(t["input_ids"])
+        if n_prompt == len(t["input_ids"]):
+            raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the completion "
+                             "is left (raise max_length or filter long prompts)")
+        out.append({"prompt_ids": t["input_ids"][:n_prompt], "completion_ids": t["input_ids"][n_prompt:],
+                    "label": r["label"]})
+    if kl:
+        for i, row in enumerate(out):  # the KL pair: this prompt with the next row's completion
+            row["kl_completion_ids"] = out[(i + 1) % len(out)]["completion_ids"]
+    return out
+
+
+def with_kl_pairs(dataset):
+    """A tokenised Dataset of unpaired rows plus kl_completion_ids: each row's completion_ids rolled by one row
+    (the KL pair of `tokenize_unpaired`, across the whole dataset rather than one batch of it)."""
+    import datasets
+    import pyarrow as pa
+
+    if not isinstance(dataset, datasets.Dataset) or "kl_completion_ids" in dataset.column_names or not len(dataset):
+        return dataset
+    column = dataset.data.column("completion_ids")
+    rolled = pa.chunked_array(column.slice(1).chunks + column.slice(0, 1).chunks, type=column.type)
+    return dataset.add_column("kl_completion_ids", rolled)
+
+
+def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight: float) -> None:
+    """Error with one class only; warn when the weights miss the KTO paper's range for this class balance."""
+    n_d = sum(labels)
+    n_u = len(labels) - n_d
+    if n_d == 0 or n_u == 0:
+        raise ValueError(f"the KTO data has only {'undesirable' if n_d == 0 else 'desirable'} rows ({len(labels)}): "
+                         "KTO needs both label true and label false rows; add the other class, or use SFT for "
+                         "desirable-only data")
+    ratio = desirable_weight * n_d / (undesirable_weight * n_u)
+    if not 1 <= ratio <= 4 / 3:
+        warnings.warn(
+            f"kto: {n_d} desirable and {n_u} undesirable rows with desirable_weight = {desirable_weight}, "
+            f"undesirable_weight = {undesirable_weight}: desirable_weight·n_desirable / (undesirable_weight·"
+            f"n_undesirable) = {ratio:.3g}, outside [1, 4/3] (the KTO paper's recommendation); e.g. "
+            f"desirable_weight = 1.0 with undesirable_weight in [{0.75 * n_d / n_u:.3g}, {n_d / n_u:.3g}], or "
+            f"undesirable_weight = 1.0 with desirable_weight in [{n_u / n_d:.3g}, {4 / 3 * n_u / n_d:.3g}]",
+            UserWarning, stacklevel=3)
+
+
+@dataclass
+class KTOCollator:
+    """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
+    (prompt i + its `kl_completion_ids`) for the KL estimate; right-padded; `desirable`: (B,) bool."""
+
+    pad_token_id: int
+    max_length: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        matched = [(f["prompt_ids"], f["completion_ids"]) for f in features]
+        shifted = [(f["prompt_ids"], f["kl_completion_ids"]) for f in features]
+        batch = {"desirable": torch.tensor([f["label"] for f in features])}
+        for prefix, pairs in (("", matched), (KL_PREFIX, shifted)):
+            ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
+            mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
+            batch.update({f"{prefix}input_ids": pad(ids, padding_value=self.pad_token_id),
+                          f"{prefix}attention_mask": pad([torch.ones_like(i) for i in ids]),
+                          f"{prefix}completion_mask": pad(mask)})
+        return batch
+
+
+def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "completion_mask")}
+
+
+class KTOTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
+
+    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        refuse("KTOTrainer", compute_metrics=compute_metrics)
+        args, train_dataset, eval_dataset, processing_class = offline_inputs(
+            KTOConfig, "KTO", model, args, train_dataset, eval_dataset, processing_class)
+
+        def prepare(rows):
+            if rows is not None and not hasattr(rows, "__len__"):  # streamed: the KL pairs span the whole dataset
+                rows = list(rows)
+            return with_kl_pairs(tokenized_dataset(
+                rows, "prompt_ids", partial(tokenize_unpaired, processing_class, max_length=args.max_length, kl=False),
+                tokenizer=processing_class, num_proc=getattr(args, "dataset_num_proc", None)))
+
+        train = prepare(train_dataset)  # data errors before any model is loaded
+        check_labels(train["label"], args.desirable_weight, args.undesirable_weight)
+        model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
+        args.remove_unused_columns = False
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
+        super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
+            processing_class.pad_token_id, args.max_length), processing_class=processing_class, train_dataset=train,
+            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
+        self.ref_model = frozen_reference(self.model, ref_model)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    @torch.no_grad()
+    def kl_estimate(self, model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Mean log-ratio policy / reference of the mismatched rows of `batches` on every process: a scalar."""
+        chunked = self.args.use_chunked_logprobs
+        total = torch.zeros((), device=self.args.device)
+        rows = torch.zeros((), device=self.args.device)
+        with self.compute_loss_context_manager():
+            for batch in batches:
+                mismatched = _part(batch, KL_PREFIX)
+                kl_logps = sequence_logps(model, mismatched, chunked=chunked)
+                with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+                    kl_logps = kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked)
+                total, rows = total + kl_logps.sum(), rows + kl_logps.numel()
+        if self.accelerator.num_processes > 1:
+            total, rows = self.accelerator.reduce(total, "sum"), self.accelerator.reduce(rows, "sum")
+        return total / rows.clamp(min=1)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches, each with the step's one KL estimate ("kl") attached."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches:
+            kl = self.kl_estimate(self.model, batches)
+            batches = [{**b, "kl": kl} for b in batches]
+        return batches, num_items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chunked = self.args.use_chunked_logprobs
+        matched = _part(inputs, "")
+        logps = sequence_logps(model, matched, chunked=chunked)
+        with torch.no_grad():
+            with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+                ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
+            kl = inputs["kl"] if "kl" in inputs else self.kl_estimate(model, [inputs])  # training: the step's
+        desirable = inputs["desirable"]
+        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
+                          desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)
+        self._record("train" if model.training else "eval", logps.detach(), ref_logps, kl, desirable)
+        loss = losses.mean()
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    def _record(self, mode: str, logps, ref_logps, kl, desirable) -> None:
+        gather = self.accelerator.gather_for_metrics
+        logps, rewards, desirable = gather(logps), gather(self.args.beta * (logps - ref_logps)), gather(desirable)
+        m = self._metrics[mode]
+        m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
+        for name, select in (("chosen", desirable), ("rejected", ~desirable)):
+            if select.any():  # a batch may hold one class only
+                m[f"rewards/{name}"].append(rewards[select].mean().item())
+                m[f"logps/{name}"].append(logps[select].mean().item())
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        return loss_only_prediction_step(self, model, inputs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        flush_metrics(self._metrics[mode], logs, "eval_" if mode == "eval" else "")
+        super().log(logs, start_time)

@@ -1,0 +1,168 @@
+"""Online DPO: `OnlineDPOTrainer` (a `transformers.Trainer`; config: `online_dpo_config.py`).
+
+Every optimizer step samples two completions per prompt from the current policy (`stages.generation`,
+seeded from the run seed, the step and the prompt), ranks them with the reward functions (TRL's
+`reward_funcs`; weights `reward_weights`), and trains on the pair with the same objectives as DPO
+(`stages.losses.preference_loss`) against the reference (a frozen copy, or the adapter-disabled base
+under PEFT). Ties and unscored pairs get no loss. The details: docs/trainers.md.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import Trainer
+
+from stages.reward_functions import build_reward_functions
+from stages.losses import preference_loss, resolve_objective
+from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
+                                    looks_like_rewards, no_unknown_kwargs, refuse, renamed_kwarg)
+from stages.trainers.online_generation import sample_online, sampling_seed
+from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics,
+                                        sequence_logps)
+from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
+from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
+from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+
+
+def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
+    """Scores of 2P completions (two per prompt, prompt-major) -> [(chosen, rejected) indices], dropped count.
+
+    A pair is dropped when its scores tie or either is None (no preference to learn).
+    """
+    pairs, dropped = [], 0
+    for k in range(0, len(scores), 2):
+        a, b = scores[k], scores[k + 1]
+        if a is None or b is None or a == b:
+            dropped += 1
+        else:
+            pairs.append((k, k + 1) if a > b else (k + 1, k))
+    return pairs, dropped
+
+
+def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
+                  weight: float = 1.0) -> dict:
+    """One prompt and two completions (token ids) -> the chosen_*/rejected_* features of `PairCollator`
+    (weight 0: a dropped pair, which runs through the model but adds nothing to the loss)."""
+    out = {"weight": weight}
+    for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        tokens = (prompt_ids + ids)[:max_length]
+        mask = ([0] * len(prompt_ids) + [1] * len(ids))[:max_length]
+        if not any(mask):
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens fills max_length = {max_length}: nothing of its "
+                             "completions is left (raise max_length or filter long prompts)")
+        out.update({f"{side}_input_ids": tokens, f"{side}_completion_mask": mask})
+    return out
+
+
+class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
+    loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
+
+    def __init__(self, model, ref_model=None, reward_funcs=None, args: OnlineDPOConfig | None = None,
+                 data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None, **deprecated):
+        refuse("OnlineDPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
+               compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
+                                     trainer="OnlineDPOTrainer")
+        no_unknown_kwargs("OnlineDPOTrainer", deprecated)
+        if looks_like_rewards(ref_model):
+            raise TypeError(f"OnlineDPOTrainer: ref_model = {ref_model!r} looks like reward functions; the order is "
+                            "TRL's, OnlineDPOTrainer(model, ref_model, reward_funcs, ...): pass reward_funcs=...")
+        if reward_funcs is None:
+            raise ValueError("OnlineDPOTrainer: reward_funcs is None; online DPO ranks its two samples with reward "
+                             "functions: pass reward_funcs= (a callable, a list, a built-in name such as "
+                             "'exact_match', or a reward model's folder)")
+        args = args or default_args(OnlineDPOConfig, model, "OnlineDPO")
+        rows = list(check_dataset(train_dataset, "train_dataset") or [])
+        missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+        if not rows or missing:
+            raise ValueError(f"train_dataset: online DPO needs rows with a 'prompt' column; {len(missing)} of "
+                             f"{len(rows)} rows lack it (first: row {missing[0] if missing else '-'})")
+        processing_class = load_processing_class(model, processing_class, args)
+        model = apply_peft(load_model(model, args), peft_config)
+        if ref_model is not None:
+            ref_model = load_model(ref_model, args)
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs")
+        args.remove_unused_columns = False
+        use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
+        super().__init__(model=model, args=args, data_collator=data_collator or list,  # prompts pass through
+                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
+        self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
+        self.ref_model = frozen_reference(self.model, ref_model)
+        self.pair_collator = PairCollator(processing_class.pad_token_id)
+        self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ (stages.trainers.reward_mean)
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches of prompts -> pair batches, each carrying "step_pairs": the
+        kept pairs of the whole step on every process (the loss's denominator)."""
+        rows, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [self.make_pairs(r) for r in rows]
+        if batches:
+            kept = sum(b["weight"].gt(0).sum() for b in batches).to(self.args.device).float()
+            if self.accelerator.num_processes > 1:
+                kept = self.accelerator.reduce(kept, "sum")
+            batches = [{**b, "step_pairs": kept} for b in batches]
+        return batches, num_items
+
+    @torch.no_grad()
+    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Sample two completions per prompt, score and rank them: a `PairCollator` batch of one pair per
+        prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
+        a, tok = self.args, self.processing_class
+        prompts = [r["prompt"] for r in rows]
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
+                             seed=sampling_seed(a.seed, self.state.global_step),
+                             precision=trainer_precision(a))
+        index = gens.prompt_index
+        scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
+        pairs, dropped = rank_pairs(scores)
+        self._metrics["pairs/dropped"].append(dropped)
+        scored = [v for v in scores if v is not None]
+        if scored:
+            self._metrics["scores/mean"].append(sum(scored) / len(scored))
+        if pairs:
+            self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
+            self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
+        kept = dict(pairs)
+        features = []
+        for k in range(0, len(scores), 2):  # prompt-major: one pair per prompt, kept or weight 0
+            c, r = (k, kept[k]) if k in kept else (k + 1, k) if k + 1 in kept else (k, k + 1)
+            features.append(pair_features(gens.prompt_ids[index[c]], gens.completion_ids[c], gens.completion_ids[r],
+                                          a.max_length, weight=1.0 if c in kept else 0.0))
+        return {k: v.to(a.device) for k, v in self.pair_collator(features).items()}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chunked = self.args.use_chunked_logprobs
+        logps = sequence_logps(model, inputs, chunked=chunked, pairs=True)
+        with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+            ref_chosen, ref_rejected = reference_sequence_logps(ref, inputs, chunked=chunked, pairs=True).chunk(2)
+        weight = inputs["weight"]  # (B,): 0 for a tied or unscored pair (kept so every rank runs backward)
+        bco_delta = None
+        if self.reward_mean is not None:  # bco_pair's running δ over the kept pairs' implicit rewards
+            rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.args.beta)
+            self.reward_mean.update(rewards[weight.repeat(2) > 0], self.accelerator.gather)
+            bco_delta = self.reward_mean.value
+        loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta,
+                                      bco_delta=bco_delta)
+        # mean x pairs = the sum over this micro-batch's kept pairs; x processes: DDP averages the gradients
+        loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
+        if "rewards/accuracies" in stats:
+            stats["win_rate"] = stats.pop("rewards/accuracies")
+        for key, value in stats.items():  # every rank gathers every key, kept pairs or not
+            total, count = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None]).sum(0)
+            if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
+                self._metrics[key].append((total / count).item())
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        dropped = self._metrics.pop("pairs/dropped", [])
+        flush_metrics(self._metrics, logs)
+        logs["pairs/dropped"] = float(sum(dropped))
+        super().log(logs, start_time)

@@ -1,0 +1,41 @@
+"""Sampling from the policy during training, shared by online DPO, GRPO and PPO (and `score`'s settings).
+
+`GenerationParams` is the sampling section (`policy.<method>.generation`, `score.generation`)
+and the `generation` field of the online trainers' configs; `sample_online` turns it into one
+`stages.generation.sample_policy` call; `sampling_seed` is the one seed formula every online
+trainer (and `score`) uses:
+
+    call seed   = stable_hash(run seed, draw)                      (sampling_seed)
+    prompt seed = stable_hash(call seed, the prompt's token ids)   (stages.generation.common.prompt_seed)
+
+`draw` is the optimizer step (`state.global_step`: global, the same on every rank, restored on
+resume); `score` samples once, draw 0. Each prompt's n completions come from its own prompt
+seed, so a prompt gets the same token ids whatever its batch, position in it, rank, shard or
+resume. Two equal prompts in one step get equal completions. Torch and the generation backends
+are imported only when sampling.
+"""
+from __future__ import annotations
+
+from stages.trainers.generation_params import (GENERATION_BACKENDS, GenerationParams,  # noqa: F401 (re-exported)
+                                               backend_options, sampling_seed)
+
+
+def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):
+    """`n` sampled completions per prompt from `model` (unwrapped from DDP) with settings `g`: `Generations`.
+
+    precision: the autocast `model`'s forward already runs under (the trainer's, "no", "bf16", "fp16"):
+    the whole call becomes one autocast region, so the weights are cast once, not at every decode step
+    (`stages.precision.cached_casts`; the same casts, so the same samples).
+
+    With backend vllm the server samples from its own weights, which training does not update:
+    the samples are off-policy once the policy has moved; their `logprobs` let GRPO correct for it.
+    """
+    from stages.generation import SamplingParams, sample_policy
+    from stages.precision import cached_casts
+
+    sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
+                              top_p=g.top_p, top_k=g.top_k, seed=seed)
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    with cached_casts(model, precision if g.backend != "vllm" else "no"):
+        return sample_policy(model, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size,
+                             options=backend_options(g, path))

@@ -1,0 +1,29 @@
+"""stages.harness.dvcgen: each DVC stage depends on its stage's code closure, file by file, and its upstream outputs."""
+from stages.harness.dvcgen import dvc_stages
+from stages.harness.registry import STAGES
+
+
+def test_deps_are_the_code_closure_and_the_upstream_outputs():
+    stages = dvc_stages("out")["stages"]
+    assert list(stages) == list(STAGES)
+    for name, spec in STAGES.items():
+        deps = stages[name]["deps"]
+        assert deps == [*spec.code(), *(f"out/{u}" for u in spec.upstream)]
+        assert all(d.endswith(".py") for d in deps[:len(spec.code())])  # files, never folders
+        assert stages[name]["params"] == list(spec.params)
+
+
+def test_the_users_input_files_named_in_params_are_deps(tmp_path):
+    """Own data and a local model folder: DVC reruns the stages that read them when their content changes."""
+    from stages.harness.params_loader import load_params
+    from tests.conftest import write_params
+
+    data, model = tmp_path / "train.jsonl", tmp_path / "hub-id-like"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    params = load_params(write_params(tmp_path, {
+        "data": {"source": None, "sft": str(data)},
+        "score": {"reward_functions": ["exact_match"], "reward_weights": None}}))
+    stages = dvc_stages("out", params)["stages"]
+    assert stages["preprocess"]["deps"][-1] == str(data)
+    assert str(model) not in stages["sft"]["deps"]  # builtin:tiny names no file
+    assert all(str(data) not in stages[s]["deps"] for s in STAGES if s != "preprocess")

@@ -1,0 +1,34 @@
+"""The user's files a stage reads are part of its fingerprint: editing one in place makes the stage stale."""
+from __future__ import annotations
+
+import json
+
+from stages.harness import runner
+from stages.harness.params_loader import load_params
+from tests.conftest import write_params
+
+
+def _rows(n: int) -> str:
+    return "".join(json.dumps({"prompt": f"What is {i}+1?", "completion": f"{i + 1}"}) + "\n" for i in range(n))
+
+
+def test_editing_a_data_file_in_place_makes_preprocess_stale(tmp_path):
+    data = tmp_path / "s.jsonl"
+    data.write_text(_rows(40))
+    path = write_params(tmp_path, {"data": {"source": None, "sft": str(data)},
+                                   "score": {"reward_functions": ["exact_match"], "reward_weights": None}})
+    params = load_params(path)
+    built = runner.run_stage("preprocess", params)
+    assert built["executed"] and built["files"]["file:data.sft"]
+    assert not runner.run_stage("preprocess", params)["executed"]  # unchanged: current
+
+    data.write_text(_rows(20))  # same path, other rows
+    state = runner.inspect("preprocess", params)
+    assert not state.current and state.fingerprint != built["fingerprint"]
+    rebuilt = runner.run_stage("preprocess", params)
+    assert rebuilt["executed"] and rebuilt["files"]["file:data.sft"] != built["files"]["file:data.sft"]
+
+
+def test_builtin_and_hub_names_hash_as_their_value_only(tmp_path):
+    params = load_params(write_params(tmp_path))
+    assert runner.input_hashes(runner.get_stage("preprocess"), params) == {}  # builtin:tiny, builtin:arithmetic

@@ -1,0 +1,85 @@
+"""DPOTrainer on the built-in model and preference pairs: the loss falls, weights move, the pieces agree."""
+import pytest
+import torch
+
+from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
+from stages.trainers.preference import PairCollator, sequence_logps, tokenize_pairs
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, num_heads=4,
+                      intermediate_size=128)
+    rows = builtin_rows("preference", "preference", num_preference=256)
+    return path, AutoTokenizer.from_pretrained(path), rows
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=15, per_device_train_batch_size=16, learning_rate=2e-3,
+                logging_steps=5, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                precompute_ref_log_probs=False)  # the live reference; test_dpo_extensions covers precomputing
+    return DPOConfig(**{**base, **kw})
+
+
+def test_loss_falls_and_every_parameter_changes(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    model = AutoModelForCausalLM.from_pretrained(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = DPOTrainer(model, args=_args(tmp_path, logging_steps=1), processing_class=tok, train_dataset=rows)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 1: -log sigmoid(0)
+    assert sum(h["loss"] for h in logs[-5:]) < sum(h["loss"] for h in logs[:5])
+    assert sum(h["rewards/accuracies"] for h in logs[-5:]) / 5 > 0.7 and logs[-1]["rewards/margins"] > 0
+    assert not [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(torch.equal(ref[n], before[n]) for n in before)  # the reference stayed frozen
+
+
+def test_chunked_and_logits_logps_agree(setup):
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    model = AutoModelForCausalLM.from_pretrained(path)
+    batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, rows[:4], 256))
+    assert batch["input_ids"].shape[0] == 8
+    fast, slow = (sequence_logps(model, batch, chunked=c) for c in (True, False))
+    assert torch.allclose(fast, slow, atol=1e-4)
+    avg = sequence_logps(model, batch, average=True)
+    assert torch.allclose(avg * batch["completion_mask"][:, 1:].sum(-1), fast, atol=1e-4)
+
+
+def test_lora_reference_is_the_adapter_disabled_base(setup, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = DPOTrainer(model, args=_args(tmp_path, max_steps=3), processing_class=tok, train_dataset=rows)
+    assert trainer.ref_model is None  # no second copy of the weights
+    trainer.train()
+    batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, rows[:2], 256))
+    ref_c, _ = trainer.reference_logps(model, batch)
+    base = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.allclose(ref_c, sequence_logps(base, batch).chunk(2)[0], atol=1e-4)
+
+
+def test_bad_preference_input(setup, tmp_path):
+    path, tok, rows = setup
+    same = [{**rows[0], "rejected": rows[0]["chosen"]}]
+    with pytest.raises(ValueError, match="identical chosen and rejected"):
+        tokenize_pairs(tok, same, 256)
+    with pytest.raises(ValueError, match="the prompt fills max_length = 4"):
+        tokenize_pairs(tok, rows[:1], 4)
+    with pytest.raises(ValueError, match=r"beta = 0.0: must be > 0"):
+        _args(tmp_path, beta=0.0)
+    with pytest.raises(ValueError, match="label_smoothing = 0.5"):
+        _args(tmp_path, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="loss_type = 'nope': supported: sigmoid"):
+        _args(tmp_path, loss_type="nope")

@@ -1,0 +1,78 @@
+"""KTOTrainer on the built-in model and unpaired rows: the loss falls, weights move, the data is checked."""
+import pytest
+import torch
+
+from stages.trainers.kto_trainer import KTOCollator, KTOConfig, KTOTrainer, check_labels, tokenize_unpaired
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = build_tiny(tmp_path_factory.mktemp("tiny"))
+    rows = builtin_rows("unpaired", "unpaired", num_preference=256)
+    return path, AutoTokenizer.from_pretrained(path), rows
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=16, learning_rate=5e-3,
+                logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    return KTOConfig(**{**base, **kw})
+
+
+def test_loss_falls_and_every_parameter_changes(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    model = AutoModelForCausalLM.from_pretrained(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = KTOTrainer(model, args=_args(tmp_path), processing_class=tok, train_dataset=rows,
+                         eval_dataset=rows[:32])
+    trainer.train()
+    assert trainer.evaluate()["eval_loss"] < 0.49  # 0.5 before training
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # r = z = 0 at step 1: 1 - σ(0)
+    assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-4)
+    assert sum(h["loss"] for h in logs[-5:]) < 0.9 * sum(h["loss"] for h in logs[:5])
+    last = logs[-5:]
+    assert sum(h["rewards/chosen"] - h["rewards/rejected"] for h in last) > 0
+    assert all(k in logs[-1] for k in ("logps/chosen", "logps/rejected", "kl"))
+    assert not [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(torch.equal(ref[n], before[n]) for n in before)  # the reference stayed frozen
+
+
+def test_kl_rows_pair_each_prompt_with_the_next_completion(setup):
+    _, tok, rows = setup
+    feats = tokenize_unpaired(tok, rows[:3], 256)
+    batch = KTOCollator(tok.pad_token_id, 256)(feats)
+    for i in range(3):
+        j = (i + 1) % 3
+        expect = feats[i]["prompt_ids"] + feats[j]["completion_ids"]
+        n = len(expect)
+        assert batch["kl_input_ids"][i, :n].tolist() == expect
+        assert batch["kl_completion_mask"][i, :n].sum() == len(feats[j]["completion_ids"])
+        assert batch["input_ids"][i, :len(feats[i]["prompt_ids"])].tolist() == feats[i]["prompt_ids"]
+    assert batch["desirable"].tolist() == [r["label"] for r in rows[:3]]
+
+
+def test_single_class_is_an_error(setup, tmp_path):
+    path, tok, rows = setup
+    desirable = [r for r in rows if r["label"]]
+    with pytest.raises(ValueError, match=r"only desirable rows \(\d+\): KTO needs both"):
+        KTOTrainer(None, args=_args(tmp_path), processing_class=tok, train_dataset=desirable)
+    with pytest.raises(ValueError, match="row 0: label = 'yes'"):
+        tokenize_unpaired(tok, [{**rows[0], "label": "yes"}], 256)
+    assert _args(tmp_path, per_device_train_batch_size=1).per_device_train_batch_size == 1  # KL pairs are per row
+
+
+def test_class_balance_warning_recommends_weights():
+    with pytest.warns(UserWarning, match=r"= 3, outside \[1, 4/3\].*undesirable_weight in \[2.25, 3\].*"
+                                         r"desirable_weight in \[0.333, 0.444\]"):
+        check_labels([True] * 30 + [False] * 10, 1.0, 1.0)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_labels([True] * 30 + [False] * 10, 1.0, 2.5)  # 30 / 25 = 1.2: inside
+        check_labels([True] * 10 + [False] * 10, 1.0, 1.0)

@@ -1,0 +1,49 @@
+"""OnlineDPOTrainer: sample two completions per prompt, rank them by a reward, DPO on the fresh pairs."""
+import pytest
+import torch
+
+from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer, pair_features, rank_pairs
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
+
+
+def digits(prompts, completions, **columns):
+    """A dense toy reward: the share of digit characters in the completion."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def test_rank_pairs_and_features():
+    # pairs (0,1): 1 > 0, chosen 0; (2,3): None, dropped; (4,5): tie, dropped; (6,7): 2 < 5, chosen 7
+    assert rank_pairs([1.0, 0.0, None, 2.0, 3.0, 3.0, 2.0, 5.0]) == ([(0, 1), (7, 6)], 2)
+    f = pair_features([5, 6, 7], [8, 9], [10], max_length=4)
+    assert f == {"chosen_input_ids": [5, 6, 7, 8], "chosen_completion_mask": [0, 0, 0, 1],
+                 "rejected_input_ids": [5, 6, 7, 10], "rejected_completion_mask": [0, 0, 0, 1], "weight": 1.0}
+    assert pair_features([5, 6, 7], [8, 9], [8, 9], max_length=4, weight=0.0)["weight"] == 0.0  # a dropped tie
+    with pytest.raises(ValueError, match="a prompt of 3 tokens fills max_length = 3"):
+        pair_features([5, 6, 7], [8], [9], max_length=3)
+
+
+def test_online_dpo_trains(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = builtin_rows("prompts", "prompt_only", num_preference=10)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), max_steps=30, per_device_train_batch_size=16,
+                           learning_rate=1e-2, beta=0.5, max_new_tokens=8,
+                           logging_steps=1, report_to="none",
+                           use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = OnlineDPOTrainer(model, reward_funcs=digits, args=args, processing_class=tok, train_dataset=rows)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the first step
+    assert sum(h["loss"] for h in logs[-5:]) < sum(h["loss"] for h in logs[:5])
+    # What online training is for: the policy's own samples score higher (measured ~0.03 -> ~0.13).
+    assert sum(h["scores/mean"] for h in logs[-5:]) > 2 * sum(h["scores/mean"] for h in logs[:5])
+    assert sum(h["pairs/dropped"] for h in logs) > 0  # ties happen (e.g. two digit-free samples) and are counted
+    assert all(h["scores/chosen"] > h["scores/rejected"] for h in logs if "scores/chosen" in h)
+    assert "win_rate" in logs[-1] and "pairs/dropped" in logs[-1]
+    assert not [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(torch.equal(ref[n], before[n]) for n in before)
