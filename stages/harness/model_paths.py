@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages.builtin import BUILTIN_MODELS
-from stages.harness.config import ModelConfig
 from stages.harness import artifacts
 from stages.models import local_or_hub
+
+if TYPE_CHECKING:  # annotations only: loading the params schema would load every method config
+    from stages.harness.config import ModelConfig
 
 
 def resolve_model(cfg: ModelConfig, output_dir: str | Path) -> str:

@@ -9,7 +9,7 @@ from stages import promotion
 
 from stages.harness import runner
 from stages.builtin import tiny
-from tests.stages.test_merge import SIZE
+from tests.stages.test_adapter_merge import SIZE
 
 
 def history(models):

@@ -17,7 +17,7 @@ from stages.models import load_tokenizer
 from stages.pipeline import merge as merge_stage
 from stages.harness.runner import StageContext
 from tests.conftest import write_params
-from tests.stages.test_merge import make_adapter
+from tests.stages.test_adapter_merge import make_adapter
 
 
 def weights(path):
