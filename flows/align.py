@@ -23,10 +23,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc_sync import record_in_dvc_lock
-from flows.promote import promote as promote_task
 from stages.harness.config import Params
 from stages.harness.params_loader import load_params
-from stages.harness.registry import STAGES
+from stages.harness.registry import ON_REQUEST, STAGES
 from stages.harness.runner import output_dir
 from stages.trackers import RUN_ENV
 from tasks.cluster import shard_runner
@@ -38,8 +37,8 @@ from tasks.stage import STAGE_TASKS
 @flow(name="align", task_runner=ThreadPoolTaskRunner())
 def align(params_file: str = "params.yaml", overrides: list[str] | None = None, promote: bool = False
           ) -> dict[str, Any]:
-    """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then the
-    promotion gate (stages/promotion.py)."""
+    """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then stage
+    promote, the promotion gate (stages/pipeline/promote.py)."""
     params = load_params(params_file, overrides or [], rows=True)  # every params and row problem, before any compute
     with pipeline_run_name():
         return _run(params, params_file, overrides, promote)
@@ -74,9 +73,13 @@ def _run(params: Params, params_file: str, overrides: list[str] | None, promote:
                 upstream = fan_out(spec.name, params, upstream, shard_tasks)
             runs[spec.name] = STAGE_TASKS[spec.name](params, upstream, return_state=True)
 
+        if promote:
+            spec = ON_REQUEST["promote"]
+            runs[spec.name] = STAGE_TASKS[spec.name](params, after(*spec.upstream), return_state=True)
+
     summary = summarise(runs, params)
     if promote:
-        summary["promotion"] = promote_task(params, after("evaluate"))
+        summary["promotion"] = runs["promote"].result()["metrics"]
     record_in_dvc_lock(params_file, params.run.output_dir, overrides,
                        executed=any(s["status"] == "executed" for s in summary["stages"]))
     create_table_artifact(key="align-run", table=summary["stages"], description="stages of this run")

@@ -1,6 +1,6 @@
 """`align`: the command-line entry point.
 
-    align run [--params params.yaml] [--set sft.learning_rate=1e-3 ...]   run the flow now
+    align run [--params params.yaml] [--set sft.learning_rate=1e-3 ...] [--promote]   run the flow now
     align serve [--params params.yaml]          serve the align/full and align/nightly deployments
     align server start|stop                     a background Prefect server on 127.0.0.1 for fast reruns + UI
     align stage <stage> [--set ...]             one stage, without Prefect (= python -m stages <stage>)
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--params", default="params.yaml")
         if name == "run":
             p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+            p.add_argument("--promote", action="store_true",
+                           help="then stage promote: the merged model replaces models/production if it is better")
     srv = sub.add_parser("server", help="start or stop a background Prefect server on 127.0.0.1")
     srv.add_argument("action", choices=["start", "stop"])
     srv.add_argument("--port", type=int, default=4200)
@@ -81,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     logs.attach_log_file(Path(params.run.output_dir) / "logs", f"align-{args.command}")
     use_background_server()
     try:
-        return serve(args.params) if args.command == "serve" else run(args.params, args.overrides)
+        return serve(args.params) if args.command == "serve" else run(args.params, args.overrides, args.promote)
     finally:
         logs.detach_log_file()
 
 
-def run(params_file: str, overrides: list[str]) -> int:
+def run(params_file: str, overrides: list[str], promote: bool = False) -> int:
     """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file."""
     from flows import shutdown
     from stages.harness import logs
@@ -96,7 +98,7 @@ def run(params_file: str, overrides: list[str]) -> int:
     try:
         from flows.align import align
 
-        state = align(params_file=params_file, overrides=overrides, return_state=True)
+        state = align(params_file=params_file, overrides=overrides, promote=promote, return_state=True)
         error = None if state.is_completed() else state.result(raise_on_failure=False)
     except Exception as e:  # noqa: BLE001 -- Prefect could not start, or the flow raised outside a task
         state, error = None, e
@@ -186,6 +188,8 @@ def print_summary(summary: dict) -> None:
         print("\n" + "  ".join(f"{c:>22}" if i else f"{c:<8}" for i, c in enumerate(cols)))
         for row in summary["evaluation"]:
             print("  ".join(f"{row[c]!s:>22}" if i else f"{row[c]!s:<8}" for i, c in enumerate(cols)))
+    if promotion := summary.get("promotion"):
+        print(f"\npromotion: {promotion['event']}: {promotion['reason']}")
 
 
 if __name__ == "__main__":

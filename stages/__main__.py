@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 from stages.harness.params_loader import ParamsError, load_params
-from stages.harness.registry import STAGES
+from stages.harness.registry import ALL_STAGES, STAGES
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m stages", description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=[*STAGES, "status", "dvc-yaml", "params"],
+    p.add_argument("stage", choices=[*ALL_STAGES, "status", "dvc-yaml", "params"],
                    help="stage to run, or a helper command (params: print params.yaml rendered from the schema)")
     p.add_argument("--write", action="store_true", help="params: write the rendering to --params")
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")

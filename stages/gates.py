@@ -8,7 +8,7 @@ gates judge a bound instead of the share itself:
   confidence, the reward model ranks at least that share of pairs right. A perfect score
   passes only from `min_count(min_accuracy, confidence)` pairs on (16 at the default 0.85 and
   95%, 25 at 0.9); on the built-in task's 270 held-out pairs a measured 0.889 passes;
-- the promotion gate (`stages.promotion`) promotes on a share metric (accuracy, format) when
+- the promotion gate (`stages.pipeline.promote`) promotes on a share metric (accuracy, format) when
   the one-sided lower bound of candidate − production (Newcombe's hybrid score interval,
   built from the two Wilson intervals) at `promote.confidence` is above
   `promote.min_improvement`: the candidate is better with that confidence, not by luck.

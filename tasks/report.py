@@ -1,4 +1,4 @@
-"""Stage evaluate's report as a Prefect artifact: after the stage (tasks/stage.py), and with the promotion decision."""
+"""Stage evaluate's report as a Prefect artifact, after the stage (tasks/stage.py); after stage promote, with its decision."""
 from __future__ import annotations
 
 import json
@@ -21,3 +21,11 @@ def publish_report(params: Params, extra: str = "") -> str:
     text = markdown_report(table, plots, notes=notes, inline_images=True) + extra
     create_markdown_artifact(key="evaluation-report", markdown=text, description="evaluate: table and plots")
     return text
+
+
+def publish_promotion(params: Params) -> str:
+    """The evaluation report with a Promotion section: what stage promote decided and why."""
+    from stages.pipeline.promote import markdown
+
+    decision = json.loads((output_dir(params, "promote") / "decision.json").read_text())
+    return publish_report(params, extra="\n" + markdown(decision))

@@ -26,13 +26,13 @@ from prefect.states import Completed
 
 from stages.harness import launch
 from stages.harness.config import Params
-from stages.harness.registry import STAGES, get_stage
+from stages.harness.registry import ALL_STAGES, get_stage
 from stages.harness.runner import flat_metrics, inspect, run_stage
 from tasks.pool import run_on_pool
-from tasks.report import publish_report
+from tasks.report import publish_promotion, publish_report
 
 # What a stage shows in the UI after it ran or was found current, beyond its metrics table.
-AFTER_RUN = {"evaluate": publish_report}
+AFTER_RUN = {"evaluate": publish_report, "promote": publish_promotion}
 
 
 def stage_task(name: str) -> Task:
@@ -101,4 +101,4 @@ def report(name: str, manifest: dict[str, Any]) -> None:
     create_markdown_artifact(key=f"{name}-manifest".replace("_", "-").lower(), markdown="\n".join(lines))
 
 
-STAGE_TASKS: dict[str, Task] = {name: stage_task(name) for name in STAGES}
+STAGE_TASKS: dict[str, Task] = {name: stage_task(name) for name in ALL_STAGES}

@@ -433,7 +433,8 @@ class HubParams:
 
 @dataclass
 class PromoteParams:
-    """The promotion gate after evaluate (`stages.promotion`; on in the nightly deployment)."""
+    """Stage promote, the promotion gate after evaluate (`stages.pipeline.promote`), on request: the nightly
+    deployment and `align run --promote`."""
 
     metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
     min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")

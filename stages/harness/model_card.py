@@ -13,7 +13,7 @@ own fingerprint is in manifest.json beside its folder, not in its card: a rebuil
 reproduces the weights (e.g. after a comment changed in its code) reproduces the card too.
 
 Written by: training.save_outputs (sft, reward, policy), stages/pipeline/merge.py (merged) and
-stages/promotion.py (the promoted model, with the evaluate row and lineage.json).
+stages/pipeline/promote.py (the promoted model, with the evaluate row and lineage.json).
 """
 from __future__ import annotations
 

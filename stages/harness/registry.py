@@ -132,10 +132,24 @@ STAGES: dict[str, StageSpec] = {
 }
 
 
+# Stages that run only when asked for (the nightly deployment, `align run --promote`, `python -m stages <name>`):
+# not part of an ordinary run, of `align status` or of dvc.yaml, since they act outside run.output_dir.
+ON_REQUEST: dict[str, StageSpec] = {
+    "promote": StageSpec(
+        name="promote",
+        entry="stages.pipeline.promote:run",
+        upstream=("merge", "evaluate"),
+        # evaluate's and the model's keys: production is re-evaluated when its record came from another eval set
+        params=("promote", "evaluate", *MODEL_LOADING, "run.seed"),
+    ),
+}
+ALL_STAGES: dict[str, StageSpec] = {**STAGES, **ON_REQUEST}
+
+
 def get_stage(name: str) -> StageSpec:
-    if name not in STAGES:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
-    return STAGES[name]
+    if name not in ALL_STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(ALL_STAGES)}")
+    return ALL_STAGES[name]
 
 
 def resolve(ref: str) -> Callable[..., Any]:

@@ -146,7 +146,7 @@ def test_keeping_dpo_on_rule_reward_pairs_stops_as_the_message_says(project):
 def test_promotion_on_the_dev_split_suggests_eval(project):
     """The promotion gate refuses a dev table with `--set evaluate.split=eval`; applied, evaluate reruns on eval
     and the gate decides."""
-    from stages import promotion
+    from stages.pipeline import promote as promotion
 
     extra = json.loads(json.dumps(SFT_ONLY).replace('"{sft}"', json.dumps(str(project / "sft.jsonl"))))
     steps, params = follow(project, extra)
@@ -169,7 +169,7 @@ SUGGESTIONS = {
     "stages/data/sources.py": ["policy.data", "policy.method", "policy.grpo.reward_head", "score.enabled",
                                "policy.grpo.reward_functions", "policy.grpo.reward_weights", "{key}",
                                "{key.rsplit('.', 1)[0]}.reward_weights"],
-    "stages/promotion.py": ["evaluate.split"],
+    "stages/pipeline/promote.py": ["evaluate.split"],
 }
 
 

@@ -20,17 +20,19 @@ def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect
     params = write_params(tmp_path, {"promote": {"models_dir": str(tmp_path / "models")}})
     first, summary = run(params, promote=True)  # as the nightly deployment runs it
     everything = dict.fromkeys(STAGE_ORDER, "executed")
-    assert first == everything
+    assert first == {**everything, "promote": "executed"}  # stage promote, after the pipeline
     assert [r["model"] for r in summary["evaluation"]] == ["base", "sft", "policy", "merged"]
     assert summary["promotion"]["event"] == "promoted" and (tmp_path / "models" / "production").is_dir()
+    history = (tmp_path / "models" / "history.jsonl").read_text()
 
     def only(*executed):
         return {s: "executed" if s in executed else "cached" for s in STAGE_ORDER}
 
     columns = [list(row) for row in summary["evaluation"]]
-    again, summary = run(params, promote=True)  # an unchanged nightly run: all cached, nothing promoted
-    assert again == only() and summary["promotion"]["event"] == "kept"
-    assert [s["stage"] for s in summary["stages"]] == list(STAGE_ORDER)  # the pipeline's order, as built
+    again, summary = run(params, promote=True)  # an unchanged nightly run: all cached, nothing judged again
+    assert again == {**only(), "promote": "cached"} and summary["promotion"]["event"] == "promoted"
+    assert (tmp_path / "models" / "history.jsonl").read_text() == history
+    assert [s["stage"] for s in summary["stages"]] == [*STAGE_ORDER, "promote"]  # the pipeline's order, as built
     assert {s["wall_time_s"] for s in summary["stages"]} == {0.0}  # cached: nothing built in this run
     assert [list(row) for row in summary["evaluation"]] == columns  # the same columns in the same order
     assert run(params, ["evaluate.max_new_tokens=5"])[0] == only("evaluate")

@@ -87,6 +87,42 @@ def test_no_import_cycles_in_stages_tasks_flows():
     assert cycle is None, "import cycle:\n" + describe(cycle)
 
 
+def layer(module: str) -> str:
+    """stages/ in layers, bottom up: basics (imports nothing of ours), the building blocks (losses, kernels, data,
+    generation, reward functions and models, merging, ...), trainers, then the harness and the pipeline's stages."""
+    part = module.split(".")[1] if "." in module else ""
+    if part == "basics":
+        return "basics"
+    if part in ("trainers", "harness", "pipeline"):
+        return part
+    return "top" if part in ("", "__main__") else "blocks"
+
+
+# What each layer may import of ours (module-level, lazy and TYPE_CHECKING imports alike).
+MAY_IMPORT = {"basics": set(), "blocks": {"basics", "blocks"}, "trainers": {"basics", "blocks", "trainers"},
+              "harness": {"basics", "blocks", "trainers", "harness", "pipeline"},
+              "pipeline": {"basics", "blocks", "trainers", "harness", "pipeline"},
+              "top": {"basics", "blocks", "trainers", "harness", "pipeline", "top"}}
+
+
+def test_imports_point_down_the_layers():
+    """The harness may import building blocks and trainers, never the reverse; trainers never import the pipeline;
+    the bottom module imports nothing of ours."""
+    graph = imports.import_graph(("stages",), type_checking=True)
+    wrong = [f"{m} ({layer(m)}) imports {e.module} ({layer(e.module)}) at line {e.line}"
+             for m, edges in graph.items() for e in edges if layer(e.module) not in MAY_IMPORT[layer(m)]]
+    assert wrong == []
+    assert {layer(m) for m in graph} == set(MAY_IMPORT)  # every layer exists: the test can fail
+
+
+def test_the_layer_rule_catches_a_block_that_imports_the_harness(tmp_path):
+    write_tree(tmp_path, {"stages/__init__.py": "", "stages/harness/__init__.py": "", "stages/harness/runner.py": "",
+                          "stages/kernels.py": "from stages.harness import runner\n"})
+    graph = imports.import_graph(("stages",), tmp_path)
+    assert [(m, e.module) for m, edges in graph.items() for e in edges
+            if layer(e.module) not in MAY_IMPORT[layer(m)]] == [("stages.kernels", "stages.harness.runner")]
+
+
 def test_the_library_imports_neither_prefect_nor_dvc():
     found = [f"{path}:{s.line} imports {s.module}" for name, path in imports.module_index(("stages",)).items()
              for s in imports.statements(path, name) if s.module.split(".")[0] in ("prefect", "dvc")]

@@ -5,7 +5,7 @@ import json
 import pytest
 from huggingface_hub import ModelCard
 
-from stages import promotion
+from stages.pipeline import promote as promotion
 
 from stages.harness import artifacts, runner
 from stages.harness.params_loader import load_params

@@ -98,7 +98,7 @@ def test_dev_split_scores_the_dev_prompts_and_the_gate_refuses_it(built_pipeline
     import dataclasses
     import shutil
 
-    from stages import promotion
+    from stages.pipeline import promote as promotion
 
     params, manifests = built_pipeline
     out = tmp_path / "artifacts"

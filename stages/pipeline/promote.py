@@ -1,4 +1,5 @@
-"""The promotion gate: the newly merged model replaces production only if it is better.
+"""Stage `promote` (on request: the nightly deployment, `align run --promote`, `python -m stages promote`):
+the newly merged model replaces production only if it is better.
 
     models/                       (promote.models_dir)
       releases/<version>/         a copy of every promoted model folder (never modified)
@@ -6,7 +7,7 @@
       production.json             what production is: version, metrics, lineage, when, eval_key
       history.jsonl               one line per decision: promoted (with the previous production) or kept
 
-`run_gate(params)` reads stage evaluate's table and stage merge's model, compares the
+`run(ctx)` is the stage: `run_gate(params)` reads stage evaluate's table and stage merge's model, compares the
 candidate row (`promote.candidate`, default merged) with production on `promote.metric`
 (higher is better) and promotes only when it is better by more than `promote.min_improvement`;
 on a share metric (accuracy, format) "better" is the one-sided lower bound of the difference at
@@ -16,7 +17,10 @@ Production's value is its recorded one when it was measured on the same evaluati
 the current eval set first. A candidate identical to production (same content hash) is a
 no-op, so an unchanged nightly run promotes nothing. With `promote.hub.model_id` set and
 HF_TOKEN in the environment, the promoted folder (model card and lineage.json included) is uploaded;
-the token is read from the environment only and never written anywhere.
+the token is read from the environment only and never written anywhere. The stage's own output
+(`decision.json`, sealed by its manifest like every stage's) records the decision; its fingerprint
+covers the promote params and merge's and evaluate's outputs, so an unchanged nightly run finds it
+current and judges nothing twice (`python -m stages promote --force` judges again).
 """
 from __future__ import annotations
 
@@ -135,7 +139,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     event = {"at": now, "event": "promoted" if decision.promote else "kept", **asdict(decision),
              "candidate_hash": identity, "production_version": prod["version"] if prod else None}
     if decision.promote:
-        record = promote(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, stages=stages,
+        record = release(candidate_dir, models_dir, metrics=candidate_metrics, lineage=lineage, stages=stages,
                          eval_key=eval_key,
                          identity=identity, at=now)
         event.update(version=record["version"], previous=prod)
@@ -145,7 +149,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     return {"decision": asdict(decision), "production": prod, "event": event["event"]}
 
 
-def promote(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
+def release(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, Any], lineage: dict | None,
             stages: dict[str, dict[str, str]] | None = None,
             eval_key: str, identity: str, at: str) -> dict[str, Any]:
     """Copy the model to releases/<version>, repoint `production` at it, rewrite production.json (atomically)."""
@@ -211,8 +215,8 @@ def eval_key(evaluate_manifest: dict[str, Any]) -> str:
 
 def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     """The gate on the pipeline's outputs: stage evaluate's table, the candidate row's model folder."""
-    from stages.harness import artifacts
     from stages.adapter_merge import is_adapter
+    from stages.harness import artifacts
     from stages.harness.runner import output_dir
 
     pr = params.promote
@@ -277,3 +281,15 @@ def markdown(result: dict[str, Any]) -> str:
              f"- production: {prod.get('version', 'none')} ({prod.get('path', '-')})",
              f"- hub: {'pushed to ' + result['hub']['model_id'] if result['hub'].get('pushed') else result['hub']['reason']}"]
     return "\n".join(lines) + "\n"
+
+
+def run(ctx) -> dict[str, Any]:
+    """The stage: judge, promote if better, and record the decision in the stage's output folder."""
+    from stages.harness.artifacts import write_json_atomic
+
+    result = run_gate(ctx.params, log=ctx.log)
+    write_json_atomic(ctx.out / "decision.json", result)
+    production = result.get("production") or {}
+    return {"event": result["event"], "reason": result["decision"]["reason"], "metric": result["decision"]["metric"],
+            "candidate": result["decision"]["candidate"], "production": result["decision"]["production"],
+            "production_version": production.get("version"), "hub": result["hub"]}

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from stages import promotion
+from stages.pipeline import promote as promotion
 
 from stages.harness import runner
 from stages.builtin import tiny
