@@ -1,8 +1,11 @@
 """align's library: the stages of the alignment pipeline, with no Prefect or DVC inside.
 
-    stages.harness.config     typed params.yaml            stages.harness.registry  the stage table (DAG)
-    stages.harness.runner     the stage contract            stages.harness.artifacts fingerprints, manifests
-    stages.pipeline   one module per stage          stages.trainers  transformers.Trainer subclasses
-    stages.data       loading, formats, validation  stages.builtin   the built-in tiny model and task
-    stages.models     model/tokenizer loading
+    stages.pipeline   one module per stage: run(ctx) -> metrics (preprocess ... evaluate, promote)
+    stages.harness    the run machinery: params schema, stage table, runner, artifacts, launchers, logs
+    stages.trainers   TRL-shaped configs and transformers.Trainer subclasses, one pair per method
+    stages.losses     pure losses; stages.kernels, logprobs, pair_packing, precision: the model-forward blocks
+    stages.data       loading, formats, validation    stages.generation  one generate() over HF, decoder, vLLM
+    stages.basics     stable seeds, hashes, progress lines: the bottom, importing nothing of ours
+
+docs/architecture.md draws the layers; each imports only the ones below it.
 """
