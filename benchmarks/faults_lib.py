@@ -511,6 +511,7 @@ class Serve:
         # a deployment of the same name registered by an earlier serve still points at its own project
         if not wait_for(lambda: self.deployment().get("parameters", {}).get("params_file") == mine, self.proc,
                         timeout, 0.5):
+            self.stop()
             raise RuntimeError(f"align serve did not register align/nightly for {mine}:\n{self.log()[-3000:]}")
 
     def deployment(self, name: str = "nightly") -> dict:
