@@ -537,8 +537,8 @@ class Serve:
     def stop(self, timeout: float = 60) -> list[str]:
         """SIGTERM, as a redeploy stops it; what is wrong after: an exit code other than 0, a process it
         started still alive, something left in its runner storage."""
-        tree = [psutil.Process(self.proc.pid), *descendants(self.proc)]
-        self.proc.send_signal(signal.SIGTERM)
+        tree = descendants(self.proc)
+        self.proc.send_signal(signal.SIGTERM)  # a no-op when it has ended
         problems = []
         try:
             self.proc.wait(timeout)
@@ -549,7 +549,7 @@ class Serve:
         if self.proc.returncode != 0:
             problems.append(f"align serve exited {self.proc.returncode} on SIGTERM: "
                             f"{Run(self.proc.returncode, self.log(), 0).last_line()[:300]}")
-        _, alive = psutil.wait_procs(tree[1:], timeout=10)
+        _, alive = psutil.wait_procs(tree, timeout=10)
         problems += [f"live process {p.pid} of align serve" for p in alive]
         for p in alive:
             kill(p.pid)
