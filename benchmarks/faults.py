@@ -13,7 +13,8 @@ is the reference. The faults (docs/faults.md says how each is injected):
   inside the manifest write, between the two renames that publish an output, and inside `dvc commit`;
 - disk-full: run.output_dir on a small tmpfs that fills during a stage's save;
 - server-death: the Prefect server SIGKILLed while a stage runs, then started again;
-- concurrent: 3 `align run`s at once with the same params, and one with other params;
+- concurrent: manual `align run`s and a run of the nightly deployment at once (2 to 4), with the same params
+  and with other params;
 - flipped-byte: one bit flipped in cached weights, a jsonl file, a manifest;
 - worker-kill: one rank of a 2-process training stage SIGKILLed after a checkpoint.
 
@@ -280,35 +281,108 @@ def flipped_byte(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
 # --------------------------------------------------------------------------- concurrent
 
 
+# (label, manual `align run`s with the project's params, manual runs with other params), each beside one run of
+# the nightly deployment (`align serve`, `prefect deployment run align/nightly`): 2, 3 and 4 runs at once
+RACES = (("1 run + nightly, same params", 1, 0), ("1 run + nightly + 1 other params", 1, 1),
+         ("2 runs + nightly + 1 other params", 2, 1))
+OTHER = ["--set", "run.output_dir=artifacts-other", "--set", "policy.dpo.learning_rate=0.0002"]
+
+
 def concurrent(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
-    """3 `align run`s with the same params at once, beside one with other params into its own run.output_dir."""
+    """Manual `align run`s and a run of the nightly deployment at once, on a project whose stages from score down
+    are missing: those with the project's params share one output folder, others with other params (and their
+    own run.output_dir) build their own fingerprint."""
     outcomes = []
-    for same in ((2,) if tiny else (2, 3)):
-        outcome = lib.Outcome("concurrent", f"{same} same params + 1 other")
-        project = camp.project(f"concurrent-{same}")
+    for label, same, other in camp.slice(RACES[:1] if tiny else list(RACES)):
+        outcome = lib.Outcome("concurrent", label)
+        project = camp.project(f"concurrent-{same}-{other}")
         project.remove(*lib.downstream("score"))
-        other = ["--set", "run.output_dir=artifacts-other", "--set", "policy.learning_rate=0.0002"]
+        try:
+            builds = race(camp, project, outcome, same, other)
+            camp.log(f"  {label}: builds {builds}; {report(outcome)}")
+        except Exception as e:  # noqa: BLE001 -- recorded as a run that did not recover
+            outcome.notes.append(f"{type(e).__name__}: {e}"[:1000])
+            camp.log(f"  {label}: {report(outcome)}")
+        outcomes.append(outcome)
+    return outcomes
+
+
+def race(camp: Campaign, project: lib.Project, outcome: lib.Outcome, same: int, other: int) -> dict[str, int]:
+    """One race: the nightly flow run is triggered, and the manual runs start the moment `align serve` picks it
+    up (both then import and start their flow at once); -> builds per stage among the same-params runs."""
+    serve, procs = lib.Serve(project), []
+    try:
         t0 = time.perf_counter()
-        procs = [project.start("run") for _ in range(same)] + [project.start("run", *other)]
+        watch, flow_run = serve.trigger()
+        procs.append(watch)
+        lib.wait_for(lambda: lib.flow_run_state(serve.url, flow_run) != "SCHEDULED", watch, 120, 0.1)
+        procs += [project.start("run") for _ in range(same)] + [project.start("run", *OTHER) for _ in range(other)]
         for proc in procs:
             proc.wait(900)
         outcome.recovery_s = time.perf_counter() - t0
-        runs = [lib.Run(p.returncode, Path(p.log).read_text(), 0) for p in procs]
-        failed = [f"run {i}: {r.last_line()}" for i, r in enumerate(runs) if r.rc != 0]
-        outcome.notes += failed
-        builds = {s: sum(r.summary().get(s) == "executed" for r in runs[:same]) for s in lib.STAGE_ORDER}
-        wrong = {s: n for s, n in builds.items() if n != (1 if s in lib.downstream("score") else 0)}
-        if wrong:
-            outcome.notes.append(f"builds per stage among the same-params runs: {wrong} (expected exactly one)")
-        camp.check(project, outcome)
-        outcome.recovered = outcome.recovered and not failed and not wrong
-        rows, _ = project.status(*other)
-        if not all(v == "current" for v in rows.values()) or len(rows) != len(lib.STAGE_ORDER):
+        state = lib.flow_run_state(serve.url, flow_run)
+        nightly = lib.run_table(serve.url, flow_run)
+    finally:
+        for proc in procs:  # a race that raised: nothing of it may run on into the next one
+            if proc.poll() is None:
+                for pid in [c.pid for c in lib.descendants(proc)] + [proc.pid]:
+                    lib.kill(pid)
+        stopped = serve.stop()
+    procs = procs[1:]  # the manual runs: the same params first
+    runs = [lib.Run(p.returncode, Path(p.log).read_text(), 0) for p in procs]
+    failed = [f"run {i}: {r.last_line()}" for i, r in enumerate(runs) if r.rc != 0]
+    if watch.returncode != 0 or state != "COMPLETED":
+        failed.append(f"the nightly flow run {flow_run} ended {state} (--watch exit {watch.returncode}): "
+                      f"{lib.Run(1, serve.log(), 0).last_line()[:300]}")
+    outcome.notes += failed
+    tables = [r.summary() for r in runs[:same]] + [nightly]
+    builds = {s: sum(t.get(s) == "executed" for t in tables) for s in lib.STAGE_ORDER}
+    wrong = {s: n for s, n in builds.items() if n != (1 if s in lib.downstream("score") else 0)}
+    if wrong:
+        outcome.notes.append(f"builds per stage among the same-params runs (nightly included): {wrong} "
+                             "(expected exactly one)")
+    logs = [*(Path(p.log).read_text() for p in procs[:same]), serve.log()]
+    waited = sum("built by a concurrent run" in text for text in logs)
+    unlocked = sum("Unable to acquire lock" in text for text in logs)  # DVC's lock, held by another run's commit
+    outcome.notes.append(f"nightly built {[s for s, how in nightly.items() if how == 'executed']}; "
+                         f"{waited} of {same + 1} same-params runs reused a stage built meanwhile; "
+                         f"{unlocked} could not take DVC's lock for their dvc commit")
+    camp.check(project, outcome)
+    promoted = promotion_problems(project, camp.reference)
+    outcome.identical = outcome.identical and not promoted
+    outcome.notes += promoted
+    outcome.leftovers += stopped
+    outcome.recovered = outcome.recovered and not failed and not wrong and not promoted
+    for i, run in enumerate(runs[same:]):  # one per race: the only one to build in its run.output_dir
+        rows, _ = project.status(*OTHER)
+        if set(run.summary().values()) != {"executed"} or \
+                not all(v == "current" for v in rows.values()) or len(rows) != len(lib.STAGE_ORDER):
             outcome.recovered = False
-            outcome.notes.append(f"the other-params run's outputs are not current: {rows}")
-        outcomes.append(outcome)
-        camp.log(f"  {outcome.point}: builds {builds}; {report(outcome)}")
-    return outcomes
+            outcome.notes.append(f"other-params run {i} did not build its own outputs, or they are not current: "
+                                 f"{run.summary()}, {rows}")
+    return builds
+
+
+def promotion_problems(project: lib.Project, reference: lib.Project) -> list[str]:
+    """The nightly's promotion, checked against the reference: one decision in models/history.jsonl, "promoted"
+    (there was no production model), and models/production holding the reference's merged model, file for file."""
+    import json
+
+    from stages.merge import model_identity
+
+    models = project.repo / "models"
+    history = (models / "history.jsonl").read_text().splitlines() if (models / "history.jsonl").is_file() else []
+    if len(history) != 1:
+        return [f"models/history.jsonl has {len(history)} decisions (expected the nightly's one)"]
+    event, candidate = json.loads(history[0]), reference.artifacts / "merge" / "model"
+    problems = [] if event["event"] == "promoted" else [f"the nightly did not promote: {event['reason']}"]
+    if event["candidate_hash"] != model_identity(candidate):
+        problems.append(f"the nightly's candidate {event['candidate_hash']} is not the reference's merged model")
+    ref, mine = lib.all_bytes(candidate), lib.all_bytes(models / "production")
+    changed = sorted(k for k in ref if k not in ("README.md", "lineage.json") and mine.get(k) != ref[k])
+    problems += [f"models/production/{k}: not the reference's merged bytes" for k in changed]
+    problems += [f"temporary models/{p.relative_to(models)}" for p in models.rglob("*.tmp")]
+    return problems
 
 
 # --------------------------------------------------------------------------- disk full

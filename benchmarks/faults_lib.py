@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import yaml
@@ -168,10 +168,13 @@ class Project:
 
     def start(self, *args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
         """`align <args>` in the background (its output in `log`)."""
+        return self.start_command([str(BIN / "align"), *args], env, log)
+
+    def start_command(self, cmd: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+        """`cmd` in the background in the project (its output in `log`, beside the project)."""
         log = log or self.repo.parent / f"{self.repo.name}-{time.monotonic_ns()}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([str(BIN / "align"), *args], cwd=self.repo, env=env or self.env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=self.repo, env=env or self.env, stdout=out, stderr=subprocess.STDOUT)
         proc.log = log
         return proc
 
@@ -379,11 +382,7 @@ def stage(project: Project, name: str, *args: str) -> Run:
 
 def stage_process(project: Project, name: str, *args: str) -> subprocess.Popen:
     log = project.repo.parent / f"{project.repo.name}-{name}-{time.monotonic_ns()}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stages", name, *args], cwd=project.repo, env=project.env,
-                                stdout=out, stderr=subprocess.STDOUT)
-    proc.log = log
-    return proc
+    return project.start_command([sys.executable, "-m", "stages", name, *args], log=log)
 
 
 def complete_checkpoint_at(project: Project, stage: str, step: int) -> bool:
@@ -469,3 +468,92 @@ def can_mount_tmpfs(work: Path) -> bool:
 
 def remount(folder: Path, size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, capture_output=True)
+
+
+# --------------------------------------------------------------------------- the nightly deployment
+
+
+def api(url: str, path: str, body: dict | None = None) -> Any:
+    """The JSON answer of the Prefect server's REST API at `url` (…/api): GET `path`, or POST `body` to it."""
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}/{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as res:
+        return json.loads(res.read())
+
+
+def flow_run_state(url: str, flow_run_id: str) -> str:
+    """SCHEDULED, PENDING, RUNNING, COMPLETED, FAILED, CRASHED, ..."""
+    return (api(url, f"flow_runs/{flow_run_id}").get("state") or {}).get("type", "")
+
+
+def run_table(url: str, flow_run_id: str) -> dict[str, str]:
+    """{stage: "executed" | "cached"} of a flow run: its `align-run` table artifact (what `align run` prints)."""
+    found = api(url, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]},
+                                                        "key": {"any_": ["align-run"]}}})
+    rows = json.loads(found[0]["data"]) if found else []
+    return {r["stage"]: r["status"] for r in rows}
+
+
+class Serve:
+    """`align serve` in `project` (the align/full and align/nightly deployments) against the project's Prefect
+    server; Prefect's runner storage goes under a folder of its own (TMPDIR), checked empty after `stop`."""
+
+    def __init__(self, project: Project, timeout: float = 300):
+        self.project, self.url = project, project.env["PREFECT_API_URL"]
+        self.tmp = project.repo.parent / f"{project.repo.name}-serve-tmp"
+        self.tmp.mkdir()
+        # polls for scheduled runs every second (default 10 s): the nightly starts beside the manual runs
+        env = {**project.env, "TMPDIR": str(self.tmp), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+        self.proc = project.start("serve", env=env)
+        mine = str((project.repo / "params.yaml").resolve())
+        # a deployment of the same name registered by an earlier serve still points at its own project
+        if not wait_for(lambda: self.deployment().get("parameters", {}).get("params_file") == mine, self.proc,
+                        timeout, 0.5):
+            self.stop()
+            raise RuntimeError(f"align serve did not register align/nightly for {mine}:\n{self.log()[-3000:]}")
+
+    def deployment(self, name: str = "nightly") -> dict:
+        try:
+            return api(self.url, f"deployments/name/align/{name}")
+        except OSError:  # not registered yet (404)
+            return {}
+
+    def trigger(self, name: str = "nightly", timeout: float = 120) -> tuple[subprocess.Popen, str]:
+        """`prefect deployment run align/<name> --watch` in the background; (its process, the flow run id)."""
+        import re
+
+        proc = self.project.start_command([str(BIN / "prefect"), "deployment", "run", f"align/{name}", "--watch"])
+        found = wait_for(lambda: re.search(r"UUID: ([0-9a-f-]{36})", Path(proc.log).read_text()), proc, timeout, 0.1)
+        if not found:
+            raise RuntimeError(f"prefect deployment run align/{name} made no flow run:\n"
+                               f"{Path(proc.log).read_text()[-3000:]}")
+        return proc, found.group(1)
+
+    def log(self) -> str:
+        return Path(self.proc.log).read_text()
+
+    def stop(self, timeout: float = 60) -> list[str]:
+        """SIGTERM, as a redeploy stops it; what is wrong after: an exit code other than 0, a process it
+        started still alive, something left in its runner storage."""
+        tree = descendants(self.proc)
+        self.proc.send_signal(signal.SIGTERM)  # a no-op when it has ended
+        problems = []
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            problems.append(f"align serve still running {timeout:.0f} s after SIGTERM")
+            kill(self.proc.pid)
+            self.proc.wait()
+        if self.proc.returncode != 0:
+            problems.append(f"align serve exited {self.proc.returncode} on SIGTERM: "
+                            f"{Run(self.proc.returncode, self.log(), 0).last_line()[:300]}")
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        problems += [f"live process {p.pid} of align serve" for p in alive]
+        for p in alive:
+            kill(p.pid)
+        # Prefect's runner storage (runner_storage/<uuid>) must be gone; torch's compile cache may stay in TMPDIR
+        problems += [f"runner storage {p.relative_to(self.tmp)}" for p in self.tmp.glob("runner_storage/*")]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return problems
