@@ -368,7 +368,7 @@ def promotion_problems(project: lib.Project, reference: lib.Project) -> list[str
     (there was no production model), and models/production holding the reference's merged model, file for file."""
     import json
 
-    from stages.merge import model_identity
+    from stages.adapter_merge import model_identity
 
     models = project.repo / "models"
     history = (models / "history.jsonl").read_text().splitlines() if (models / "history.jsonl").is_file() else []

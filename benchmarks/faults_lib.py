@@ -420,7 +420,7 @@ def rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process | None:
 
 def all_bytes(folder: Path) -> dict[str, str]:
     """{relative path: sha256} of every file under `folder`, the manifest included."""
-    from stages.harness.artifacts import file_hashes
+    from stages.basics import file_hashes
 
     return file_hashes(folder, exclude=())
 
