@@ -22,8 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from stages.harness.artifacts import MANIFEST
+from stages.harness.artifacts import MANIFEST, lock
 from stages.harness.dvcgen import OUTPUT_DIR
+from stages.harness.registry import STAGES
 
 
 def dvc_command() -> list[str] | None:
@@ -96,7 +97,13 @@ def record_in_dvc_lock(params_file: str, output_dir: str, overrides: list[str] |
         return False
     if not executed and not lock_behind(root, output_dir):
         return False
-    ok, message = commit_lock(root)
+    # Runs of one checkout that finish together commit one at a time (DVC refuses a second writer of its
+    # repository lock); a run that finds dvc.lock already recording the outputs has nothing left to commit.
+    with lock(root / ".dvc" / "tmp" / "align-commit"):
+        if not lock_behind(root, output_dir):
+            logger.info("dvc.lock already records these outputs (committed by a concurrent run)")
+            return True
+        ok, message = commit_lock(root)
     (logger.info if ok else logger.warning)(message)
     return ok
 
@@ -110,8 +117,8 @@ def lock_behind(root: Path, output_dir: str) -> bool:
         yaml.safe_load(lock.read_text())
     except (OSError, yaml.YAMLError):
         return True
-    manifests = Path(output_dir).glob(f"*/{MANIFEST}")
-    return any(m.stat().st_mtime_ns > written for m in manifests)
+    manifests = [Path(output_dir) / name / MANIFEST for name in STAGES]  # dvc.yaml's stages, not promote
+    return any(m.stat().st_mtime_ns > written for m in manifests if m.is_file())
 
 
 def lock_status(root: str | Path) -> str | None:
