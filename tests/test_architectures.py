@@ -57,7 +57,7 @@ def check_softcapped_reference(params) -> None:
     reference stage's numbers equal a plain logits computation, and differ once the capping is removed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.preference import REF_COLUMNS
+    from stages.trainers.pair_batches import REF_COLUMNS
     from stages.trainers.reference_model import compute_reference_logps
     from stages.logprobs import lm_head_for_chunking
 

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from stages.losses.common import _check_shapes, _pick, _upcast
+from stages.losses.numerics import _check_shapes, _pick, _upcast
 
 
 # ---------------------------------------------------------------------------------------------

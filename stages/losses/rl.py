@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from stages.losses.common import _check_shapes, _masked_mean, _pick, _upcast
+from stages.losses.numerics import _check_shapes, _masked_mean, _pick, _upcast
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from transformers import Trainer
 
 from stages.losses import preference_loss, resolve_objective
 from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
-from stages.trainers.preference import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
+from stages.trainers.pair_batches import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
                                         loss_only_prediction_step, sequence_logps, tokenize_pairs,
                                         tokenized_dataset)
 from stages.precision import trainer_precision, use_fp32_cpu_attention

@@ -34,7 +34,7 @@ from stages.trainers.inputs import (apply_peft, check_dataset, default_args, loa
 from stages.sharding import unwrap
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_generation import sample_online, sampling_seed
-from stages.trainers.preference import PairCollator, tokenize_pairs
+from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten

@@ -18,7 +18,7 @@ from stages.losses import preference_loss, resolve_objective
 from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
                                     looks_like_rewards, no_unknown_kwargs, refuse, renamed_kwarg)
 from stages.trainers.online_generation import sample_online, sampling_seed
-from stages.trainers.preference import (PairCollator, completion_token_counts, flush_metrics,
+from stages.trainers.pair_batches import (PairCollator, completion_token_counts, flush_metrics,
                                         sequence_logps)
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps

@@ -23,7 +23,7 @@ from stages.sharding import unwrap
 from stages.tensors import pad
 from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.precision import use_fp32_cpu_attention
-from stages.trainers.preference import tokenized_dataset
+from stages.trainers.pair_batches import tokenized_dataset
 from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 

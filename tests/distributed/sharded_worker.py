@@ -55,7 +55,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def pair_batch(tok, rank: int):
-    from stages.trainers.preference import PairCollator, tokenize_pairs
+    from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 
     cfg = ArithmeticConfig(num_train=8, num_preference=16, num_eval=4, num_dev=0)
     rows = [normalise("preference", r) for r in arithmetic.generate(**dataclasses.asdict(cfg))["preference"]]
@@ -69,7 +69,7 @@ def measure(how: str, model_path: str, rank: int) -> dict:
     from stages.generation.hf import generate
     from stages.sharding import generate_kwargs, sharding_engine
     from stages.logprobs import lm_head_for_chunking
-    from stages.trainers.preference import sequence_logps
+    from stages.trainers.pair_batches import sequence_logps
     from stages.trainers.reference_model import frozen_reference
     from stages.trainers.rollout import completion_logps
 

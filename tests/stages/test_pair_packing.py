@@ -7,7 +7,7 @@ import torch
 
 from stages import pair_packing
 from stages.pair_packing import layout, pack_pairs
-from stages.trainers.preference import PairCollator, sequence_logps, tokenize_pairs
+from stages.trainers.pair_batches import PairCollator, sequence_logps, tokenize_pairs
 from stages.tensors import pad
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 

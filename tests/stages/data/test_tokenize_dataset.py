@@ -10,7 +10,7 @@ import pytest
 
 from stages.data.tokenize import tokenize_sft, tokenized_dataset, tokenizer_fingerprint
 from stages.trainers.kto_trainer import tokenize_unpaired, with_kl_pairs
-from stages.trainers.preference import tokenize_pairs
+from stages.trainers.pair_batches import tokenize_pairs
 from stages.trainers.reward_trainer import tokenize_pairs as reward_pairs
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 

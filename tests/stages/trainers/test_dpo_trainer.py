@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
-from stages.trainers.preference import PairCollator, sequence_logps, tokenize_pairs
+from stages.trainers.pair_batches import PairCollator, sequence_logps, tokenize_pairs
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 

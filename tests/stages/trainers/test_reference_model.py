@@ -4,7 +4,7 @@ import socket
 import pytest
 import torch
 
-from stages.trainers.preference import REF_COLUMNS, PairCollator, sequence_logps, tokenize_pairs
+from stages.trainers.pair_batches import REF_COLUMNS, PairCollator, sequence_logps, tokenize_pairs
 from stages.trainers.reference_model import frozen_reference, precomputed, reference_model
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 

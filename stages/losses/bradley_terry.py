@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.losses.common import _check_shapes, _upcast
+from stages.losses.numerics import _check_shapes, _upcast
 
 
 # ---------------------------------------------------------------------------------------------
