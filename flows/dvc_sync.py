@@ -97,15 +97,18 @@ def record_in_dvc_lock(params_file: str, output_dir: str, overrides: list[str] |
         return False
     if not executed and not lock_behind(root, output_dir):
         return False
-    # Runs of one checkout that finish together commit one at a time (DVC refuses a second writer of its
-    # repository lock); a run that finds dvc.lock already recording the outputs has nothing left to commit.
-    with lock(root / ".dvc" / "tmp" / "align-commit"):
-        if not lock_behind(root, output_dir):
-            logger.info("dvc.lock already records these outputs (committed by a concurrent run)")
-            return True
-        ok, message = commit_lock(root)
+    ok, message = commit_once(root, output_dir)
     (logger.info if ok else logger.warning)(message)
     return ok
+
+
+def commit_once(root: Path, output_dir: str) -> tuple[bool, str]:
+    """`commit_lock`, one run of a checkout at a time: runs that finish together would otherwise fail on DVC's
+    repository lock. A run that gets its turn after another recorded the same outputs commits nothing."""
+    with lock(root / ".dvc" / "tmp" / "align-commit"):
+        if not lock_behind(root, output_dir):
+            return True, "dvc.lock already records these outputs (committed by a concurrent run)"
+        return commit_lock(root)
 
 
 def lock_behind(root: Path, output_dir: str) -> bool:

@@ -104,9 +104,49 @@ def test_dvc_lock_behind_the_outputs_is_recorded_by_a_cached_rerun(tmp_path):
     assert lock_behind(tmp_path, str(tmp_path / "artifacts"))
     os.utime(lock, (later + 5, later + 5))
     assert not lock_behind(tmp_path, str(tmp_path / "artifacts"))
+    promote = tmp_path / "artifacts" / "promote" / artifacts.MANIFEST  # not a dvc.yaml stage: never behind for it
+    promote.parent.mkdir()
+    promote.write_text("{}")
+    os.utime(promote, (later + 10, later + 10))
+    assert not lock_behind(tmp_path, str(tmp_path / "artifacts"))
     lock.write_text("schema: '2.0'\nstages:\n  sft: {cmd: [")  # a commit killed while writing it
     os.utime(lock, (later + 5, later + 5))
     assert lock_behind(tmp_path, str(tmp_path / "artifacts"))
+
+
+def test_runs_finishing_together_commit_dvc_lock_once(tmp_path, monkeypatch):
+    """Four runs of one checkout reach their commit at once: they take turns, the first records the outputs and
+    the others find dvc.lock already recording them (DVC itself would refuse a second concurrent writer)."""
+    import threading
+
+    from flows import dvc_sync
+
+    (tmp_path / ".dvc" / "tmp").mkdir(parents=True)
+    (tmp_path / "artifacts" / "sft").mkdir(parents=True)
+    (tmp_path / "artifacts" / "sft" / artifacts.MANIFEST).write_text("{}")
+    inside, commits = [], []
+
+    def commit_lock(root):  # what `dvc commit --force` does to dvc.lock, and whether two ran at once
+        inside.append(1)
+        assert len(inside) == 1, "two commits at once"
+        time.sleep(0.2)
+        (root / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
+        commits.append(1)
+        inside.pop()
+        return True, "recorded"
+
+    monkeypatch.setattr(dvc_sync, "commit_lock", commit_lock)
+    results = []
+    def run():
+        results.append(dvc_sync.commit_once(tmp_path, str(tmp_path / "artifacts")))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(commits) == 1 and sorted(results) == [(True, "dvc.lock already records these outputs (committed by a "
+                                                     "concurrent run)")] * 3 + [(True, "recorded")]
 
 
 def test_a_prefect_server_gone_mid_run_is_named_in_the_last_line(monkeypatch):
