@@ -1,6 +1,5 @@
-"""RewardTrainer on the built-in model and preference pairs: the loss falls, weights move, rewards are read
-at the right token, and evaluation / scoring agree with training."""
-
+"""RewardTrainer on the built-in model and preference pairs: the loss falls, weights move, margins and centring
+enter the loss, LoRA trains the adapter and the head, and evaluation / scoring agree with training."""
 import pytest
 import torch
 
