@@ -79,7 +79,8 @@ def _run(params: Params, params_file: str, overrides: list[str] | None, promote:
 
     summary = summarise(runs, params)
     if promote:
-        summary["promotion"] = runs["promote"].result()["metrics"]
+        state = runs["promote"]  # a cached promote is an earlier run's decision on these same outputs
+        summary["promotion"] = {**state.result()["metrics"], "cached": state.name == "Cached"}
     record_in_dvc_lock(params_file, params.run.output_dir, overrides,
                        executed=any(s["status"] == "executed" for s in summary["stages"]))
     create_table_artifact(key="align-run", table=summary["stages"], description="stages of this run")

@@ -189,7 +189,8 @@ def print_summary(summary: dict) -> None:
         for row in summary["evaluation"]:
             print("  ".join(f"{row[c]!s:>22}" if i else f"{row[c]!s:<8}" for i, c in enumerate(cols)))
     if promotion := summary.get("promotion"):
-        print(f"\npromotion: {promotion['event']}: {promotion['reason']}")
+        earlier = " (current: decided by an earlier run on these outputs)" if promotion.get("cached") else ""
+        print(f"\npromotion{earlier}: {promotion['event']}: {promotion['reason']}")
 
 
 if __name__ == "__main__":

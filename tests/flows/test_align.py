@@ -31,6 +31,7 @@ def test_second_run_is_all_cached_and_changes_rerun_downstream(tmp_path, prefect
     columns = [list(row) for row in summary["evaluation"]]
     again, summary = run(params, promote=True)  # an unchanged nightly run: all cached, nothing judged again
     assert again == {**only(), "promote": "cached"} and summary["promotion"]["event"] == "promoted"
+    assert summary["promotion"]["cached"]  # the first run's decision, not a new one
     assert (tmp_path / "models" / "history.jsonl").read_text() == history
     assert [s["stage"] for s in summary["stages"]] == [*STAGE_ORDER, "promote"]  # the pipeline's order, as built
     assert {s["wall_time_s"] for s in summary["stages"]} == {0.0}  # cached: nothing built in this run
