@@ -19,6 +19,7 @@ import torch
 
 from stages.harness import runner
 from stages.harness.params_loader import load_params
+from stages.trackers import flat
 from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow
@@ -68,17 +69,6 @@ def test_shards_on_a_dask_cluster_equal_the_sequential_build(tmp_path, built_pip
     print(f"\n[dask] score + evaluate as 2 + 2 shard tasks on LocalCluster(2 workers): flow {wall:.1f} s (stages "
           f"assembling {assembled:.1f} s); sequential in-process stages {sequential:.1f} s; "
           f"{sum(map(len, SHARDED.values()))} output files byte-identical")
-
-
-def flat(d, prefix=""):
-    """{dotted key: leaf value} of a nested dict."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 @pytest.fixture
