@@ -32,6 +32,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from stages.gates import count_of, difference_lower
+from stages.harness import artifacts, model_card
+from stages.harness.runner import output_dir
+
 POINTER, RECORD, HISTORY, RELEASES = "production", "production.json", "history.jsonl", "releases"
 COLUMN = {"rouge": "rougeL", "length": "mean_completion_tokens"}  # promote.metric -> evaluate table column
 TOKEN_ENV = "HF_TOKEN"
@@ -71,8 +75,6 @@ def decide(candidate: float | None, production: float | None, *, metric: str, mi
         return Decision(True, f"no production model yet; {metric} = {candidate}", metric, candidate, None)
     difference = candidate - production
     if metric in SHARES and n_candidate and n_production and confidence > 0.5:
-        from stages.gates import count_of, difference_lower
-
         lower = difference_lower(count_of(candidate, n_candidate), n_candidate, count_of(production, n_production),
                                  n_production, confidence)
         judged = (f"{metric} {candidate} on {n_candidate} prompts against production's {production} on "
@@ -161,8 +163,6 @@ def release(candidate_dir: str | Path, models_dir: Path, *, metrics: dict[str, A
         tmp = releases / f".{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(candidate_dir, tmp, ignore=shutil.ignore_patterns("manifest.json"))
-        from stages.harness import model_card
-
         model_card.promoted(tmp, row=metrics, lineage_record=lineage, version=version,  # README.md, lineage.json
                             stages=stages)
         os.replace(tmp, final)
@@ -205,8 +205,6 @@ def push_to_hub(model_dir: str | Path, model_id: str | None, *, private: bool = 
 
 def eval_key(evaluate_manifest: dict[str, Any]) -> str:
     """What a table value depends on: the eval data and the evaluate settings (not the plots)."""
-    from stages.harness import artifacts
-
     params = {k: v for k, v in evaluate_manifest["params"].items()}
     if isinstance(params.get("evaluate"), dict):
         params["evaluate"] = {k: v for k, v in params["evaluate"].items() if k not in ("plots", "baseline")}
@@ -215,9 +213,7 @@ def eval_key(evaluate_manifest: dict[str, Any]) -> str:
 
 def run_gate(params, *, env=os.environ, log=None) -> dict[str, Any]:
     """The gate on the pipeline's outputs: stage evaluate's table, the candidate row's model folder."""
-    from stages.adapter_merge import is_adapter
-    from stages.harness import artifacts
-    from stages.harness.runner import output_dir
+    from stages.adapter_merge import is_adapter  # torch: loaded when the gate runs
 
     pr = params.promote
     evaluate_dir = output_dir(params, "evaluate")
@@ -260,8 +256,6 @@ def evaluate_production(params, path: str) -> dict[str, Any]:
     from stages.data import read_jsonl
     from stages.models import pick_device
     from stages.pipeline import evaluate as ev
-    from stages.harness.runner import output_dir
-
     e = params.evaluate
     rows = read_jsonl(output_dir(params, "preprocess") / "eval.jsonl")
     rows = rows[: e.max_samples] if e.max_samples > 0 else rows
@@ -285,10 +279,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def run(ctx) -> dict[str, Any]:
     """The stage: judge, promote if better, and record the decision in the stage's output folder."""
-    from stages.harness.artifacts import write_json_atomic
-
     result = run_gate(ctx.params, log=ctx.log)
-    write_json_atomic(ctx.out / "decision.json", result)
+    artifacts.write_json_atomic(ctx.out / "decision.json", result)
     production = result.get("production") or {}
     return {"event": result["event"], "reason": result["decision"]["reason"], "metric": result["decision"]["metric"],
             "candidate": result["decision"]["candidate"], "production": result["decision"]["production"],
