@@ -7,7 +7,7 @@
       progress = Progress(log, total=len(rows), unit="prompts", what="score: sampling")
       for batch in batches:
           progress.advance(len(batch))
-      progress.finish()     # 10:42:07 INFO stages.score: score: sampling 192/600 prompts (32%), 41.3 prompts/s, ETA 10s
+      progress.finish()     # INFO stages.score: score: sampling 192/600 prompts (32%), 41.3 prompts/s, ETA 10s
 
   Lines go to a `stages.*` logger (the console, the log file and, inside a flow, the Prefect task
   log), at most one every `ALIGN_PROGRESS_EVERY_S` seconds (default 5; 0 logs every update), plus
