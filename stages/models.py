@@ -25,15 +25,21 @@ def local_or_hub(name: str) -> str:
 
 def model_skeleton(cfg, *, sequence_classifier: bool = False):
     """`cfg`: the `model` params section. The model's modules without its weights (on the meta device: no memory, no download), for checks made
-    before any training. Reads only config.json (builtin:tiny: its config from model.builtin)."""
+    before any training. Reads only config.json (builtin:tiny: its config from model.builtin; a GGUF file: its
+    header)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if cfg.name_or_path.startswith("builtin:"):
+    from stages.gguf import gguf_file
+
+    if cfg.name_or_path == "builtin:tiny":
         from stages.builtin import tiny
 
         spec = {k: v for k, v in dataclasses.asdict(cfg.builtin).items() if k != "seed"}
         config = tiny.model_config(**spec)
+    elif (file := gguf_file(cfg.name_or_path, cfg.gguf_file)) is not None:  # read from the file's header
+        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+        del config.quantization_config
     else:
         config = AutoConfig.from_pretrained(local_or_hub(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if sequence_classifier else AutoModelForCausalLM

@@ -57,8 +57,11 @@ def answer_text(value: int, reasoning: str | None) -> str:
     return f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{value}" if reasoning is not None else str(value)
 
 
-def _user(a: int, b: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"{a}+{b}"}]
+PROMPT = "{a}+{b}"
+
+
+def _user(a: int, b: int, prompt: str = PROMPT) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt.format(a=a, b=b)}]
 
 
 def _assistant(text: str) -> list[dict[str, str]]:
@@ -82,7 +85,7 @@ def _wrong(rng: random.Random, a: int, b: int) -> tuple[int, str]:
 
 
 def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int, error_rate: float,
-             reasoning: bool, seed: int, num_dev: int = 0) -> dict[str, list[dict[str, Any]]]:
+             reasoning: bool, seed: int, num_dev: int = 0, prompt: str = PROMPT) -> dict[str, list[dict[str, Any]]]:
     """All splits of the task. Eval and dev prompts never appear in any training split, nor in each other.
 
     The eval prompts are the first `num_eval` of the shuffled sums whatever `num_dev` is (the dev
@@ -106,19 +109,19 @@ def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int,
             rng.shuffle(train_pairs)
         wrong = needs_carry(a, b) and rng.random() < error_rate
         value, steps = add(a, b, drop_carry=wrong)
-        sft.append({"messages": _user(a, b) + _assistant(text(value, steps))})
+        sft.append({"messages": _user(a, b, prompt) + _assistant(text(value, steps))})
 
     preference, unpaired, prompts = [], [], []
     for i in range(num_preference):
         a, b = train_pairs[rng.randrange(len(train_pairs))]
         good, bad = text(*add(a, b)), text(*_wrong(rng, a, b))
-        preference.append({"prompt": _user(a, b), "chosen": _assistant(good), "rejected": _assistant(bad)})
-        unpaired.append({"prompt": _user(a, b), "completion": _assistant(good if i % 2 == 0 else bad),
+        preference.append({"prompt": _user(a, b, prompt), "chosen": _assistant(good), "rejected": _assistant(bad)})
+        unpaired.append({"prompt": _user(a, b, prompt), "completion": _assistant(good if i % 2 == 0 else bad),
                          "label": i % 2 == 0})
-        prompts.append({"prompt": _user(a, b), "answer": str(a + b)})
+        prompts.append({"prompt": _user(a, b, prompt), "answer": str(a + b)})
 
     def held_out(pairs_: list[tuple[int, int]]) -> list[dict[str, Any]]:
-        return [{"prompt": _user(a, b), "completion": _assistant(text(*add(a, b)))} for a, b in pairs_]
+        return [{"prompt": _user(a, b, prompt), "completion": _assistant(text(*add(a, b)))} for a, b in pairs_]
 
     return {"sft": sft, "preference": preference, "unpaired": unpaired, "prompts": prompts,
             "eval": held_out(eval_pairs), "dev": held_out(dev_pairs)}

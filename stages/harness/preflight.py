@@ -16,11 +16,10 @@ def preflight_problems(p) -> list[str]:
     from stages.data.sources import missing_files, needs, peek
 
     problems: list[tuple[str, str]] = []
-    if not p.model.name_or_path.startswith("builtin:"):
-        from stages.model_source import model_source_problem  # lazy: it imports huggingface_hub on demand only
+    if p.model.name_or_path != "builtin:tiny":
+        from stages.harness.model_paths import source_problem  # lazy: it imports huggingface_hub on demand only
 
-        problem = model_source_problem(p.model.name_or_path, trust_remote_code=p.model.trust_remote_code)
-        if problem:
+        if problem := source_problem(p.model, p.run.output_dir):
             problems.append(("model.name_or_path", f"= {p.model.name_or_path!r}: {problem}"))
     missing = missing_files(p.data)
     problems += missing

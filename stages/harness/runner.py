@@ -121,9 +121,22 @@ def input_hashes(spec: StageSpec, params: Params) -> dict[str, str]:
     from stages.data.hub import rows_hash
 
     hashes = {key: rows_hash(key, value) if key in DATA_FILES else
-              artifacts.input_hash(value) if isinstance(value, str) else None
+              artifacts.input_hash(shipped_file(value)) if isinstance(value, str) else None
               for key, value in params.select(spec.inputs).items()}
     return {f"file:{key}": h for key, h in hashes.items() if h is not None}
+
+
+def shipped_file(name: str) -> str:
+    """The file a shipped model's name stands for (`builtin:smollm2-135m-instruct`: the GGUF its package installs,
+    so a new release of that package makes the stages stale), else `name`."""
+    from stages.builtin import smollm2
+
+    if name != smollm2.NAME:
+        return name
+    try:
+        return str(smollm2.gguf_path())
+    except FileNotFoundError:  # preflight names the missing package
+        return name
 
 
 def _by_content(selected: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
