@@ -7,10 +7,10 @@ here imports transformers).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-import re
 
 import torch
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import os
 import numbers
+import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from stages.reward_function_names import REWARD_BUILTINS, REWARD_MODEL_REWARDS
 from stages.completion_text import answer_after_reasoning
+from stages.reward_function_names import REWARD_BUILTINS, REWARD_MODEL_REWARDS
 
 RewardFn = Callable[..., list]
 ANSWER_RE = re.compile(r"(-?\d+)\s*$")

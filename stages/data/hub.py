@@ -33,9 +33,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from stages.data.io import DataError, Row
 from stages.data.io import read_rows as read_file_rows

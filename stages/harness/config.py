@@ -21,7 +21,6 @@ from stages.reward_function_names import REWARD_BUILTINS  # noqa: F401 (re-expor
 from stages.trainers.arguments import as_declared, light_module
 from stages.trainers.generation_params import GenerationParams
 
-
 # A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
 DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
 

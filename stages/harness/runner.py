@@ -27,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -201,7 +202,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
         log.warning("%s: rebuilding %s: %s", name, state.folder, state.reason)
     log.info("%s: running (fingerprint %s)", name, state.fingerprint)
     fn = _entry(spec)
-    started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    started, t0 = datetime.now(UTC), time.perf_counter()
     work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
     code = spec.code()

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from stages import generation, trackers
-from stages.harness.artifacts import write_json_atomic
-from stages.data import DataError, read_jsonl, write_jsonl
-from stages.generation import SamplingParams
-from stages.harness.model_paths import resolve_model
-from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.basics import Progress
 from stages.completion_text import answer_after_reasoning
+from stages.data import DataError, read_jsonl, write_jsonl
+from stages.generation import SamplingParams
+from stages.harness.artifacts import write_json_atomic
+from stages.harness.model_paths import resolve_model
+from stages.models import load_causal_lm, load_tokenizer, pick_device
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
 THINK = ("<think>", "</think>")

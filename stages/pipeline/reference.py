@@ -20,8 +20,8 @@ from typing import Any
 from stages.data import write_jsonl
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import preference_pairs
-from stages.trainers.adapters import quantization_config
 from stages.precision import autocast_forward, mixed_precision
+from stages.trainers.adapters import quantization_config
 from stages.trainers.reference_model import compute_reference_logps
 
 

@@ -27,16 +27,16 @@ from typing import Any
 import numpy as np
 
 from stages import trackers
+from stages.basics import Progress
+from stages.completion_text import answer_after_reasoning
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
 from stages.generation import Generations, SamplingParams, generate
 from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
-from stages.basics import Progress
-from stages.trainers.generation_params import sampling_seed
 from stages.reward_functions import build_reward_functions, exact_match
-from stages.completion_text import answer_after_reasoning
+from stages.trainers.generation_params import sampling_seed
 
 COLUMNS_NOT_PASSED = ("prompt", "completions")
 PAIR_KEYS = ("prompt", "completions", "completion", "chosen", "rejected")  # a pair row keeps the prompt's other columns

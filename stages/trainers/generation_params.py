@@ -9,8 +9,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from stages.fields import non_negative, param, positive
 from stages.basics import stable_seed
+from stages.fields import non_negative, param, positive
 
 
 @dataclass

@@ -28,18 +28,26 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
+from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    no_unknown_kwargs, refuse, renamed_kwarg)
 from stages.sharding import unwrap
+from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.inputs import (
+    apply_peft,
+    check_dataset,
+    default_args,
+    load_model,
+    load_processing_class,
+    no_unknown_kwargs,
+    refuse,
+    renamed_kwarg,
+)
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_generation import sample_online, sampling_seed
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
-from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
-from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -126,7 +134,7 @@ class RewardHead(nn.Module):
         return path
 
     @classmethod
-    def load(cls, folder: str | Path) -> "RewardHead":
+    def load(cls, folder: str | Path) -> RewardHead:
         from safetensors import safe_open
 
         path = Path(folder) / REWARD_HEAD_FILE

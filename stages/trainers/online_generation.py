@@ -16,8 +16,7 @@ are imported only when sampling.
 """
 from __future__ import annotations
 
-from stages.trainers.generation_params import (GENERATION_BACKENDS, GenerationParams,  # noqa: F401 (re-exported)
-                                               backend_options, sampling_seed)
+from stages.trainers.generation_params import GENERATION_BACKENDS, GenerationParams, backend_options, sampling_seed  # noqa: F401 (re-exported)
 
 
 def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):

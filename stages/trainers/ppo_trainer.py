@@ -21,20 +21,24 @@ from torch import nn
 from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
-from stages.losses import (explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss,
-                           truncated_importance_weights)
+from stages.losses import (
+    explained_variance,
+    gae,
+    masked_whiten,
+    per_token_rewards,
+    ppo_loss,
+    truncated_importance_weights,
+)
+from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
-from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
 from stages.sharding import unwrap
+from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_generation import sample_online, sampling_seed
-from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.trainers.ppo_config import PPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, sampler_logps
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
-from stages.trainers.ppo_config import PPOConfig  # noqa: F401 (the config of this trainer, re-exported)
-
-
 
 # ------------------------------------------------------------------------------------ rows
 

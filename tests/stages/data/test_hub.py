@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness import runner
-from stages.harness.params_loader import ParamsError, load_params
 from stages.data import load_grouped, load_source
 from stages.data.hub import DataSpec, rows_hash, source_identity, spec_of
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 from tests.pipelines import hub_layout_folder, write_jsonl
 

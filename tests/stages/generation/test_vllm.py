@@ -9,10 +9,8 @@ and response parsing; the last test runs against a real vLLM server when one is 
 from __future__ import annotations
 
 import importlib.util
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import json
 import os
-from pathlib import Path
 import random
 import shlex
 import socket
@@ -20,6 +18,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, TrainingStage, Params
+from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, TrainingStage
 from stages.harness.params_loader import load_params
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT

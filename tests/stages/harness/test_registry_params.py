@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -4,8 +4,19 @@ import math
 import pytest
 import torch
 
-from stages.losses import (GRPO_AGGREGATIONS, KL_ESTIMATORS, explained_variance, gae, grpo_advantages, grpo_loss,
-                           kl_k1, kl_k3, masked_whiten, per_token_rewards, ppo_loss)
+from stages.losses import (
+    GRPO_AGGREGATIONS,
+    KL_ESTIMATORS,
+    explained_variance,
+    gae,
+    grpo_advantages,
+    grpo_loss,
+    kl_k1,
+    kl_k3,
+    masked_whiten,
+    per_token_rewards,
+    ppo_loss,
+)
 
 F64 = torch.float64
 

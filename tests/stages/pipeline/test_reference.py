@@ -1,6 +1,6 @@
 """Stage `reference`: reference log-probs of the DPO pairs, computed once, only when DPO needs them."""
-from stages.harness import runner
 from stages.data import read_jsonl
+from stages.harness import runner
 
 
 def test_reference_logps_cover_every_pair(built_pipeline):

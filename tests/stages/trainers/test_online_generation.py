@@ -1,8 +1,13 @@
 """Online sampling shared by online DPO, GRPO and PPO: one seed formula, one settings section, one call."""
 import pytest
 
-from stages.trainers.online_generation import (GENERATION_BACKENDS, GenerationParams, backend_options, sample_online,
-                                             sampling_seed)
+from stages.trainers.online_generation import (
+    GENERATION_BACKENDS,
+    GenerationParams,
+    backend_options,
+    sample_online,
+    sampling_seed,
+)
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
