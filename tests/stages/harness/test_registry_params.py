@@ -156,7 +156,7 @@ def test_the_recorder_sees_sections_passed_on_and_asdict(tmp_path):
     with recording_reads(params) as reads:
         read_lr(params.sft)
         dataclasses.asdict(params.run.launch)
-        params.model  # a section alone reads nothing
+        params.model  # noqa: B018 (a section alone reads nothing)
     assert reads == {"sft.learning_rate"} | {f"run.launch.{f.name}" for f in dataclasses.fields(params.run.launch)}
     assert resolve(STAGES["sft"].entry)  # untouched afterwards:
     assert "__getattribute__" not in vars(type(params.sft))
