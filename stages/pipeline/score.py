@@ -133,7 +133,7 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
 
         return rows, sample, rewards, tokenizer, "dataset", everything.seed
     rows = prompt_rows(ctx, s.num_prompts)
-    loaded = []
+    loaded: list[Any] = []  # the model (or, for vllm, its folder), loaded on first use
 
     def sample(start: int, stop: int) -> Generations:
         if not loaded:
