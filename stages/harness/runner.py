@@ -201,7 +201,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     if state.folder.exists() and state.reason != "missing":
         log.warning("%s: rebuilding %s: %s", name, state.folder, state.reason)
     log.info("%s: running (fingerprint %s)", name, state.fingerprint)
-    fn = _entry(spec)
+    fn = resolve(spec.entry)
     started, t0 = datetime.now(UTC), time.perf_counter()
     work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
@@ -323,7 +323,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work, stage=spec.name)
         seeding.prepare(params.run)
-        metrics = _entry(spec)(ctx) or {}
+        metrics = resolve(spec.entry)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 
 
@@ -337,10 +337,6 @@ def status(params: Params) -> list[dict[str, Any]]:
         except UpstreamMissing as e:
             rows.append({"stage": name, "current": False, "reason": f"upstream not built ({e})", "fingerprint": ""})
     return rows
-
-
-def _entry(spec: StageSpec):
-    return resolve(spec.entry)
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,6 @@ from stages.sharding import unwrap
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard
 
-TRACKERS = trackers.TRACKERS  # report_to names (stages/trackers.py)
-
 
 def load_trainable_model(path: str, p, s, *, device: str, section: str, load=load_causal_lm,
                          task_type: str = "CAUSAL_LM"):

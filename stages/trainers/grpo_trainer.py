@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
+from stages.basics import stable_seed
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
@@ -43,7 +44,7 @@ from stages.trainers.inputs import (
     renamed_kwarg,
 )
 from stages.trainers.off_policy import OffPolicyWarning
-from stages.trainers.online_generation import sample_online, sampling_seed
+from stages.trainers.online_generation import sample_online
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
@@ -282,7 +283,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
-                             seed=sampling_seed(a.seed, self.state.global_step),
+                             seed=stable_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
