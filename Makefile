@@ -1,11 +1,12 @@
 # Two commands for a fresh machine (Python 3.11):
 #   make run    install, then run the whole pipeline on the built-in model and task
 #   make test   install, then run the test suite
+#   make lint   install, then ruff (lint, import order) and mypy (types), configured in pyproject.toml
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test serve clean vega
+.PHONY: install run test lint serve clean vega
 
 install: $(VENV)/.installed
 
@@ -22,6 +23,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 serve: install
 	$(BIN)/align serve

@@ -49,11 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, host_load, mean_sd, tiny_overrides
-from stages.harness import runner  # noqa: E402
 from stages.builtin.arithmetic_errors import ERROR_KINDS, error_kind  # noqa: E402
+from stages.data import read_jsonl  # noqa: E402
+from stages.harness import runner  # noqa: E402
 from stages.harness.config import POLICY_METHODS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: E402
 from stages.harness.params_loader import load_params, parse_overrides  # noqa: E402
-from stages.data import read_jsonl  # noqa: E402
 from stages.harness.registry import STAGES  # noqa: E402
 
 METHODS = tuple(m for m in POLICY_METHODS if m != "none")

@@ -58,7 +58,7 @@ DEFAULT_SEEDS = (1, 2, 3)
 
 
 def final_number_reward(tokenizer):
-    """The one reward function of both sides: 1.0 where the completion's final number (after its reasoning
+    r"""The one reward function of both sides: 1.0 where the completion's final number (after its reasoning
     block) equals the row's `answer`, else 0.0.
 
     It reads the generated token ids (`completion_ids`, which both trainers pass to reward functions) and
@@ -68,8 +68,8 @@ def final_number_reward(tokenizer):
     special tokens and glues the column sums to the answer ("...4+6+1=11</think>114" -> "...=11114"), so a
     final-number reward on TRL's `completions` scores almost every answer wrong. Then evaluate's answer regex
     `(-?\d+)\s*$` takes the final number."""
-    from stages.reward_functions import final_integer
     from stages.completion_text import decode_and_strip_padding
+    from stages.reward_functions import final_integer
 
     def final_number_reward(prompts, completions, completion_ids=None, answer=None, **_):
         texts = [decode_and_strip_padding([list(ids)], tokenizer)[0] for ids in completion_ids]
@@ -243,6 +243,7 @@ def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
              eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess") -> list[dict[str, Any]]:
     import torch
+
     from stages.harness import runner
     from stages.harness.model_paths import resolve_model
 
@@ -363,10 +364,10 @@ def main(argv=None) -> int:
 def run(argv=None) -> list[dict[str, Any]]:
     """Every method and seed on both sides; the records, one per method, side and seed."""
     import torch
-    import trl
-    from stages.harness.params_loader import parse_overrides
-
     import transformers
+    import trl
+
+    from stages.harness.params_loader import parse_overrides
 
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()

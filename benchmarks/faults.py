@@ -451,13 +451,14 @@ def server_death(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         project.env.update(PREFECT_HOME=env["PREFECT_HOME"], PREFECT_API_URL=url)
         project.remove(*lib.downstream(stage))
         proc = project.start("run")
-        lib.wait_for(lambda: lib.building(project, stage), proc, 300)
+        # wait_for calls its lambdas before returning, inside this iteration (B023 guards against late calls)
+        lib.wait_for(lambda: lib.building(project, stage), proc, 300)  # noqa: B023
         pid = json.loads((Path(env["PREFECT_HOME"]) / "align-server.json").read_text())["pid"]
         for p in server_tree(pid):
             lib.kill(p)
         psutil.wait_procs([psutil.Process(p) for p in server_tree(pid) if psutil.pid_exists(p)], timeout=10)
         time.sleep(down_s)
-        lib.wait_for(lambda: port_free(port), None, 60, 0.2)
+        lib.wait_for(lambda: port_free(port), None, 60, 0.2)  # noqa: B023
         project.env["PREFECT_API_URL"] = camp.start_server(camp.reference.repo, env, port)
         if project.env["PREFECT_API_URL"] != url:
             outcome.notes.append(f"the server came back at {project.env['PREFECT_API_URL']}, not {url}")
@@ -506,7 +507,7 @@ def worker_kill(camp: Campaign, tiny: bool) -> list[lib.Outcome]:
         project = camp.project("worker-kill")
         project.remove(*lib.downstream("sft"))
         proc = lib.stage_process(project, "sft", *launch)
-        found = lib.wait_for(lambda: lib.complete_checkpoint_at(project, "sft", after) and lib.rank_process(proc, 1),
+        found = lib.wait_for(lambda: lib.complete_checkpoint_at(project, "sft", after) and lib.rank_process(proc, 1),  # noqa: B023
                              proc, 300)
         tree = lib.descendants(proc)
         if not found:

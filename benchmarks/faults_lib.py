@@ -19,9 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import yaml
@@ -157,7 +158,7 @@ class Project:
         self.artifacts = repo / "artifacts"
 
     @classmethod
-    def copy_of(cls, source: "Project", dest: Path, api_url: str | None = None) -> "Project":
+    def copy_of(cls, source: Project, dest: Path, api_url: str | None = None) -> Project:
         shutil.copytree(source.repo, dest, symlinks=True)
         return cls(dest, source.env, api_url or source.env.get("PREFECT_API_URL"))
 

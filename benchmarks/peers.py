@@ -429,8 +429,8 @@ def phase_markers(trainer):
 
 def profile(name: str, side: str, model_dir, tokenizer, rows, steps: int, precision: str, warmup: int,
             top: int) -> None:
-    import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as torch_profile
     from transformers import TrainerCallback
 
     active = max(steps - warmup - 1, 1)

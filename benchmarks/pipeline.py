@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, host_load, tiny_overrides
 from stages.harness.registry import STAGES
+
 BIN = Path(sys.executable).parent
 
 

@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT as REPO, host_load
+from benchmarks.common import ROOT as REPO
+from benchmarks.common import host_load
+
 TIMED = """
 import sys, time
 from stages.harness.params_loader import load_params

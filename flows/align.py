@@ -61,7 +61,7 @@ def pipeline_run_name():
 
 
 def _run(params: Params, params_file: str, overrides: list[str] | None, promote: bool) -> dict[str, Any]:
-    runs = {}
+    runs: dict[str, Any] = {}  # stage -> its Prefect state
 
     def after(*names: str) -> list[dict]:  # upstream manifests: the DAG edges; a failed one stops here
         return [runs[n].result() for n in names]

@@ -25,7 +25,6 @@ import os
 import sys
 from pathlib import Path
 
-
 SERVE_STOPPED = ("align serve: stopped; the deployments' schedules stay active (pause_on_shutdown=False); "
                  "`align serve` serves them again")
 RUN_STOPPED = ("error: align run: stopped by SIGTERM; every process it started has ended; rerun `align run` to "
@@ -91,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(params_file: str, overrides: list[str], promote: bool = False) -> int:
     """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file."""
     from flows import shutdown
-    from stages.harness import logs
     from stages.__main__ import exit_code, failure_line
+    from stages.harness import logs
 
     shutdown.stop_on_sigterm("align run", RUN_STOPPED)  # no temporary Prefect server or training process left
     try:

@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from stages.harness.params_loader import load_params
 from stages.harness.launch import training_stages
+from stages.harness.params_loader import load_params
 from tasks.pool import FLOW_NAME
 from tasks.stage import STAGE_TASKS
 

@@ -7,16 +7,19 @@ here imports transformers).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-import re
 
 import torch
 
 from stages.tensors import completion_mask_from_eos, eos_ids
 
-__all__ = ["Completion", "answer_after_reasoning", "clean_decoded_text", "decode_and_strip_padding", "parse_completions"]
+__all__ = ["THINK_TAGS", "Completion", "answer_after_reasoning", "clean_decoded_text", "decode_and_strip_padding",
+           "parse_completions"]
+
+THINK_TAGS = ("<think>", "</think>")  # the reasoning block's opening and closing tags
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ def _split_reasoning(text: str, open_tag: str, close_tag: str, thinking_in_promp
     return tail, reasoning, True
 
 
-def answer_after_reasoning(text: str, think_tags: tuple[str, str] = ("<think>", "</think>")) -> str:
+def answer_after_reasoning(text: str, think_tags: tuple[str, str] = THINK_TAGS) -> str:
     """The answer part of an already-decoded text, by the same policy as `parse_completions`."""
     return _split_reasoning(text, think_tags[0], think_tags[1], thinking_in_prompt=False)[0]
 
@@ -148,7 +151,7 @@ def parse_completions(
     tokenizer,
     *,
     mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
-    think_tags: tuple[str, str] | None = ("<think>", "</think>"),
+    think_tags: tuple[str, str] | None = THINK_TAGS,
     thinking_in_prompt: bool = False,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> list[Completion]:
@@ -256,7 +259,7 @@ def decode_and_strip_padding(
     tokenizer,
     *,
     mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
-    think_tags: tuple[str, str] | None = ("<think>", "</think>"),
+    think_tags: tuple[str, str] | None = THINK_TAGS,
     thinking_in_prompt: bool = False,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> list[str]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 # Linear warm-up as a share of the steps: the training sections' default (stages.harness.config.STAGE_DEFAULTS) and
 # SFTConfig's, where TrainingArguments' would be 0 (docs/decisions.md).

@@ -9,7 +9,6 @@ import os
 import re
 from pathlib import Path
 
-
 # org/name, as the hub spells repository ids; anything else that is not a folder is a missing folder
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 HUB_TIMEOUT_S = 3.0

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.sharding import sharding_engine, unwrap_wrappers
 from stages.precision import CPU_FP32_SDPA
+from stages.sharding import sharding_engine, unwrap_wrappers
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ MASKED_ATTENTION = ("sdpa", CPU_FP32_SDPA, "eager")  # attention implementations
 MIN_SAVING = 0.1                      # pack only when it removes at least this share of the tokens
 CHECK_PAIRS = 2                       # pairs compared packed against padded on a model's first packed forward
 TOLERANCE = 0.05                      # largest relative difference of a hidden state accepted there
-_checked: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 @dataclass

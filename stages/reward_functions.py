@@ -19,17 +19,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import os
 import numbers
+import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from stages.reward_function_names import REWARD_BUILTINS, REWARD_MODEL_REWARDS
-from stages.completion_text import answer_after_reasoning
+from stages.completion_text import THINK_TAGS, answer_after_reasoning
+from stages.reward_function_names import BUILTIN_REWARD_CALLABLES, REWARD_MODEL_REWARDS
 
 RewardFn = Callable[..., list]
 ANSWER_RE = re.compile(r"(-?\d+)\s*$")
-THINK_TAGS = ("<think>", "</think>")
 
 
 # ------------------------------------------------------------------------------- built-ins
@@ -136,14 +136,8 @@ def sigmoid(x: float) -> float:
     return e / (1.0 + e)
 
 
-BUILTIN_REWARDS: dict[str, Any] = {
-    "exact_match": exact_match,
-    "reasoning_format": reasoning_format,
-    "length_penalty": length_penalty,
-    "reward_model": RewardModelReward,  # built by load_reward_function from reward_model_path
-    "reward_model_prob": RewardModelReward,  # the same, squash=True
-}
-assert tuple(BUILTIN_REWARDS) == REWARD_BUILTINS, "stages/reward_function_names.py lists the built-ins params validation accepts"
+# name -> its function (or, for the reward-model built-ins, the class load_reward_function builds), from the one list
+BUILTIN_REWARDS: dict[str, Any] = {name: globals()[impl] for name, impl in BUILTIN_REWARD_CALLABLES.items()}
 
 
 # ---------------------------------------------------------------------------------- loading

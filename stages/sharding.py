@@ -17,7 +17,7 @@ FSDP1 (`FullyShardedDataParallel` wrappers) flattens parameters; it always takes
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

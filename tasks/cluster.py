@@ -9,8 +9,8 @@ itself connects only at the first shard task, after the training stages, and wai
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from prefect.task_runners import TaskRunner
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.harness.params_loader import load_params
 from stages.data import read_jsonl
+from stages.harness.params_loader import load_params
 from tests import architectures
 from tests.conftest import write_params
 from tests.pipelines import arithmetic_files, evaluate_table, run_pipeline
@@ -57,9 +57,9 @@ def check_softcapped_reference(params) -> None:
     reference stage's numbers equal a plain logits computation, and differ once the capping is removed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from stages.logprobs import lm_head_for_chunking
     from stages.trainers.pair_batches import REF_COLUMNS
     from stages.trainers.reference_model import compute_reference_logps
-    from stages.logprobs import lm_head_for_chunking
 
     out = Path(params.run.output_dir)
     rows = read_jsonl(out / "reference" / "pairs.jsonl")[:4]

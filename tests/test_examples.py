@@ -25,7 +25,7 @@ def test_trl_quickstart_trains_every_trainer(tmp_path):
                                                       if line.startswith('{"trainer"')))}
     assert list(runs) == ["SFT", "DPO", "GRPO", "KTO", "Reward"]
     assert runs["SFT"]["peft"] and runs["DPO"]["peft"]
-    for name, run in runs.items():
+    for run in runs.values():
         assert run["finite"], run
         if run["peft"]:
             assert run["trainable"] > 0 and run["changed"] >= run["trainable"] // 2, run

@@ -14,7 +14,6 @@ from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 from tests.pipelines import arithmetic_rows, evaluate_table, hub_layout_folder, run_pipeline, write_jsonl
 
-
 COLUMNS = {"question": "prompt", "answer": "completion"}
 EXTRA = {"score": {"reward_functions": ["exact_match"], "reward_weights": None}, "policy": {"method": "grpo"}}
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness.params_loader import ParamsError, load_params
 from stages.data import DataError, read_jsonl
+from stages.harness.params_loader import ParamsError, load_params
 from stages.harness.runner import run_stage
 from tests.conftest import write_params
 from tests.pipelines import arithmetic_files, evaluate_table, run_pipeline

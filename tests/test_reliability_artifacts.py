@@ -129,7 +129,7 @@ def test_identical_runs_do_the_work_once(tmp_path, monkeypatch):
         (ctx.out / "rows.jsonl").write_text("{}\n")
         return {"rows": 1}
 
-    monkeypatch.setattr(runner, "_entry", lambda spec: slow_stage)
+    monkeypatch.setattr(runner, "resolve", lambda target: slow_stage)
     results = {}
 
     def run(name):

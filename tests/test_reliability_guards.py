@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.harness.config import Params
 from stages.harness import runner
+from stages.harness.config import Params
 from stages.harness.params_loader import load_params
 from stages.pipeline import training
 from tests.conftest import write_params

@@ -99,8 +99,8 @@ def test_reward_functions_are_imported_never_evaluated(tmp_path, monkeypatch):
 
 def test_servers_default_to_loopback(monkeypatch, tmp_path):
     from flows import server
-    from stages.harness.config import GenerationParams
     from stages.generation import vllm
+    from stages.harness.config import GenerationParams
 
     assert GenerationParams().vllm_url.startswith("http://127.0.0.1:")
     assert vllm.DEFAULT_BASE_URL.startswith("http://127.0.0.1:")

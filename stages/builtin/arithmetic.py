@@ -19,7 +19,8 @@ With `reasoning`, assistant answers carry a `<think>` block with the column sums
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from stages.data.formats import FORMATS, describe_formats, detect_format, is_conversational, normalise, validate
 from stages.data.hub import DataSpec

@@ -16,6 +16,10 @@ line by line by `stages.data.io` (errors name the line). Everything else is a `D
   `hf download --repo-type dataset org/name` fills); with the hub unreachable an id
   that is not there fails within seconds, naming the command that downloads it.
 
+A folder is read only if it holds data files (`data_files_in`): a folder with nothing but a readme (which
+`load_dataset` would read as rows of text) is an error naming the key and the folder. What a key loaded (rows,
+builder, files) goes to the log.
+
 `split` takes the `datasets` slicing syntax (`train[:90%]`, `test[10:200]`); `columns` renames
 columns before the row format is detected. `check(key, value)` finds a missing column, an unknown
 split or config and a slice that leaves no rows at params validation, before any model is built.
@@ -31,11 +35,13 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from stages.data.io import DataError, Row
 from stages.data.io import read_rows as read_file_rows
@@ -45,6 +51,15 @@ PLAIN_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 REACH_TIMEOUT_S = 3.0  # how long a hub that does not answer may delay the error
+# What load_dataset reads from a folder (the extensions of its json, csv, parquet, arrow and text builders, each
+# also compressed); the files it skips; and files that describe a dataset, never hold its rows (by stem, any case).
+DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".arrow", ".txt")
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+SKIPPED_BY_DATASETS = ("config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json")
+NOT_DATA = ("readme", "license", "licence")
+SHOWN_FILES = 5  # files named in the log line and in errors
+
+log = logging.getLogger(__name__)
 
 
 class DataSourceError(DataError):
@@ -215,7 +230,11 @@ def _load(spec: DataSpec, where: str, stats: tuple):
     if clash:
         raise DataSourceError(f"{spec.key}.columns", f"renames a column to {clash[0]!r}, which {spec} already has; "
                               f"map that column too, or drop it from the data")
-    return ds.rename_columns(renamed) if renamed else ds
+    ds = ds.rename_columns(renamed) if renamed else ds
+    reader = "load_from_disk" if _is_saved(Path(where)) else f"the {ds.info.builder_name} builder"
+    log.info("%s: %d rows of %s, read by %s from %s", spec.key, len(ds), spec, reader,
+             _listing(loaded_files(spec, where)))
+    return ds
 
 
 def _cache_dir(stats: tuple) -> str:
@@ -235,6 +254,8 @@ def _load_split(spec: DataSpec, where: str, cache_dir: str):
         if path.is_dir() and _is_saved(path):
             return _saved_split(spec, datasets.load_from_disk(where))
         if path.is_dir():
+            if spec.data_files is None and not data_files_in(path):
+                raise DataSourceError(spec.key, _no_data_files(spec, path))
             return datasets.load_dataset(where, name=spec.name, split=spec.split, data_files=_files(spec),
                                          cache_dir=cache_dir)
         builder = BUILDERS.get(Path(glob.glob(where, recursive=True)[0] if _has_glob(where) else where).suffix)
@@ -291,6 +312,57 @@ def _saved_split(spec: DataSpec, saved):
     for absolute in instruction.to_absolute(lengths):  # raises ValueError for an unknown split or an empty slice
         out.append(parts[absolute.splitname].select(range(absolute.from_, absolute.to)))
     return out[0] if len(out) == 1 else datasets.concatenate_datasets(out)
+
+
+def data_files_in(folder: Path) -> list[Path]:
+    """The files under `folder` that hold rows for `load_dataset` (DATA_SUFFIXES), hidden ones, readmes and licences
+    left out."""
+    out = []
+    for path in _visible_files(folder):
+        name = path.name.lower()
+        name = next((name.removesuffix(c) for c in COMPRESSED if name.endswith(c)), name)
+        stem, suffix = os.path.splitext(name)
+        if suffix in DATA_SUFFIXES and stem not in NOT_DATA and name not in SKIPPED_BY_DATASETS:
+            out.append(path)
+    return out
+
+
+def _visible_files(folder: Path) -> list[Path]:
+    """Files under `folder`, those in hidden folders (.git, __pycache__) and hidden files left out, as load_dataset
+    leaves them out."""
+    return [p for p in sorted(folder.rglob("*"))
+            if p.is_file() and not any(part.startswith((".", "__")) for part in p.relative_to(folder).parts)]
+
+
+def _no_data_files(spec: DataSpec, folder: Path) -> str:
+    """Why a folder without data files is refused, and how to fix it."""
+    present = [p.relative_to(folder).as_posix() for p in _visible_files(folder)]
+    held = f"holds no data file, only {_names(present)}" if present else "holds no file"
+    texts = [f for f in present if f.lower().endswith(".txt")]
+    read_as = (f" (load_dataset would read {', '.join(texts[:SHOWN_FILES])} as rows of text)" if texts else "")
+    return (f"= {spec.path!r}: the folder {folder} {held}{read_as}. Put the rows in it as .jsonl, .json, .csv, "
+            f".parquet or .arrow files (or .txt, one text row per line), or set {spec.key} to a data file")
+
+
+def loaded_files(spec: DataSpec, where: str) -> list[str]:
+    """The files `spec` read (a folder's relative to it; the patterns of `data_files` as given)."""
+    path = Path(where)
+    if _has_glob(where):
+        return sorted(glob.glob(where, recursive=True))
+    if spec.data_files is not None:
+        return list(spec.data_files) if isinstance(spec.data_files, tuple) else [spec.data_files]
+    if path.is_dir() and not _is_saved(path):
+        return [p.relative_to(path).as_posix() for p in data_files_in(path)]
+    return [where]
+
+
+def _names(files: list[str]) -> str:
+    more = f" (+{len(files) - SHOWN_FILES} more)" if len(files) > SHOWN_FILES else ""
+    return ", ".join(files[:SHOWN_FILES]) + more
+
+
+def _listing(files: list[str]) -> str:
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}: {_names(files)}"
 
 
 def _files(spec: DataSpec):

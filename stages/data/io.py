@@ -8,9 +8,10 @@ errors can point at it too.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class DataError(ValueError):

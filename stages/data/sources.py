@@ -26,8 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import FORMATS, detect_format, is_conversational
-from stages.data.hub import (HUB_ID, PLAIN_SUFFIXES, DataSourceError, DataSpec, check, is_spec_value, shape_problems,
-                             spec_of)
+from stages.data.hub import (
+    HUB_ID,
+    PLAIN_SUFFIXES,
+    DataSourceError,
+    DataSpec,
+    check,
+    is_spec_value,
+    shape_problems,
+    spec_of,
+)
 from stages.data.hub import read_rows as read_spec_rows
 from stages.reward_function_names import REWARD_MODEL_REWARDS
 

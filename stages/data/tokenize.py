@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from stages.data.formats import is_messages
 from stages.data.templates import apply_chat_template

@@ -22,7 +22,7 @@ from functools import partial
 from stages.generation import hf, vllm
 from stages.generation.common import Generations, SamplingParams
 
-__all__ = ["BACKENDS", "Generations", "SamplingParams", "generate", "sample_policy"]
+__all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
 
 BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate}
 
@@ -54,13 +54,3 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
     return BACKENDS[backend](model, tokenizer, list(prompts), sampling, batch_size=batch_size, progress=progress,
                              **backend_options)
 
-
-def sample_policy(policy, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str, batch_size: int,
-                  options: dict | None = None) -> Generations:
-    """What online trainers sample from: the policy in this process ("auto", "hf", "decoder"), or a vLLM
-    server serving `options["model"]`. The server keeps its own copy of the weights, not synced from the trainer, so its
-    samples go off-policy once training moves the policy; `Generations.logprobs` (the server's log-probs of
-    what it sampled) is what the trainers' truncated importance sampling corrects with."""
-    options = dict(options or {})
-    source = options.pop("model") if backend == "vllm" else policy
-    return generate(source, tokenizer, prompts, sampling, backend=backend, batch_size=batch_size, **options)

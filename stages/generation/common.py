@@ -11,10 +11,8 @@ from typing import Any
 import torch
 
 from stages.basics import stable_seed
-from stages.completion_text import parse_completions
+from stages.completion_text import THINK_TAGS, parse_completions
 from stages.tensors import pad
-
-THINK_TAGS = ("<think>", "</think>")
 
 
 @dataclass

@@ -23,7 +23,6 @@ from stages.generation.common import Generations, SamplingParams, build_generati
 from stages.sharding import generate_kwargs
 from stages.tensors import pad
 
-
 CHOICES = ("auto", "hf", "decoder")
 
 

@@ -14,8 +14,13 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from stages.generation.common import SamplingParams, prompt_seed
 

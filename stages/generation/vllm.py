@@ -15,18 +15,24 @@ size, the prompt's position or the order requests arrive in.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import json
 import math
 import os
-from pathlib import Path
 import shlex
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from stages.data.tokenize import render_prompt
-from stages.generation.common import (Generations, SamplingParams, build_generations, eos_token_ids, prompt_seed,
-                                     trim_at_eos)
+from stages.generation.common import (
+    Generations,
+    SamplingParams,
+    build_generations,
+    eos_token_ids,
+    prompt_seed,
+    trim_at_eos,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 URL_ENV, API_KEY_ENV = "ALIGN_VLLM_URL", "VLLM_API_KEY"

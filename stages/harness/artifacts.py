@@ -25,8 +25,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from stages.basics import MANIFEST, file_hashes, hash_json, sha256_file, tree_hash  # noqa: F401 (used here and by callers)
 

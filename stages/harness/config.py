@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
 from stages.reward_function_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
 from stages.trainers.arguments import as_declared, light_module
 from stages.trainers.generation_params import GenerationParams
-
 
 # A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
 DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
@@ -330,17 +329,35 @@ class ExactMatch(VerifiedFirst):
 
 
 # The pipeline's defaults that differ from the configs' (chosen on the built-in task's dev split, docs/methods.md).
-SFTSection = section("stages.trainers.sft_config:SFTConfig", SFTStage, learning_rate=3e-3, num_train_epochs=3.0)
-RewardSection = section("stages.trainers.reward_config:RewardConfig", RewardStage, learning_rate=6e-4,
-                        num_train_epochs=8.0, per_device_train_batch_size=8)
-DPOSection = section("stages.trainers.dpo_config:DPOConfig", learning_rate=5e-5)
-KTOSection = section("stages.trainers.kto_config:KTOConfig", learning_rate=5e-5)
-OnlineDPOSection = section("stages.trainers.online_dpo_config:OnlineDPOConfig", VerifiedFirst, learning_rate=1e-4,
-                           reward_weights=list(VERIFIED_FIRST_WEIGHTS))
-GRPOSection = section("stages.trainers.grpo_config:GRPOConfig", ExactMatch, learning_rate=3e-4,
-                      per_device_train_batch_size=128, max_steps=150)
-PPOSection = section("stages.trainers.ppo_config:PPOConfig", VerifiedFirst, learning_rate=3e-5,
-                     reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+if TYPE_CHECKING:  # what section() builds at runtime, spelled out for the type checker (its bases, in its order)
+    from stages.trainers.dpo_config import DPOConfig
+    from stages.trainers.grpo_config import GRPOConfig
+    from stages.trainers.kto_config import KTOConfig
+    from stages.trainers.online_dpo_config import OnlineDPOConfig
+    from stages.trainers.ppo_config import PPOConfig
+    from stages.trainers.reward_config import RewardConfig
+    from stages.trainers.sft_config import SFTConfig
+
+    class SFTSection(SFTStage, TrainingStage, SFTConfig): ...
+    class RewardSection(RewardStage, TrainingStage, RewardConfig): ...
+    class DPOSection(TrainingStage, DPOConfig): ...
+    class KTOSection(TrainingStage, KTOConfig): ...
+    class OnlineDPOSection(VerifiedFirst, TrainingStage, OnlineDPOConfig): ...
+    class GRPOSection(ExactMatch, TrainingStage, GRPOConfig): ...
+    class PPOSection(VerifiedFirst, TrainingStage, PPOConfig): ...
+else:
+    SFTSection = section("stages.trainers.sft_config:SFTConfig", SFTStage, learning_rate=3e-3, num_train_epochs=3.0)
+    RewardSection = section("stages.trainers.reward_config:RewardConfig", RewardStage, learning_rate=6e-4,
+                            num_train_epochs=8.0, per_device_train_batch_size=8)
+    DPOSection = section("stages.trainers.dpo_config:DPOConfig", learning_rate=5e-5)
+    KTOSection = section("stages.trainers.kto_config:KTOConfig", learning_rate=5e-5)
+    OnlineDPOSection = section("stages.trainers.online_dpo_config:OnlineDPOConfig", VerifiedFirst,
+                               learning_rate=1e-4, reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+    GRPOSection = section("stages.trainers.grpo_config:GRPOConfig", ExactMatch, learning_rate=3e-4,
+                          per_device_train_batch_size=128, max_steps=150)
+    PPOSection = section("stages.trainers.ppo_config:PPOConfig", VerifiedFirst, learning_rate=3e-5,
+                         reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+
 TRAINING_SECTIONS = {"sft": SFTSection, "reward": RewardSection, "policy.dpo": DPOSection, "policy.kto": KTOSection,
                      "policy.online_dpo": OnlineDPOSection, "policy.grpo": GRPOSection, "policy.ppo": PPOSection}
 

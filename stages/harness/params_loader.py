@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
-from stages.harness.config import PIPELINE_KEYS, TRAINING_SECTIONS, Params, PolicyParams
 from stages.fields import deprecations, move_deprecated
+from stages.harness.config import PIPELINE_KEYS, TRAINING_SECTIONS, Params, PolicyParams
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 
 

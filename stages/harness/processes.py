@@ -13,8 +13,9 @@ import re
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 LAUNCHED_ENV = "ALIGN_LAUNCHED"  # set in every launched rank: `python -m stages` must not launch again
 TAIL_LINES = 30

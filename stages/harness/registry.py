@@ -13,9 +13,10 @@ its params section (stages/harness/config.py and params.yaml) if it has new para
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from stages.harness import imports
 from stages.harness.artifacts import CODE_ROOT

@@ -27,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -213,8 +214,8 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     if state.folder.exists() and state.reason != "missing":
         log.warning("%s: rebuilding %s: %s", name, state.folder, state.reason)
     log.info("%s: running (fingerprint %s)", name, state.fingerprint)
-    fn = _entry(spec)
-    started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    fn = resolve(spec.entry)
+    started, t0 = datetime.now(UTC), time.perf_counter()
     work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
     code = spec.code()
@@ -335,7 +336,7 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
         ctx = StageContext(params=params, out=Path(tmp), inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{spec.name}"), work=work, stage=spec.name)
         seeding.prepare(params.run)
-        metrics = _entry(spec)(ctx) or {}
+        metrics = resolve(spec.entry)(ctx) or {}
     return {"stage": spec.name, "fingerprint": state.fingerprint, "metrics": metrics, "executed": True}
 
 
@@ -349,10 +350,6 @@ def status(params: Params) -> list[dict[str, Any]]:
         except UpstreamMissing as e:
             rows.append({"stage": name, "current": False, "reason": f"upstream not built ({e})", "fingerprint": ""})
     return rows
-
-
-def _entry(spec: StageSpec):
-    return resolve(spec.entry)
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

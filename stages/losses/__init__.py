@@ -5,13 +5,34 @@ trainers in `stages.trainers` only gather the inputs and call these. One module 
 `likelihood` (SFT), `preference` (DPO variants, KTO, named objectives), `rl` (KL, GRPO, PPO), `bradley_terry`
 (reward models); `numerics` holds what they share.
 """
-from stages.losses.preference import (DPO_LOSSES, OBJECTIVES, check_objective_output, dpo_loss, kto_loss,
-                                      objective_problems, preference_loss, resolve_objective, sft_objective)
 from stages.losses.bradley_terry import reward_loss
-from stages.losses.rl import (GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, KL_ESTIMATORS, explained_variance, gae,
-                              grpo_advantages, grpo_loss, kl_k1, kl_k3, masked_whiten, per_token_rewards, ppo_loss,
-                              truncated_importance_weights)
 from stages.losses.likelihood import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.losses.preference import (
+    DPO_LOSSES,
+    OBJECTIVES,
+    check_objective_output,
+    dpo_loss,
+    kto_loss,
+    objective_problems,
+    preference_loss,
+    resolve_objective,
+    sft_objective,
+)
+from stages.losses.rl import (
+    GRPO_AGGREGATIONS,
+    GRPO_REWARD_SCALES,
+    KL_ESTIMATORS,
+    explained_variance,
+    gae,
+    grpo_advantages,
+    grpo_loss,
+    kl_k1,
+    kl_k3,
+    masked_whiten,
+    per_token_rewards,
+    ppo_loss,
+    truncated_importance_weights,
+)
 
 __all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS", "OBJECTIVES",
            "check_objective_output", "dpo_loss", "explained_variance", "gae", "grpo_advantages", "grpo_loss", "kl_k1",

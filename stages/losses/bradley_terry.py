@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from stages.losses.numerics import _check_shapes, _upcast
 
-
 # ---------------------------------------------------------------------------------------------
 # Reward model (Bradley–Terry)
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from stages.losses.numerics import _check_shapes, _pick, _upcast
 
-
 # ---------------------------------------------------------------------------------------------
 # DPO and its pairwise variants
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import torch
 
 from stages.losses.numerics import _check_shapes, _masked_mean, _pick, _upcast
 
-
 # ---------------------------------------------------------------------------------------------
 # Per-token KL estimators (GRPO's penalty, PPO's per-token rewards)
 # ---------------------------------------------------------------------------------------------

@@ -23,16 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from stages import generation, trackers
-from stages.harness.artifacts import write_json_atomic
+from stages.basics import Progress
+from stages.completion_text import THINK_TAGS, answer_after_reasoning
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.generation import SamplingParams
+from stages.harness.artifacts import write_json_atomic
 from stages.harness.model_paths import resolve_model
 from stages.models import load_causal_lm, load_tokenizer, pick_device
-from stages.basics import Progress
-from stages.completion_text import answer_after_reasoning
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
-THINK = ("<think>", "</think>")
 
 
 def run(ctx) -> dict[str, Any]:
@@ -265,12 +264,12 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
 
 
 def full_text(answer: str, reasoning: str | None) -> str:
-    return answer if reasoning is None else f"{THINK[0]}{reasoning}{THINK[1]}{answer}"
+    return answer if reasoning is None else f"{THINK_TAGS[0]}{reasoning}{THINK_TAGS[1]}{answer}"
 
 
 def plain(text: str) -> str:
     """Reasoning tags dropped (they would be free n-gram matches for BLEU/ROUGE), the reasoning kept."""
-    return text.replace(THINK[0], "").replace(THINK[1], " ").strip()
+    return text.replace(THINK_TAGS[0], "").replace(THINK_TAGS[1], " ").strip()
 
 
 def reference_text(completion: Any) -> str:

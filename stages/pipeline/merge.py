@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from stages import adapter_merge
-
-from stages.harness import model_card
 from stages.data import read_jsonl
 from stages.data.tokenize import render_prompt
+from stages.harness import model_card
 from stages.harness.model_paths import resolve_model
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 

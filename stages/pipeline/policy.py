@@ -16,7 +16,8 @@ in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from stages.models import load_tokenizer, pick_device
 from stages.pipeline import training

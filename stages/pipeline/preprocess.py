@@ -22,8 +22,17 @@ import random
 from typing import Any
 
 from stages.builtin import BUILTIN_DATA, arithmetic
-from stages.data import (FORMATS, DataError, LoadReport, check_report, iter_rows, iter_source, load_grouped,
-                         load_source, write_jsonl)
+from stages.data import (
+    FORMATS,
+    DataError,
+    LoadReport,
+    check_report,
+    iter_rows,
+    iter_source,
+    load_grouped,
+    load_source,
+    write_jsonl,
+)
 from stages.data.formats import normalise, validate
 from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs

@@ -27,10 +27,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from stages.gates import count_of, difference_lower
 from stages.harness import artifacts, model_card
@@ -118,7 +119,7 @@ def gate(candidate_dir: str | Path, candidate_metrics: dict[str, Any], models_di
     prod = current(models_dir)
     identity = model_identity(candidate_dir)
     col = column(metric)
-    now = datetime.now(timezone.utc).isoformat()
+    now = datetime.now(UTC).isoformat()
     note = ""
     if prod is not None and prod.get("hash") == identity:
         decision = Decision(False, f"the candidate is the production model ({prod['version']}); nothing to do",

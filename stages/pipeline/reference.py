@@ -5,7 +5,7 @@ second forward pass per step. With `policy.dpo.precompute_ref_log_probs` (defaul
 stage runs the reference once over the pairs the policy will train on and writes them,
 with the log-probs added, to `pairs.jsonl`. It computes them as the policy will run at step 0:
 under `policy.dpo.mixed_precision` (the forward autocast, fp32 outputs, as the Trainer runs it) and,
-with QLoRA (`policy.lora.quantization`), on the quantised base. Its fingerprint covers only what
+with QLoRA (`policy.dpo.lora.quantization`), on the quantised base. Its fingerprint covers only what
 the numbers depend on (the SFT model, the pairs, `max_length`, dtype, precision, quantization), so
 a rerun of `policy` with another `beta` or `loss_type` finds this stage current and runs no
 reference forward at all.
@@ -15,17 +15,21 @@ For other methods, or with precompute off, it records that nothing was needed.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.data import write_jsonl
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import preference_pairs
-from stages.trainers.adapters import quantization_config
 from stages.precision import autocast_forward, mixed_precision
+from stages.trainers.adapters import quantization_config
 from stages.trainers.reference_model import compute_reference_logps
 
+if TYPE_CHECKING:  # annotations only: a stage's code closure is what it runs
+    from stages.harness.config import PolicyParams
+    from stages.harness.runner import StageContext
 
-def needed(pol) -> str | None:
+
+def needed(pol: PolicyParams) -> str | None:
     """Why no reference pass is needed for these policy params (None: it is)."""
     if pol.method != "dpo":
         return f"policy.method = {pol.method}"
@@ -36,7 +40,7 @@ def needed(pol) -> str | None:
     return None
 
 
-def run(ctx) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     p, pol = ctx.params, ctx.params.policy
     why_not = needed(pol)
     if why_not:
@@ -58,4 +62,4 @@ def run(ctx) -> dict[str, Any]:
         rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32)
     write_jsonl(ctx.out / "pairs.jsonl", rows)
     return {"computed": True, "pairs": len(rows), "source": str(source.parent.name), "mixed_precision": precision,
-            "quantization": pol.lora.quantization if quantization else "none"}
+            "quantization": pol.dpo.lora.quantization if quantization else "none"}

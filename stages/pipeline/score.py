@@ -27,16 +27,15 @@ from typing import Any
 import numpy as np
 
 from stages import trackers
+from stages.basics import Progress, stable_seed
+from stages.completion_text import answer_after_reasoning
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
 from stages.generation import Generations, SamplingParams, generate
 from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
-from stages.basics import Progress
-from stages.trainers.generation_params import sampling_seed
 from stages.reward_functions import build_reward_functions, exact_match
-from stages.completion_text import answer_after_reasoning
 
 COLUMNS_NOT_PASSED = ("prompt", "completions")
 PAIR_KEYS = ("prompt", "completions", "completion", "chosen", "rejected")  # a pair row keeps the prompt's other columns
@@ -133,7 +132,7 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
 
         return rows, sample, rewards, tokenizer, "dataset", everything.seed
     rows = prompt_rows(ctx, s.num_prompts)
-    loaded = []
+    loaded: list[Any] = []  # the model (or, for vllm, its folder), loaded on first use
 
     def sample(start: int, stop: int) -> Generations:
         if not loaded:
@@ -143,7 +142,7 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
         # seeded per prompt (run seed, draw 0, the prompt's tokens): a shard sampled again after a crash, in
         # another process, or cut at other boundaries gives the same completions
         sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
-                                  top_p=g.top_p, top_k=g.top_k, seed=sampling_seed(p.run.seed, 0))
+                                  top_p=g.top_p, top_k=g.top_k, seed=stable_seed(p.run.seed, 0))  # draw 0
         return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]],
                         sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
 

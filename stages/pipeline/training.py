@@ -14,15 +14,12 @@ from transformers import PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from stages import trackers
-
 from stages.harness import model_card
 from stages.models import load_causal_lm
+from stages.precision import mixed_precision, trainer_precision
+from stages.sharding import unwrap
 from stages.trainers.adapters import apply_lora, quantization_config, trainable_fraction
 from stages.trainers.callbacks import LogToLogger, NumericGuard
-from stages.sharding import unwrap
-from stages.precision import mixed_precision, trainer_precision
-
-TRACKERS = trackers.TRACKERS  # report_to names (stages/trackers.py)
 
 
 def load_trainable_model(path: str, p, s, *, device: str, section: str, load=load_causal_lm,

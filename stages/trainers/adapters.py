@@ -65,7 +65,7 @@ def lora_target_problems(params) -> list[tuple[str, str]]:
         return []
     from stages.models import model_skeleton
 
-    problems = []
+    problems: list[tuple[str, str]] = []
     for name, section, sequence_classifier in wanted:
         try:
             model = model_skeleton(params.model, sequence_classifier=sequence_classifier)

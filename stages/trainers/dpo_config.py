@@ -10,8 +10,14 @@ from dataclasses import dataclass
 
 from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import (beta_field, chunked_field, loss_type_field, num_proc_field,
-                                           objective_names, objectives_problems)
+from stages.trainers.method_fields import (
+    beta_field,
+    chunked_field,
+    loss_type_field,
+    num_proc_field,
+    objective_names,
+    objectives_problems,
+)
 
 TrainingArguments = training_arguments()
 

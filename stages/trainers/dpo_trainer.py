@@ -20,17 +20,30 @@ import torch
 from transformers import Trainer
 
 from stages.losses import preference_loss, resolve_objective
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
-from stages.trainers.pair_batches import (REF_COLUMNS, PairCollator, completion_token_counts, flush_metrics,
-                                        loss_only_prediction_step, sequence_logps, tokenize_pairs,
-                                        tokenized_dataset)
 from stages.precision import trainer_precision, use_fp32_cpu_attention
-from stages.trainers.reference_model import (frozen_reference, is_peft, precomputed, reference_logps_table,
-                                       reference_model, reference_sequence_logps)
 from stages.sharding import unwrap
-from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.pair_batches import (
+    REF_COLUMNS,
+    PairCollator,
+    completion_token_counts,
+    flush_metrics,
+    loss_only_prediction_step,
+    sequence_logps,
+    tokenize_pairs,
+    tokenized_dataset,
+)
+from stages.trainers.reference_model import (
+    frozen_reference,
+    is_peft,
+    precomputed,
+    reference_logps_table,
+    reference_model,
+    reference_sequence_logps,
+)
+from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
 
 BALANCE_KEY = "balance_key"  # the balance column's value per row, as a JSON string
 

@@ -1,5 +1,5 @@
 """Sampling settings of the online methods and `score`: `GenerationParams` (the `generation` sections
-and the online trainers' `generation` field), the backends, the seed formula and backend options.
+and the online trainers' `generation` field), the backends and backend options.
 No torch or generation backend is imported here, so params validation stays light; the sampling
 itself is `stages.trainers.online_generation`.
 """
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import non_negative, param, positive
-from stages.basics import stable_seed
 
 
 @dataclass
@@ -31,15 +30,6 @@ class GenerationParams:
 
 
 GENERATION_BACKENDS = typing.get_args(typing.get_type_hints(GenerationParams)["backend"])
-
-
-def sampling_seed(seed: int, draw: int) -> int:
-    """The seed of draw `draw` (online trainers: the optimizer step; `score`: 0) of a run seeded `seed`.
-
-    A stable hash of the two; each prompt's completions are then seeded from it and the prompt's
-    token ids (`stages.generation.common.prompt_seed`), so no rank, batch or shard enters.
-    """
-    return stable_seed(seed, draw)
 
 
 def backend_options(g: GenerationParams, model_path: str | None) -> dict[str, str]:

@@ -27,19 +27,28 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
+from stages.basics import stable_seed
 from stages.losses import grpo_advantages, grpo_loss, truncated_importance_weights
-from stages.reward_functions import build_reward_functions
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    no_unknown_kwargs, refuse, renamed_kwarg)
-from stages.sharding import unwrap
-from stages.trainers.off_policy import OffPolicyWarning
-from stages.trainers.online_generation import sample_online, sampling_seed
-from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.reward_functions import build_reward_functions
+from stages.sharding import unwrap
+from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.inputs import (
+    apply_peft,
+    check_dataset,
+    default_args,
+    load_model,
+    load_processing_class,
+    no_unknown_kwargs,
+    refuse,
+    renamed_kwarg,
+)
+from stages.trainers.off_policy import OffPolicyWarning
+from stages.trainers.online_generation import sample_online
+from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
-from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -126,7 +135,7 @@ class RewardHead(nn.Module):
         return path
 
     @classmethod
-    def load(cls, folder: str | Path) -> "RewardHead":
+    def load(cls, folder: str | Path) -> RewardHead:
         from safetensors import safe_open
 
         path = Path(folder) / REWARD_HEAD_FILE
@@ -274,7 +283,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
-                             seed=sampling_seed(a.seed, self.state.global_step),
+                             seed=stable_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 

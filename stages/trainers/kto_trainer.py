@@ -17,12 +17,12 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
-from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.precision import trainer_precision, use_fp32_cpu_attention
-from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
 from stages.tensors import pad
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
 
 KL_PREFIX = "kl_"
 

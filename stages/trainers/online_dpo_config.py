@@ -6,8 +6,15 @@ from typing import ClassVar
 
 from stages.fields import check_fields, deprecated, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import (SamplingFields, beta_field, chunked_field, objectives_problems,
-                                           loss_type_field, objective_names, sampling_renames)
+from stages.trainers.method_fields import (
+    SamplingFields,
+    beta_field,
+    chunked_field,
+    loss_type_field,
+    objective_names,
+    objectives_problems,
+    sampling_renames,
+)
 
 TrainingArguments = training_arguments()
 

@@ -13,17 +13,26 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
-from stages.reward_functions import build_reward_functions
+from stages.basics import stable_seed
 from stages.losses import preference_loss, resolve_objective
-from stages.trainers.inputs import (apply_peft, check_dataset, default_args, load_model, load_processing_class,
-                                    looks_like_rewards, no_unknown_kwargs, refuse, renamed_kwarg)
-from stages.trainers.online_generation import sample_online, sampling_seed
-from stages.trainers.pair_batches import (PairCollator, completion_token_counts, flush_metrics,
-                                        sequence_logps)
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.reward_functions import build_reward_functions
+from stages.trainers.inputs import (
+    apply_peft,
+    check_dataset,
+    default_args,
+    load_model,
+    load_processing_class,
+    looks_like_rewards,
+    no_unknown_kwargs,
+    refuse,
+    renamed_kwarg,
+)
+from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.online_generation import sample_online
+from stages.trainers.pair_batches import PairCollator, completion_token_counts, flush_metrics, sequence_logps
 from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
-from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
 def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
@@ -117,7 +126,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
-                             seed=sampling_seed(a.seed, self.state.global_step),
+                             seed=stable_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))

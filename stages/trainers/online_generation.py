@@ -2,10 +2,9 @@
 
 `GenerationParams` is the sampling section (`policy.<method>.generation`, `score.generation`)
 and the `generation` field of the online trainers' configs; `sample_online` turns it into one
-`stages.generation.sample_policy` call; `sampling_seed` is the one seed formula every online
-trainer (and `score`) uses:
+`stages.generation.generate` call. Every online trainer (and `score`) seeds its sampling the same way:
 
-    call seed   = stable_hash(run seed, draw)                      (sampling_seed)
+    call seed   = stable_seed(run seed, draw)                      (stages.basics)
     prompt seed = stable_hash(call seed, the prompt's token ids)   (stages.generation.common.prompt_seed)
 
 `draw` is the optimizer step (`state.global_step`: global, the same on every rank, restored on
@@ -16,8 +15,9 @@ are imported only when sampling.
 """
 from __future__ import annotations
 
-from stages.trainers.generation_params import (GENERATION_BACKENDS, GenerationParams,  # noqa: F401 (re-exported)
-                                               backend_options, sampling_seed)
+from typing import Any
+
+from stages.trainers.generation_params import GENERATION_BACKENDS, GenerationParams, backend_options  # noqa: F401 (re-exported)
 
 
 def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):
@@ -27,15 +27,17 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     the whole call becomes one autocast region, so the weights are cast once, not at every decode step
     (`stages.precision.cached_casts`; the same casts, so the same samples).
 
-    With backend vllm the server samples from its own weights, which training does not update:
-    the samples are off-policy once the policy has moved; their `logprobs` let GRPO correct for it.
+    With backend vllm the server named by the options (`backend_options`) samples from its own copy of the weights,
+    which training does not update: the samples are off-policy once the policy has moved; their `logprobs` (the
+    server's log-probs of what it sampled) are what GRPO's truncated importance sampling corrects with.
     """
-    from stages.generation import SamplingParams, sample_policy
+    from stages.generation import SamplingParams, generate
     from stages.precision import cached_casts
 
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, seed=seed)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    options: dict[str, Any] = backend_options(g, path)
+    source = options.pop("model") if g.backend == "vllm" else model
     with cached_casts(model, precision if g.backend != "vllm" else "no"):
-        return sample_policy(model, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size,
-                             options=backend_options(g, path))
+        return generate(source, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size, **options)

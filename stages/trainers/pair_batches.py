@@ -13,8 +13,8 @@ a loss-only prediction step, metric averaging) sits at the end.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import Trainer

@@ -10,8 +10,7 @@ from typing import Literal
 
 from stages.fields import check_fields, deprecated, fraction, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import (SamplingFields, chunked_field, sampling_renames, tis_cap_field,
-                                           tis_warn_field)
+from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
 
 TrainingArguments = training_arguments()
 

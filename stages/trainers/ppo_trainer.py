@@ -20,21 +20,26 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from stages.basics import stable_seed
 from stages.data.tokenize import tokenize_sft
-from stages.losses import (explained_variance, gae, masked_whiten, per_token_rewards, ppo_loss,
-                           truncated_importance_weights)
-from stages.reward_functions import build_reward_functions
-from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
-from stages.sharding import unwrap
-from stages.trainers.off_policy import OffPolicyWarning
-from stages.trainers.online_generation import sample_online, sampling_seed
+from stages.losses import (
+    explained_variance,
+    gae,
+    masked_whiten,
+    per_token_rewards,
+    ppo_loss,
+    truncated_importance_weights,
+)
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.reward_functions import build_reward_functions
+from stages.sharding import unwrap
+from stages.trainers.inputs import apply_peft, check_dataset, default_args, load_model, load_processing_class
+from stages.trainers.off_policy import OffPolicyWarning
+from stages.trainers.online_generation import sample_online
+from stages.trainers.ppo_config import PPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.rollout import completion_logps, pad_rollout, sampler_logps
 from stages.trainers.value_head import AutoModelForCausalLMWithValueHead, PreTrainedModelWrapper
-from stages.trainers.ppo_config import PPOConfig  # noqa: F401 (the config of this trainer, re-exported)
-
-
 
 # ------------------------------------------------------------------------------------ rows
 
@@ -225,7 +230,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         a = self.args
         # vllm: off-policy once training moves the policy; gens.logprobs (the sampler's) let the rollout correct it
         gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.sampling, n=1,
-                             seed=sampling_seed(a.seed, self.state.global_step))
+                             seed=stable_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         # every rank gathers every key, also with nothing scored here (a skipped gather would pair with the next)
         for name, values in per_function.items():

@@ -24,11 +24,15 @@ import copy
 
 import torch
 
-from stages.sharding import sharded_reference, sharding_engine, unwrap_wrappers  # noqa: F401 (re-exported)
-from stages.sharding import unwrap
 from stages.precision import autocast_forward
-from stages.trainers.pair_batches import (REF_COLUMNS, PairCollator, completion_token_counts, sequence_logps,
-                                        tokenize_pairs)
+from stages.sharding import sharded_reference, sharding_engine, unwrap, unwrap_wrappers  # noqa: F401 (re-exported)
+from stages.trainers.pair_batches import (
+    REF_COLUMNS,
+    PairCollator,
+    completion_token_counts,
+    sequence_logps,
+    tokenize_pairs,
+)
 
 REFERENCE_FORWARDS = 0  # reference forward passes run so far (see reference_sequence_logps); for tests/benchmarks
 

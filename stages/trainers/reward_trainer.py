@@ -18,11 +18,11 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import reward_loss
-from stages.reward_model import pair_row, with_pad_token, load_reward_model, score_head, sequence_rewards
+from stages.precision import use_fp32_cpu_attention
+from stages.reward_model import load_reward_model, pair_row, score_head, sequence_rewards, with_pad_token
 from stages.sharding import unwrap
 from stages.tensors import pad
 from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
-from stages.precision import use_fp32_cpu_attention
 from stages.trainers.pair_batches import tokenized_dataset
 from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 

@@ -27,8 +27,8 @@ import torch
 from stages.kernels import entropy_from_logits, selective_log_softmax
 from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
 from stages.sharding import unwrap
-from stages.trainers.value_head import PreTrainedModelWrapper
 from stages.tensors import completion_mask_from_eos, pad
+from stages.trainers.value_head import PreTrainedModelWrapper
 
 
 def pad_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], *, pad_token_id: int,

@@ -21,11 +21,11 @@ from transformers import Trainer
 from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft, tokenized_dataset
-from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
-from stages.sharding import unwrap
+from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.precision import use_fp32_cpu_attention
+from stages.sharding import unwrap
+from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 

@@ -157,8 +157,8 @@ def test_not_a_saved_dataset_folder(capsys, tmp_path, params_for):
     folder.mkdir()
     (folder / "notes.bin").write_bytes(b"not a dataset")  # no file `datasets` reads (a .txt would be text rows)
     params = params_for({"data": {"source": str(folder)}})
-    assert_rejected(capsys, params, "preprocess", r"data\.source = " + escape(folder) + r" \[train\]: cannot load it: "
-                    r"DataFilesNotFoundError: No \(supported\) data files found", code=2)
+    assert_rejected(capsys, params, "preprocess", r"data\.source = '" + escape(folder) + r"': the folder "
+                    + escape(folder) + r" holds no data file, only notes\.bin\. Put the rows in it as \.jsonl", code=2)
 
 
 @pytest.mark.parametrize("key", ["source", "sft", "preference", "prompts", "eval_source"])

@@ -6,7 +6,6 @@ stage also prints the path of the log file that holds its traceback; the console
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness.params_loader import ParamsError, load_params
 from stages.data import DataError
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import ROOT, deep_update, write_params
 from tests.pipelines import arithmetic_files, evaluate_table, run_pipeline
 

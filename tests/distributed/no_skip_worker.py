@@ -96,13 +96,14 @@ def train(method: str, model_path: str, out: Path) -> dict:
 def sample_target(model_path: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_generation import GenerationParams, sample_online, sampling_seed
+    from stages.basics import stable_seed
+    from stages.trainers.online_generation import GenerationParams, sample_online
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     batch, position = target_batch(rank())
     gens = sample_online(model, tok, batch, GenerationParams(max_new_tokens=MAX_NEW_TOKENS), n=2,
-                         seed=sampling_seed(0, 0))
+                         seed=stable_seed(0, 0))
     return {"position": position, "completion_ids": gens.completion_ids[2 * position:2 * position + 2]}
 
 

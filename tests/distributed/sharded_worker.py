@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:  # launched as a script
     sys.path.insert(0, str(ROOT))
 
 from stages.builtin import arithmetic  # noqa: E402
-from stages.harness.config import ArithmeticConfig  # noqa: E402
 from stages.data.formats import normalise  # noqa: E402
+from stages.harness.config import ArithmeticConfig  # noqa: E402
 
 SHARDINGS = ("blocks", "head")
 
@@ -67,8 +67,8 @@ def measure(how: str, model_path: str, rank: int) -> dict:
 
     from stages.generation import SamplingParams
     from stages.generation.hf import generate
-    from stages.sharding import generate_kwargs, sharding_engine
     from stages.logprobs import lm_head_for_chunking
+    from stages.sharding import generate_kwargs, sharding_engine
     from stages.trainers.pair_batches import sequence_logps
     from stages.trainers.reference_model import frozen_reference
     from stages.trainers.rollout import completion_logps

@@ -70,13 +70,14 @@ def test_a_rank_whose_rewards_all_tie_still_steps_and_the_weights_agree(launched
 def test_rank_1_samples_a_prompt_as_one_process_does_alone(launched):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_generation import GenerationParams, sample_online, sampling_seed
+    from stages.basics import stable_seed
+    from stages.trainers.online_generation import GenerationParams, sample_online
 
     model, out = launched
     tok, lm = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model)
     target = worker.prompts(1)[0]["prompt"]
     alone = sample_online(lm, tok, [target], GenerationParams(max_new_tokens=worker.MAX_NEW_TOKENS), n=2,
-                          seed=sampling_seed(0, 0)).completion_ids
+                          seed=stable_seed(0, 0)).completion_ids
     got = [json.loads((out / f"sample-rank{r}.json").read_text()) for r in (0, 1)]
     assert got[0]["position"] != got[1]["position"]
     assert got[1]["completion_ids"] == got[0]["completion_ids"] == alone

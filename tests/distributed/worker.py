@@ -29,8 +29,8 @@ if str(ROOT) not in sys.path:  # launched as a script
     sys.path.insert(0, str(ROOT))
 
 from stages.builtin import arithmetic  # noqa: E402
-from stages.harness.config import ArithmeticConfig, LoraParams  # noqa: E402
 from stages.data.formats import normalise  # noqa: E402
+from stages.harness.config import ArithmeticConfig, LoraParams  # noqa: E402
 
 METHODS = ("sft", "reward", "dpo_precomputed", "dpo_live", "kto", "online_dpo", "grpo_beta0", "grpo_beta", "ppo")
 ADAPTERS = ("full", "lora")

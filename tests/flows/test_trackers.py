@@ -50,7 +50,7 @@ def mlflow_server(tmp_path):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'mlflow-server.log').read_text()}")
+                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'mlflow-server.log').read_text()}") from None
                 time.sleep(0.5)
         yield url
     finally:

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages import adapter_merge
-from stages.builtin import tiny
 from stages.adapter_merge import AdapterSpec, MergeError
+from stages.builtin import tiny
 from stages.models import load_tokenizer
 
 TEXTS = ["<|user|>\n12+34<|end|><|assistant|>\n<think>2+4=6, 1+3=4</think>46<|end|>", "<|user|>\n7+8<|end|>",

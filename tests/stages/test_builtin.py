@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from stages.harness import artifacts
 from stages.builtin import arithmetic, tiny
+from stages.harness import artifacts
 from stages.harness.config import ArithmeticConfig, TinyModelConfig
 
 

@@ -3,9 +3,8 @@ import pytest
 import torch
 from torch import nn
 
+from stages.logprobs import head_argmax, head_logprobs, head_operands, lm_head_for_chunking, selected_hidden
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
-from stages.logprobs import (head_argmax, head_logprobs, head_operands, lm_head_for_chunking,
-                                      selected_hidden)
 from tests.stages.trainers.conftest import build_tiny
 
 

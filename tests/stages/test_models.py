@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness import runner
 from stages.builtin import tiny
+from stages.harness import runner
 from stages.harness.config import ModelConfig
+from stages.harness.model_paths import resolve_model
 from stages.harness.params_loader import load_params
 from stages.model_source import hub_unreachable_reason, model_source_problem
-from stages.harness.model_paths import resolve_model
 from tests.conftest import STAGE_ORDER, write_params
 
 

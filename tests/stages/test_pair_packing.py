@@ -7,8 +7,8 @@ import torch
 
 from stages import pair_packing
 from stages.pair_packing import layout, pack_pairs
-from stages.trainers.pair_batches import PairCollator, sequence_logps, tokenize_pairs
 from stages.tensors import pad
+from stages.trainers.pair_batches import PairCollator, sequence_logps, tokenize_pairs
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
@@ -88,7 +88,6 @@ def test_packed_rewards_and_gradients_equal_the_padded_rows(tmp_path):
     from transformers import AutoTokenizer
 
     from stages.reward_model import load_reward_model, sequence_rewards
-
     from stages.trainers.reward_trainer import RewardCollator
     from stages.trainers.reward_trainer import tokenize_pairs as reward_pairs
 

@@ -5,8 +5,15 @@ import textwrap
 
 import pytest
 
-from stages.reward_functions import (BUILTIN_REWARDS, RewardFunctions, exact_match, final_integer, length_penalty,
-                            load_reward_function, reasoning_format)
+from stages.reward_functions import (
+    BUILTIN_REWARDS,
+    RewardFunctions,
+    exact_match,
+    final_integer,
+    length_penalty,
+    load_reward_function,
+    reasoning_format,
+)
 
 P = ["1+2"] * 4
 

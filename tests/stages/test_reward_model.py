@@ -10,7 +10,7 @@ from stages.trainers.reward_trainer import RewardCollator, tokenize_pairs
 from tests.stages.trainers.test_reward_trainer import _model, setup  # noqa: F401 (setup: the module's fixture)
 
 
-def test_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(setup):
+def test_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(setup):  # noqa: F811
     """Dedicated pad token: our reading equals HF's own pooling. pad == EOS: it equals each row's last
     position run alone (no padding), while HF's pooling would read one token early (the final EOS
     looks like padding)."""
@@ -32,7 +32,7 @@ def test_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(setup):
     assert not torch.allclose(ours, model(**batch).logits[:, 0], atol=1e-3)
 
 
-def test_heads_with_several_outputs_and_missing_heads_are_refused(setup, tmp_path):
+def test_heads_with_several_outputs_and_missing_heads_are_refused(setup, tmp_path):  # noqa: F811
     from transformers import AutoModelForSequenceClassification
 
     path, tok, _ = setup

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness import runner
 from stages.__main__ import main
+from stages.harness import runner
 from stages.harness.params_loader import load_params
 from tests.conftest import write_params
 

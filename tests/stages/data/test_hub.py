@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness import runner
-from stages.harness.params_loader import ParamsError, load_params
 from stages.data import load_grouped, load_source
 from stages.data.hub import DataSpec, rows_hash, source_identity, spec_of
+from stages.harness import runner
+from stages.harness.params_loader import ParamsError, load_params
 from tests.conftest import write_params
 from tests.pipelines import hub_layout_folder, write_jsonl
 
@@ -184,3 +184,50 @@ def test_streaming_preprocess_reads_a_folder_like_its_jsonl_twin(tmp_path, folde
         files = runner.run_stage("preprocess", params)["outputs"]["files"]
         outputs.append({k: v for k, v in files.items() if k != "report.json"})
     assert outputs[0] == outputs[1] and "sft_train.jsonl" in outputs[0]
+
+
+def test_a_folder_without_data_files_is_refused_naming_the_key_and_the_folder(tmp_path):
+    """load_dataset reads a folder holding only readme.txt as one text row: refused at params validation instead, by
+    its dotted key and its folder, with why and the fix."""
+    readme_only = tmp_path / "mine"
+    for folder in (readme_only, tmp_path / "a", tmp_path / "b", tmp_path / "empty"):
+        folder.mkdir()
+    (readme_only / "readme.txt").write_text("Rows of my task, to come.\n")
+    message = _fails_fast(tmp_path / "a", {"source": str(readme_only)})
+    assert (f"data.source = '{readme_only}': the folder {readme_only} holds no data file, only readme.txt "
+            "(load_dataset would read readme.txt as rows of text). Put the rows in it as .jsonl, .json, .csv, "
+            ".parquet or .arrow files (or .txt, one text row per line), or set data.source to a data file") in message
+    assert "data.eval_source" not in message and "score." not in message  # nothing that follows from reading it
+
+    message = _fails_fast(tmp_path / "b", {"sft": mapping(tmp_path / "empty")})
+    assert f"data.sft = '{tmp_path / 'empty'}': the folder {tmp_path / 'empty'} holds no file. Put the rows" in message
+
+
+def test_data_files_are_what_load_dataset_reads_less_readmes_and_hidden_files(tmp_path):
+    from stages.data.hub import data_files_in
+
+    for name in ("README.md", "readme.txt", "LICENSE.txt", "notes.md", "config.json", ".hidden.jsonl",
+                 ".git/x.json", "__pycache__/y.json", "data/train-00000-of-00001.parquet", "extra.jsonl.gz", "b.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert [p.relative_to(tmp_path).as_posix() for p in data_files_in(tmp_path)] == [
+        "b.txt", "data/train-00000-of-00001.parquet", "extra.jsonl.gz"]
+
+
+def test_a_data_key_logs_its_rows_builder_and_files(tmp_path, folder, caplog):
+    import logging
+
+    logger = logging.getLogger("stages.data.hub")
+    logger.addHandler(caplog.handler)  # whatever propagation an earlier test's log setup left
+    try:
+        with caplog.at_level(logging.INFO, logger="stages.data.hub"):
+            load_source(spec_of("data.sft", mapping(folder)))
+            load_source(spec_of("data.eval_source", mapping(folder / "data" / "test-*.parquet")))
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == "stages.data.hub"]
+    assert (f"data.sft: 30 rows of {folder} [train], read by the parquet builder from 3 files: "
+            "data/test-00000-of-00001.parquet, data/train-00000-of-00002.parquet, data/train-00001-of-00002.parquet"
+            in lines)
+    assert any(line.startswith("data.eval_source: 8 rows of ") and line.endswith(
+        f"read by the parquet builder from 1 file: {folder}/data/test-00000-of-00001.parquet") for line in lines), lines

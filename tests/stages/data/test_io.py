@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stages.data import DataError, iter_rows, LoadReport, read_jsonl
+from stages.data import DataError, LoadReport, iter_rows, read_jsonl
 from stages.data.io import json_error_position, read_rows
 
 LINE = json.dumps({"prompt": "x" * 88, "completion": "y"})  # 121 characters; 120 without its "}"

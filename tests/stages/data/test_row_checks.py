@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from stages.data import row_checks
 from stages.harness.config import DataConfig
 from stages.harness.params_loader import ParamsError, load_params
-from stages.data import row_checks
 from tests.conftest import write_params
 
 

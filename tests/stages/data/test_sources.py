@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from stages.harness.config import Params
 from stages.data import sources
 from stages.data.sources import DataShape, destination_problem, missing_files, needs, peek
+from stages.harness.config import Params
 
 
 def write(path, rows):

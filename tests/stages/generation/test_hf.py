@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from stages.builtin import tiny
+from stages.completion_text import decode_and_strip_padding
 from stages.data.tokenize import render_prompt
 from stages.generation import BACKENDS, Generations, SamplingParams, generate
-from stages.completion_text import decode_and_strip_padding
 
 from .conftest import PROMPTS
 

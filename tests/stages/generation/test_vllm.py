@@ -9,10 +9,8 @@ and response parsing; the last test runs against a real vLLM server when one is 
 from __future__ import annotations
 
 import importlib.util
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import json
 import os
-from pathlib import Path
 import random
 import shlex
 import socket
@@ -20,6 +18,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,7 +138,7 @@ def test_greedy_matches_the_hf_backend_and_the_request_is_vllms(tiny_path, eos_m
     assert gens.backend == "vllm" and gens.seed == 3
     bodies = {tuple(b["prompt"]): b for _, b in server.requests}
     assert len(bodies) == len(PROMPTS)
-    for i, p in enumerate(PROMPTS):
+    for p in PROMPTS:
         ids = tok(render_prompt(tok, p), add_special_tokens=False)["input_ids"]
         # the prompt's own seed, from the call's seed and its token ids (not its position)
         assert bodies[tuple(ids)] == {"model": str(tiny_path), "prompt": ids, "n": 1, "max_tokens": 12,

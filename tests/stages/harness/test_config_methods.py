@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, TrainingStage, Params
+from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, TrainingStage
 from stages.harness.params_loader import load_params
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT
@@ -192,3 +192,17 @@ def test_resolved_params_read_back_serialise_identically(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(yaml.safe_dump(params.to_dict(), sort_keys=False))
     assert json.dumps(load_params(path).to_dict()) == json.dumps(params.to_dict())
+
+
+def test_the_type_checkers_sections_have_the_runtime_bases():
+    """config.py spells out for mypy, under `if TYPE_CHECKING:`, the classes `section()` builds at runtime: the same
+    bases in the same order, so what mypy checks a section's keys against is what the pipeline reads."""
+    import ast
+
+    tree = ast.parse((ROOT / "stages" / "harness" / "config.py").read_text())
+    declared = {node.name: [base.id for base in node.bases]
+                for block in tree.body if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+                for node in block.body if isinstance(node, ast.ClassDef)}
+    assert set(declared) == {cls.__name__ for cls in TRAINING_SECTIONS.values()}
+    for cls in TRAINING_SECTIONS.values():
+        assert declared[cls.__name__] == [base.__name__ for base in cls.__bases__], cls.__name__

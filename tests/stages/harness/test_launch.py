@@ -11,9 +11,18 @@ import yaml
 
 from stages.harness import artifacts
 from stages.harness.config import LaunchConfig
+from stages.harness.launch import (
+    CONFIG_DIR,
+    LaunchError,
+    check_batch,
+    launch_command,
+    needs_launch,
+    preflight,
+    training_rows,
+    training_stages,
+    wait_for_main,
+)
 from stages.harness.params_loader import ParamsError, load_params
-from stages.harness.launch import (CONFIG_DIR, LaunchError, check_batch, launch_command, needs_launch, preflight,
-                           training_rows, training_stages, wait_for_main)
 from stages.harness.processes import LaunchFailed, run_command, stage_target
 from tests.conftest import write_params
 

@@ -5,10 +5,9 @@ import json
 import pytest
 from huggingface_hub import ModelCard
 
-from stages.pipeline import promote as promotion
-
 from stages.harness import artifacts, runner
 from stages.harness.params_loader import load_params
+from stages.pipeline import promote as promotion
 from tests.conftest import write_params
 from tests.pipelines import run_pipeline
 

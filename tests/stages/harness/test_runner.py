@@ -63,7 +63,7 @@ def test_crashing_stage_leaves_nothing(tmp_path, monkeypatch):
         (ctx.out / "half.jsonl").write_text("{}\n")
         raise RuntimeError("killed mid-write")
 
-    monkeypatch.setattr(runner, "_entry", lambda spec: crash)
+    monkeypatch.setattr(runner, "resolve", lambda target: crash)
     with pytest.raises(RuntimeError, match="killed"):
         runner.run_stage("preprocess", params)
     out = tmp_path / "artifacts"

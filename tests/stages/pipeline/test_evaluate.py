@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from stages.harness import runner
 from stages.data import DataError, read_jsonl
+from stages.harness import runner
 from stages.metrics import load_metric
 from stages.pipeline.evaluate import after_reasoning, check_references, extract
 

@@ -9,13 +9,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from stages import adapter_merge
-
+from stages.adapter_merge import MergeError
 from stages.harness import runner
 from stages.harness.params_loader import ParamsError, load_params
-from stages.adapter_merge import MergeError
+from stages.harness.runner import StageContext
 from stages.models import load_tokenizer
 from stages.pipeline import merge as merge_stage
-from stages.harness.runner import StageContext
 from tests.conftest import write_params
 from tests.stages.test_adapter_merge import make_adapter
 

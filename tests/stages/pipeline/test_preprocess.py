@@ -2,9 +2,9 @@ import json
 
 import pytest
 
+from stages.data import read_jsonl
 from stages.harness import runner
 from stages.harness.params_loader import load_params
-from stages.data import read_jsonl
 from tests.conftest import write_params
 
 RULE_REWARDS = {"score": {"reward_functions": ["exact_match"]}}  # SFT-only files train no reward model

@@ -5,10 +5,9 @@ import os
 
 import pytest
 
-from stages.pipeline import promote as promotion
-
-from stages.harness import runner
 from stages.builtin import tiny
+from stages.harness import runner
+from stages.pipeline import promote as promotion
 from tests.stages.test_adapter_merge import SIZE
 
 

@@ -1,6 +1,6 @@
 """Stage `reference`: reference log-probs of the DPO pairs, computed once, only when DPO needs them."""
-from stages.harness import runner
 from stages.data import read_jsonl
+from stages.harness import runner
 
 
 def test_reference_logps_cover_every_pair(built_pipeline):
@@ -73,3 +73,50 @@ def test_bf16_reference_equals_the_bf16_policy_at_step_0(tmp_path, built_pipelin
     print(f"\nstep-0 DPO rewards, bf16 policy: bf16 reference {fixed}; fp32 reference {unfixed}")
     assert all(abs(v) <= STEP0_TOLERANCE for v in fixed.values()), fixed
     assert max(abs(v) for v in unfixed.values()) > 4 * STEP0_TOLERANCE, unfixed
+
+
+def test_qlora_reference_names_its_quantization(tmp_path, monkeypatch):
+    """QLoRA with precomputed reference log-probs (policy.dpo.lora.quantization = 4bit): the stage computes every
+    pair and its metrics name the quantization. Only CUDA quantises, so it is faked: `quantization_config` returns a
+    config (what it does on a GPU with bitsandbytes) and `load_causal_lm` loads the plain model, checking that it
+    was handed that config."""
+    import logging
+
+    from stages.data import write_jsonl
+    from stages.harness.params_loader import load_params
+    from stages.harness.runner import StageContext
+    from stages.models import load_causal_lm
+    from stages.pipeline import reference
+    from tests.conftest import write_params
+    from tests.stages.trainers.conftest import build_tiny, builtin_rows
+
+    params = load_params(write_params(tmp_path))
+    lora = params.policy.dpo.lora
+    lora.enabled, lora.quantization = True, "4bit"
+    bnb_config = object()  # stands in for transformers.BitsAndBytesConfig
+    asked = {}
+
+    def quantization_config(cfg, *, device, key):
+        asked["quantization"] = (cfg.quantization, key)
+        return bnb_config
+
+    def load_quantized(path, *, quantization_config=None, **kwargs):
+        assert quantization_config is bnb_config
+        return load_causal_lm(path, **kwargs)
+
+    monkeypatch.setattr(reference, "quantization_config", quantization_config)
+    monkeypatch.setattr(reference, "load_causal_lm", load_quantized)
+    build_tiny(tmp_path / "sft" / "model")
+    (tmp_path / "score").mkdir()
+    pairs = builtin_rows("preference", "preference", num_preference=4)
+    write_jsonl(tmp_path / "score" / "pairs.jsonl", pairs)
+    (tmp_path / "out").mkdir()
+    ctx = StageContext(params=params, out=tmp_path / "out",
+                       inputs={"sft": tmp_path / "sft", "score": tmp_path / "score"},
+                       log=logging.getLogger("stages"), work=tmp_path / "work", stage="reference")
+
+    metrics = reference.run(ctx)
+    assert asked["quantization"] == ("4bit", "policy.dpo.lora.quantization")
+    assert metrics["computed"] and metrics["pairs"] == len(pairs) == 4
+    assert metrics["quantization"] == "4bit"
+    assert len(read_jsonl(tmp_path / "out" / "pairs.jsonl")) == 4

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from stages.data import read_jsonl
 from stages.harness import runner
 from stages.harness.params_loader import ParamsError, load_params
-from stages.data import read_jsonl
 from stages.pipeline.score import build_pairs
 from tests.conftest import write_params
 

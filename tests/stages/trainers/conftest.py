@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from stages.builtin import arithmetic, tiny
-from stages.harness.config import ArithmeticConfig
 from stages.data.formats import normalise
+from stages.harness.config import ArithmeticConfig
 
 
 def build_tiny(folder, *, hidden_size: int = 32, num_layers: int = 1, num_heads: int = 2,

@@ -6,10 +6,10 @@ import torch
 
 from stages.losses import dpo_loss
 from stages.trainers import reference_model as reference
+from stages.trainers.balanced_sampler import BalancedBatchSampler
 from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from stages.trainers.pair_batches import REF_COLUMNS, completion_token_counts, sequence_logps
 from stages.trainers.reference_model import compute_reference_logps, reference_logps_table
-from stages.trainers.balanced_sampler import BalancedBatchSampler
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from stages.losses import grpo_advantages, grpo_loss
-from stages.trainers.grpo_trainer import (REWARD_HEAD_FILE, GRPOConfig, GRPOTrainer, RepeatBatchSampler, RewardHead,
-                                  completion_tensors, per_token_logps)
+from stages.trainers.grpo_trainer import (
+    REWARD_HEAD_FILE,
+    GRPOConfig,
+    GRPOTrainer,
+    RepeatBatchSampler,
+    RewardHead,
+    completion_tensors,
+    per_token_logps,
+)
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 G = 4

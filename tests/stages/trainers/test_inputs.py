@@ -13,8 +13,19 @@ import torch
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from stages.trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer,
-                             OnlineDPOConfig, OnlineDPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer)
+from stages.trainers import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    KTOTrainer,
+    OnlineDPOConfig,
+    OnlineDPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 from stages.trainers.inputs import check_dataset, load_model
 from tests import architectures
 from tests.stages.trainers.conftest import build_tiny, builtin_rows

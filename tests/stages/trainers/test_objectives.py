@@ -4,8 +4,8 @@ import textwrap
 import pytest
 import torch
 
-from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from stages.losses import OBJECTIVES, resolve_objective
+from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 USER_CODE = textwrap.dedent('''

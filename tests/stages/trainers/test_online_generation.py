@@ -1,8 +1,13 @@
 """Online sampling shared by online DPO, GRPO and PPO: one seed formula, one settings section, one call."""
 import pytest
 
-from stages.trainers.online_generation import (GENERATION_BACKENDS, GenerationParams, backend_options, sample_online,
-                                             sampling_seed)
+from stages.basics import stable_seed
+from stages.trainers.online_generation import (
+    GENERATION_BACKENDS,
+    GenerationParams,
+    backend_options,
+    sample_online,
+)
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
@@ -24,9 +29,9 @@ def test_sample_online_is_reproducible_per_seed(tmp_path):
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     prompts = [r["prompt"] for r in builtin_rows("prompts", "prompt_only", num_preference=3)]
     g = GenerationParams(max_new_tokens=6)
-    first = sample_online(model, tok, prompts, g, n=2, seed=sampling_seed(0, 0))
-    again = sample_online(model, tok, prompts, g, n=2, seed=sampling_seed(0, 0))
-    other = sample_online(model, tok, prompts, g, n=2, seed=sampling_seed(0, 1))
+    first = sample_online(model, tok, prompts, g, n=2, seed=stable_seed(0, 0))
+    again = sample_online(model, tok, prompts, g, n=2, seed=stable_seed(0, 0))
+    other = sample_online(model, tok, prompts, g, n=2, seed=stable_seed(0, 1))
     assert first.prompt_index == [0, 0, 1, 1, 2, 2]  # n completions per prompt, prompt-major
     assert first.completion_ids == again.completion_ids
     assert first.completion_ids != other.completion_ids
@@ -35,7 +40,7 @@ def test_sample_online_is_reproducible_per_seed(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_trainers_sample_with_the_run_seed_and_the_optimizer_step(tmp_path):
-    """GRPO and PPO at global step 5 sample a prompt as `sample_online` with sampling_seed(run seed, 5) samples it
+    """GRPO and PPO at global step 5 sample a prompt as `sample_online` with stable_seed(run seed, 5) samples it
     alone: the draw is the (global, resumable) optimizer step, and the trainer's batch does not enter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,7 +54,7 @@ def test_trainers_sample_with_the_run_seed_and_the_optimizer_step(tmp_path):
     common = dict(report_to="none", use_cpu=True, save_strategy="no", seed=7, generation=g)
 
     def alone(model, n):
-        return sample_online(model, tok, [rows[2]["prompt"]], g, n=n, seed=sampling_seed(7, 5)).completion_ids
+        return sample_online(model, tok, [rows[2]["prompt"]], g, n=n, seed=stable_seed(7, 5)).completion_ids
 
     grpo = GRPOTrainer(AutoModelForCausalLM.from_pretrained(path), ["exact_match"], processing_class=tok,
                        train_dataset=rows, args=GRPOConfig(output_dir=str(tmp_path / "g"), num_generations=2,

@@ -6,8 +6,8 @@ import torch
 from stages.harness.config import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS, LoraParams, ScoreParams
 from stages.losses import reward_loss
 from stages.reward_functions import build_reward_functions, load_reward_function, sigmoid
-from stages.trainers.adapters import apply_lora
 from stages.reward_model import evaluate_reward_model, load_reward_model, score_texts, sequence_rewards
+from stages.trainers.adapters import apply_lora
 from stages.trainers.reward_trainer import RewardCollator, RewardConfig, RewardTrainer, tokenize_pairs
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
