@@ -36,7 +36,7 @@ def assistant(text):
 
 
 def exact(completions, answer, **_):
-    return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer)]
+    return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer, strict=True)]
 
 
 @pytest.fixture(scope="module")

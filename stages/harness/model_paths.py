@@ -61,7 +61,11 @@ def model_fingerprint(cfg: ModelConfig, output_dir: str | Path) -> str:
 
 
 def _gguf_folder(file: Path, output_dir: Path) -> Path:
-    return output_dir / "builtin" / f"gguf-{artifacts.input_hash(file)[:12]}"
+    """Where GGUF `file` (an existing file) is dequantised: named by its content hash."""
+    digest = artifacts.input_hash(file)  # memoised per (path, size, mtime): status and every stage ask
+    if digest is None:
+        raise FileNotFoundError(f"model.name_or_path: GGUF file {file} is gone")
+    return output_dir / "builtin" / f"gguf-{digest[:12]}"
 
 
 def _dequantised(file: Path, output_dir: Path) -> Path:
