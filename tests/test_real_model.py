@@ -36,7 +36,12 @@ def assistant(text):
 
 
 def exact(completions, answer, **_):
-    return [float(c[-1]["content"].strip().endswith(a)) for c, a in zip(completions, answer, strict=True)]
+    """1.0 when the completion (a string, or a conversation's last message) ends with the answer, plus a tie-breaker
+    that differs between any two different texts: two steps of a 135M model are rarely right, and a group whose
+    rewards all tie gives no gradient (GRPO's advantages, online DPO's pairs), which would leave nothing to check."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(t.strip().endswith(a)) + 1e-3 * (len(t) + sum(map(ord, t)) % 997) / 997
+            for t, a in zip(texts, answer, strict=True)]
 
 
 @pytest.fixture(scope="module")
