@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=[*ALL_STAGES, "status", "dvc-yaml", "params"],
                    help="stage to run, or a helper command (params: print params.yaml rendered from the schema)")
     p.add_argument("--write", action="store_true", help="params: write the rendering to --params")
+    p.add_argument("--from", dest="source", metavar="FILE", help="params: render the values of this params file "
+                   "(a partial one, such as configs/smollm2.yaml, with the defaults for every key it leaves out) "
+                   "instead of the defaults, so that `dvc repro` and `align run` run it from params.yaml")
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a param by its dotted key, e.g. sft.learning_rate=1e-4 (repeatable)")
@@ -49,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "params":
         from stages.harness.params_yaml import render
 
-        text = render()
+        try:
+            text = render(load_params(args.source, args.overrides, preflight=False) if args.source else None)
+        except ParamsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         Path(args.params).write_text(text) if args.write else sys.stdout.write(text)
         return 0
     try:  # status opens no data file or model folder (preflight): it reads the manifests only

@@ -63,9 +63,9 @@ def _is_training(obj) -> bool:
     return type(obj) in TRAINING_SECTIONS.values()
 
 
-def render() -> str:
-    """The text of params.yaml for the schema's defaults."""
-    params = Params()
+def render(params: Params | None = None) -> str:
+    """The text of params.yaml for `params` (default: the schema's defaults), with every key's help."""
+    params = params if params is not None else Params()
     out = [HEADER]
     for f in dataclasses.fields(params):
         section = getattr(params, f.name)

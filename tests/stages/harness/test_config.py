@@ -76,3 +76,20 @@ def test_cli_bad_params_exit_code_and_nothing_written(tmp_path):
     assert "sft.learning_rate = -1: must be > 0" in res.stderr
     assert "evaluate.answer_regex" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_partial_params_file_renders_into_a_full_one_that_loads_the_same(tmp_path):
+    """`align params --from configs/smollm2.yaml --write`: params.yaml with the recipe's values (and the defaults for
+    every key the recipe leaves out), so `dvc repro` runs the recipe; loading either file gives the same params."""
+    from stages.__main__ import main
+
+    recipe = ROOT / "configs" / "smollm2.yaml"
+    out = tmp_path / "params.yaml"
+    assert main(["params", "--from", str(recipe), "--params", str(out), "--write"]) == 0
+    assert load_params(out, preflight=False) == load_params(recipe, preflight=False)
+    assert load_params(out, preflight=False) != load_params(ROOT / "params.yaml", preflight=False)
+    assert "name_or_path: builtin:smollm2-135m-instruct" in out.read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft: {learning_rate: -1}\n")
+    assert main(["params", "--from", str(bad), "--params", str(tmp_path / "x.yaml"), "--write"]) == 2
+    assert not (tmp_path / "x.yaml").exists()
