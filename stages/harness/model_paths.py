@@ -9,8 +9,9 @@ hub id is checked by `stages.models.local_or_hub`. `model_fingerprint` is the mo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stages import gguf
 from stages.builtin import BUILTIN_MODELS
@@ -73,18 +74,10 @@ def _dequantised(file: Path, output_dir: Path) -> Path:
     if not file.is_file():
         raise FileNotFoundError(f"model.name_or_path = {str(file)!r}: {gguf.gguf_problem(file)}")
     final = _gguf_folder(file, output_dir)
-    if artifacts.verify(final)[0]:
-        return final
-    if problem := gguf.gguf_problem(file):
+    if not artifacts.verify(final)[0] and (problem := gguf.gguf_problem(file)):
         raise ValueError(f"model.name_or_path = {str(file)!r}: {problem}")
-    with artifacts.lock(final):  # concurrent runs sharing run.output_dir dequantise it once
-        if not artifacts.verify(final)[0]:
-            artifacts.clean_leftovers(final)
-            with artifacts.atomic_output(final) as tmp:
-                gguf.dequantise(file, tmp)
-                artifacts.write_manifest(tmp, {"builtin": "gguf", "file": file.name,
-                                               "sha256": artifacts.input_hash(file)})
-    return final
+    return _built_once(final, lambda tmp: gguf.dequantise(file, tmp),
+                       {"builtin": "gguf", "file": file.name, "sha256": artifacts.input_hash(file)})
 
 
 def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
@@ -93,12 +86,18 @@ def _build_tiny(cfg: ModelConfig, output_dir: Path) -> Path:
     spec = dataclasses.asdict(cfg.builtin)
     key = artifacts.hash_json({"spec": spec, "code": artifacts.code_hash(("stages/builtin",))})[:12]
     final = output_dir / "builtin" / f"tiny-{key}"
+    return _built_once(final, lambda tmp: tiny.build(tmp, **spec), {"builtin": "tiny", "config": spec})
+
+
+def _built_once(final: Path, build: Callable[[Path], object], manifest: dict[str, Any]) -> Path:
+    """`final`, built by `build(folder)` unless it is there and verifies: atomically, sealed with `manifest`, and
+    once under a lock, since concurrent runs sharing run.output_dir ask for it together."""
     if artifacts.verify(final)[0]:
         return final
-    with artifacts.lock(final):  # concurrent runs sharing run.output_dir build it once
+    with artifacts.lock(final):
         if not artifacts.verify(final)[0]:
             artifacts.clean_leftovers(final)
             with artifacts.atomic_output(final) as tmp:
-                tiny.build(tmp, **spec)
-                artifacts.write_manifest(tmp, {"builtin": "tiny", "config": spec})
+                build(tmp)
+                artifacts.write_manifest(tmp, manifest)
     return final
