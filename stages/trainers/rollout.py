@@ -100,7 +100,7 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
         logits, hidden, values = model(**inputs, return_logits=head is None)
     else:
         extra = {"logits_to_keep": 1} if head is not None else {}
-        packed = pack_groups(model, inputs, width) if head is not None else None  # completions of one prompt
+        packed = pack_groups(model, batch, width) if head is not None else None  # completions of one prompt
         hidden, out = final_hidden(model, {**packed.inputs(model), "use_cache": False} if packed else inputs, **extra)
         hidden = packed.unpack(hidden) if packed else hidden
         logits, values = out.logits, None
