@@ -310,7 +310,7 @@ def _reward_functions(*default: str) -> Any:
 
 
 @dataclass
-class RewardFunctions:
+class RewardKeys:
     """The reward functions a method that samples builds by name (the trainer's reward_funcs; their weights: the
     config's reward_weights). Default: the verifiable reward decides, the reward model breaks ties."""
 
@@ -327,7 +327,7 @@ STAGE_KEYS: dict[str, tuple[type, ...]] = {"sft": (SFTStage,), "reward": (Reward
 
 def method_section(method: Method) -> type:
     """The params section of a method of stages.methods: its config, the pipeline's keys, the pipeline's defaults."""
-    extra = STAGE_KEYS.get(method.name, ()) + ((RewardFunctions,) if method.samples else ())
+    extra = STAGE_KEYS.get(method.name, ()) + ((RewardKeys,) if method.samples else ())
     return section(method.config, *extra, **method.defaults)
 
 
