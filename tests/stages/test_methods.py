@@ -216,7 +216,8 @@ def test_a_toy_method_trains_in_the_flow(toy_project, tmp_path):
     code = ("import json, sys; from flows.align import align; "
             "s = align(params_file=sys.argv[1]); print(json.dumps([r['stage'] for r in s['stages']]))")
     flow = run_in(root, "-c", code, str(params), timeout=900,
-                  PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(tmp_path / "results"))
+                  PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(tmp_path / "results"),
+                  PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # 20 s is short on a loaded machine
     assert flow.returncode == 0, flow.stderr[-3000:]
     assert json.loads(flow.stdout.strip().splitlines()[-1])[-1] == "evaluate"
     metrics = json.loads((root / "artifacts" / "policy" / "manifest.json").read_text())["metrics"]
