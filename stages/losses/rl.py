@@ -93,6 +93,44 @@ def grpo_advantages(rewards: torch.Tensor, num_generations: int, *, scale_reward
     return advantages.reshape(-1)
 
 
+@torch.no_grad()
+def normalized_sum_advantages(rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, *,
+                              valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages from several reward functions normalised one by one, then summed (TRL's normalize_then_sum, GDPO).
+
+    rewards: (B·G, K), one column per reward function, NaN where a function gave no score; weights: (K,);
+    each consecutive run of G = num_generations rows is one prompt's group. Per function k and group,
+    z_k = (r_k - mean) / (std + 1e-4) over the group's scored entries; then s = Σ_k w_k·z_k (a NaN z_k
+    counts 0), and the advantage is (s - mean(s)) / (std(s) + 1e-4) over the whole batch's valid rows.
+    std is the unbiased (n - 1) one, 0 with fewer than 2 entries. valid: (B·G,) bool, False for rows that
+    get advantage 0 and stay out of the batch statistics (default: rows with at least one score).
+    Unlike summing first, a function with a wide reward range cannot drown the others within a group.
+    Returns (B·G,), detached.
+    """
+    if rewards.dim() != 2 or weights.shape != rewards.shape[1:]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)} and weights {tuple(weights.shape)}: expected "
+                         "(B·G, K) and (K,), one column and one weight per reward function")
+    if num_generations < 2 or rewards.shape[0] % num_generations:
+        raise ValueError(f"{rewards.shape[0]} rows and num_generations = {num_generations}: expected >= 2 "
+                         "completions per prompt and a whole number of groups")
+    rewards = _upcast(rewards)
+    scored = torch.isfinite(rewards)
+    valid = scored.any(dim=1) if valid is None else valid.bool() & scored.any(dim=1)
+    n, k = rewards.shape
+    grouped = rewards.view(-1, num_generations, k).transpose(1, 2).reshape(-1, num_generations)
+    ok = scored.view(-1, num_generations, k).transpose(1, 2).reshape(-1, num_generations)
+    clean = torch.where(ok, grouped, 0)
+    mean = clean.sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp(min=1)
+    z = torch.where(ok, (clean - mean) / (_masked_std(clean, ok) + _GRPO_EPS), 0)
+    z = z.view(-1, k, num_generations).transpose(1, 2).reshape(n, k)
+    total = (z * _upcast(weights)).sum(dim=1)
+    row = valid.view(1, -1)
+    batch = torch.where(row, total.view(1, -1), 0)
+    batch_mean = batch.sum() / row.sum().clamp(min=1)
+    out = torch.where(row, (batch - batch_mean) / (_masked_std(batch, row) + _GRPO_EPS), 0)
+    return out.view(-1)
+
+
 GRPO_AGGREGATIONS = {
     # loss_type -> (per_token (B, T), mask (B, T), num_items_in_batch, max_completion_length) -> scalar
     "grpo": lambda x, m, n, L: ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean(),
@@ -319,8 +357,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     if epsilon_low < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon_low = {epsilon_low}, epsilon_high = {epsilon_high}: must be >= 0")
-    if delta is not None and not delta > 1:
-        raise ValueError(f"delta = {delta}: must be > 1 (the cap on the unclipped ratio; above 1 + epsilon_high)")
+    if delta is not None and not delta > 0:
+        raise ValueError(f"delta = {delta}: must be > 0 (the cap on the unclipped ratio; above 1 + epsilon_high)")
     if min(sapo_temperature_pos, sapo_temperature_neg) <= 0:
         raise ValueError(f"sapo_temperature_pos = {sapo_temperature_pos}, sapo_temperature_neg = "
                          f"{sapo_temperature_neg}: must be > 0 (the slope of SAPO's gate)")

@@ -257,8 +257,8 @@ def test_grpo_loss_bad_inputs():
     with pytest.raises(ValueError, match=r"importance_sampling_level = 'seq' is not supported; choose one of "
                        r"\['sequence', 'token'\]"):
         grpo_loss(logps, old, None, advantages, mask, beta=0.0, importance_sampling_level="seq")
-    with pytest.raises(ValueError, match="delta = 0.9: must be > 1"):
-        grpo_loss(logps, old, None, advantages, mask, beta=0.0, delta=0.9)
+    with pytest.raises(ValueError, match="delta = 0: must be > 0"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, delta=0)
     with pytest.raises(ValueError, match=r"sequence_mask has shape \(3,\): expected \(2,\)"):
         grpo_loss(logps, old, None, advantages, mask, beta=0.0, sequence_mask=torch.ones(3))
 

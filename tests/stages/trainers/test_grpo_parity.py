@@ -1,0 +1,234 @@
+"""GRPOTrainer's TRL 1.16 fields beyond the basic loss, on the built-in model: steps_per_generation /
+generation_batch_size, GSPO's sequence-level ratio, the entropy bonus (static and adaptive), evaluation on
+eval_dataset, log_completions, normalize_then_sum, and use_vllm's server fields."""
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+
+from stages.losses import normalized_sum_advantages
+from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
+from stages.trainers.online_generation import wait_for_server
+from tests.stages.trainers.conftest import build_tiny, builtin_rows
+from tests.stages.trainers.test_grpo_trainer import _args, _changed, _model, low_ids
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = build_tiny(tmp_path_factory.mktemp("tiny"), num_heads=4)
+    prompts = builtin_rows("prompts", "prompt_only", num_train=4, num_eval=4)
+    return path, AutoTokenizer.from_pretrained(path), prompts
+
+
+def _train(setup, tmp_path, reward=low_ids, **kw):
+    path, tok, prompts = setup
+    model = _model(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(model, reward, processing_class=tok, train_dataset=prompts, args=_args(tmp_path, **kw))
+    return trainer, model, before
+
+
+def test_steps_per_generation_feeds_several_optimizer_steps(setup, tmp_path):
+    """steps_per_generation = 2 with no accumulation (TRL's names): one generation of 2 micro-batches (4 prompts)
+    feeds 2 optimizer steps, so 4 steps generate twice. The second step trains on samples of the policy before
+    the first update: they carry old_logps, and with a large learning rate the ratio leaves 1 (clipped tokens)."""
+    trainer, model, before = _train(setup, tmp_path, steps_per_generation=2, epsilon=0.05)
+    seen = []
+    make = trainer.make_batch
+    trainer.make_batch = lambda rows: seen.append([r["prompt"] for r in rows]) or make(rows)
+    trainer.train()
+    assert [len(s) for s in seen] == [4, 4] and len({str(p) for p in seen[0]}) == 4
+    assert sorted(trainer._buffer) == [0, 1] and all("old_logps" in b for b in trainer._buffer.values())
+    assert trainer._buffer[0]["advantages"].shape == (2 * G,)  # each slot: per_device_train_batch_size completions
+    logs = [h for h in trainer.state.log_history if "clip_ratio/region_mean" in h]
+    assert len(logs) == 4 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[1]["clip_ratio/region_mean"] > 0.0
+    assert "reward" in logs[0] and "reward" not in logs[1] and "reward" in logs[2]  # generating steps only
+    assert _changed(model, before) == set(before)
+
+
+def test_generation_batch_size_is_the_same_setting(tmp_path):
+    """generation_batch_size counts completions of one generation over all processes: 4G over batches of 2G is
+    steps_per_generation 2; by default one generation per optimizer step (gradient_accumulation_steps)."""
+    assert _args(tmp_path, generation_batch_size=4 * G).resolved_steps_per_generation == 2
+    assert _args(tmp_path, gradient_accumulation_steps=3).resolved_steps_per_generation == 3
+    with pytest.raises(ValueError, match="generation_batch_size = 16 and steps_per_generation = 2: set one"):
+        _args(tmp_path, generation_batch_size=16, steps_per_generation=2)
+    with pytest.raises(ValueError, match="generation_batch_size = 12: must be a multiple of "
+                                         "per_device_train_batch_size x processes = 8"):
+        _args(tmp_path, generation_batch_size=12)
+
+
+@pytest.mark.parametrize("extra", [{"importance_sampling_level": "sequence"},
+                                   {"importance_sampling_level": "sequence", "loss_type": "sapo",
+                                    "top_entropy_quantile": 0.5},
+                                   {"loss_type": "vespo", "off_policy_mask_threshold": 1e-3}])
+def test_variants_train(setup, tmp_path, extra):
+    """GSPO (and two other variants) through the Python API with TRL's names, reusing each generation twice
+    (num_iterations 2) so the ratios leave 1: finite losses, every weight moves."""
+    trainer, model, before = _train(setup, tmp_path, num_iterations=2, **extra)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert _changed(model, before) == set(before)
+    if "off_policy_mask_threshold" in extra:  # a tiny threshold: any drift drops the negative-advantage completions
+        kept = [h["off_policy_mask/kept"] for h in trainer.state.log_history if "off_policy_mask/kept" in h]
+        assert kept[0] == 1.0 and min(kept) < 1.0
+
+
+def test_entropy_bonus_changes_the_gradient(setup, tmp_path):
+    """entropy_coef adds -coef·mean entropy: the same first step (same samples) with coef 0.5 differs from 0."""
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    grads = []
+    for coef in (0.0, 0.5):
+        trainer, model, _ = _train(setup, tmp_path / str(coef), max_steps=1, entropy_coef=coef, learning_rate=0.0)
+        grab = Grab()
+        trainer.add_callback(grab)
+        trainer.train()
+        grads.append(grab.grads)
+    diff = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    assert diff > 1e-6
+
+
+def test_adaptive_entropy_moves_the_coefficient(setup, tmp_path):
+    """Target far above any entropy: every step's entropy is below it, so entropy_coef rises by delta per step
+    (0.1 -> 0.15 -> 0.2 -> ...). The bonus applied at a step uses the coefficient after the previous step and
+    only once a previous step was at or below the target: 0 at step 1, then 0.15, 0.2, 0.25."""
+    trainer, _, _ = _train(setup, tmp_path, use_adaptive_entropy=True, entropy_coef=0.1, entropy_coef_delta=0.05,
+                           entropy_target=1e6)
+    trainer.train()
+    applied = [h["entropy_coef"] for h in trainer.state.log_history if "entropy_coef" in h]
+    assert applied == pytest.approx([0.0, 0.15, 0.2, 0.25])
+    assert trainer.entropy_coef == pytest.approx(0.3)
+
+
+def test_eval_dataset_logs_held_out_reward_curves(setup, tmp_path):
+    """eval_dataset with eval_steps 2 and num_generations_eval 2: eval_reward (and each function's mean) is
+    logged at steps 2 and 4 on its own lines; evaluation samples a fixed draw, so two evaluations of the same
+    weights agree exactly, and it leaves the training RNG and metrics alone."""
+    path, tok, prompts = setup
+    held_out = builtin_rows("prompts", "prompt_only", num_train=4, num_eval=4)[:3]
+    trainer = GRPOTrainer(_model(path), [("low_ids", low_ids), "exact_match"], processing_class=tok,
+                          train_dataset=prompts, eval_dataset=held_out,
+                          args=_args(tmp_path, eval_strategy="steps", eval_steps=2, num_generations_eval=2,
+                                     per_device_eval_batch_size=4))
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [2, 4]
+    for key in ("eval_rewards/low_ids/mean", "eval_rewards/exact_match/mean", "eval_loss",
+                "eval_completions/mean_length"):
+        assert all(key in h for h in evals), key
+    assert all("loss" not in h for h in evals) and all("eval_reward" not in h for h in trainer.state.log_history
+                                                        if "loss" in h)
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first["eval_reward"] == second["eval_reward"] and 0 <= first["eval_reward"] <= 1
+
+
+def test_log_completions_prints_and_writes_the_table_to_tensorboard(setup, tmp_path, caplog):
+    """log_completions with num_completions_to_print 3: the log shows a header and 3 rows; the TensorBoard run
+    holds a "completions" text summary per logged step; the table has one row per completion of the generation."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    trainer, _, _ = _train(setup, tmp_path, max_steps=2, log_completions=True, num_completions_to_print=3)
+    trainer.add_callback(TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(tmp_path / "tb"))))
+    with caplog.at_level(logging.INFO, logger="stages.trainers.completions_log"):
+        trainer.train()
+    tables = [r.getMessage() for r in caplog.records if r.getMessage().startswith("completions at step")]
+    assert len(tables) == 2
+    lines = tables[0].splitlines()
+    assert lines[1].split(" | ")[:3] == ["| step", "prompt", "completion"] and len(lines) == 1 + 2 + 3  # title, header
+    assert "advantage |" in lines[1] and "low_ids" in lines[1]
+    last = trainer.completions_log.last
+    assert len(last) == 2 * G and {"prompt", "completion", "low_ids", "advantage"} <= set(last[0])
+    assert sum(r["advantage"] for r in last) == pytest.approx(0.0, abs=1e-4)  # group-centred
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert [e.step for e in events.Tensors("completions/text_summary")] == [1, 2]
+
+
+def test_normalize_then_sum_hand_computed():
+    """Two prompts, G = 2, functions f0 (weight 1) and f1 (weight 2). Within groups: f0 [0, 1] -> ±0.5/(√0.5 + ε),
+    [5, 5] -> 0; f1 [10, 30] -> ±10/(√200 + ε), [0, 2] -> ±1/(√2 + ε) (ε = 1e-4, unbiased std). Sums
+    s = [-a - 2b, a + 2b, -2c, 2c] have mean 0; advantages s / (std(s) + ε). A row with f1 unscored (NaN) counts
+    0 for f1 and f1's group statistics skip it."""
+    eps = 1e-4
+    a, b, c = 0.5 / (0.5 ** 0.5 + eps), 10 / (200 ** 0.5 + eps), 1 / (2 ** 0.5 + eps)
+    s = torch.tensor([-a - 2 * b, a + 2 * b, -2 * c, 2 * c], dtype=torch.float64)
+    rewards = torch.tensor([[0.0, 10.0], [1.0, 30.0], [5.0, 0.0], [5.0, 2.0]], dtype=torch.float64)
+    got = normalized_sum_advantages(rewards, torch.tensor([1.0, 2.0], dtype=torch.float64), 2)
+    assert torch.allclose(got, s / (s.std() + eps), atol=1e-12)
+    rewards[3, 1] = float("nan")  # group 1's f1 has one score left: z = 0 for both rows
+    s = torch.tensor([-a - 2 * b, a + 2 * b, 0.0, 0.0], dtype=torch.float64)
+    got = normalized_sum_advantages(rewards, torch.tensor([1.0, 2.0], dtype=torch.float64), 2)
+    assert torch.allclose(got, (s - s.mean()) / (s.std() + eps), atol=1e-12)
+
+
+def test_normalize_then_sum_in_the_trainer(setup, tmp_path):
+    path, tok, prompts = setup
+
+    def long_ids(prompts, completions, completion_ids, **_):
+        return [100.0 * len(ids) for ids in completion_ids]
+
+    trainer = GRPOTrainer(_model(path), [("low_ids", low_ids), ("long_ids", long_ids)], processing_class=tok,
+                          train_dataset=prompts, args=_args(tmp_path, multi_objective_aggregation="normalize_then_sum",
+                                                            reward_weights=[1.0, 0.5]))
+    batch = trainer.make_batch(prompts[:2])
+    lengths = batch["completion_mask"].sum(1).double()
+    completion_ids = [batch["input_ids"][i, -batch["completion_mask"].shape[1]:][:int(n)].tolist()
+                      for i, n in enumerate(lengths)]
+    table = torch.tensor([low_ids(None, None, completion_ids), [100.0 * n for n in lengths.tolist()]]).T
+    expected = normalized_sum_advantages(table, torch.tensor([1.0, 0.5]), G)
+    assert torch.allclose(batch["advantages"], expected.float(), atol=1e-5)
+
+
+def test_use_vllm_maps_trl_server_fields_onto_the_vllm_backend(tmp_path):
+    args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.5", vllm_server_port=8123)
+    assert args.sampling.backend == "vllm" and args.sampling.vllm_url == "http://10.0.0.5:8123/v1"
+    args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://h:9/v1")
+    assert args.sampling.vllm_url == "http://h:9/v1"
+    assert _args(tmp_path).sampling.backend == "auto"
+    with pytest.raises(ValueError, match="vllm_mode = 'colocate': TRL's colocated vLLM engine .* is not built; set "
+                                         "vllm_mode: server"):
+        _args(tmp_path, use_vllm=True)
+    with pytest.raises(ValueError, match="use_vllm = True but generation_backend = 'hf'"):
+        _args(tmp_path, use_vllm=True, vllm_mode="server", generation_backend="hf")
+    with pytest.raises(TypeError, match="GRPOConfig.vllm_gpu_memory_utilization: TRL 1.16's"):
+        GRPOConfig(output_dir=str(tmp_path), vllm_gpu_memory_utilization=0.5)
+
+
+def test_wait_for_server_waits_for_a_real_server_then_fails_by_name():
+    """A real HTTP server answering /v1/models passes at once; a closed port fails after the timeout, naming the
+    URL and vllm_server_timeout."""
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "m"}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        wait_for_server(f"http://127.0.0.1:{server.server_port}/v1", timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:\d+/v1 within "
+                                              r"vllm_server_timeout = 0.2 s"):
+        wait_for_server(f"http://127.0.0.1:{server.server_port}/v1", timeout=0.2, poll=0.1)
