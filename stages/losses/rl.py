@@ -273,14 +273,53 @@ def truncated_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tenso
 
     so E_sampler[w · f] = E_policy[f] for each token while no ratio exceeds `cap`; the cap trades
     that bias for bounded variance. Masked tokens get w = 1. cap must be >= 1 (a cap below 1 would
-    down-weight on-policy tokens, whose ratio is 1).
+    down-weight on-policy tokens, whose ratio is 1). `sampler_importance_weights` in mode token_truncate.
 
     Returns (weights (B, T), metrics): "tis/mean_ratio", the mean uncapped ratio over the masked
     tokens, and "tis/frac_capped", the share of them whose ratio exceeded the cap.
     """
-    _check_shapes(logps.shape, "logps", sampler_logps=sampler_logps, mask=mask)
     if not cap >= 1:
         raise ValueError(f"cap = {cap}: must be >= 1 (the largest importance weight; 2.0 is typical)")
+    return sampler_importance_weights(logps, sampler_logps, mask, mode="token_truncate", clip_max=cap)
+
+
+def _truncate(ratio, lo, hi):
+    return ratio.clamp(min=lo, max=hi)
+
+
+def _mask_outside(ratio, lo, hi):
+    return torch.where((ratio < lo) | (ratio > hi), 0.0, ratio)
+
+
+IMPORTANCE_SAMPLING_MODES = {
+    # mode -> (one ratio per sequence?, (ratio, lo, hi) -> weight)
+    "token_truncate": (False, _truncate), "token_mask": (False, _mask_outside),
+    "sequence_truncate": (True, _truncate), "sequence_mask": (True, _mask_outside),
+}
+
+
+@torch.no_grad()
+def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, *,
+                               mode: str = "token_truncate", clip_min: float | None = None,
+                               clip_max: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights π/μ for samples another sampler μ drew, bounded as TRL's vllm_importance_sampling_mode.
+
+    logps: (B, T) the policy's log-probs of the sampled tokens at sampling time; sampler_logps: (B, T) the
+    sampler's; mask: (B, T). The ratio is exp(logps - sampler_logps) per token (token_*), or exp of its sum
+    over the row's mask, one per sequence, on every token of it (sequence_*). Then with [lo, hi] =
+    [clip_min, clip_max] (None: unbounded on that side):
+
+      *_truncate   w = clamp(ratio, lo, hi)
+      *_mask       w = ratio inside [lo, hi], else 0 (the token, or the whole sequence, drops out)
+
+    Masked tokens get w = 1; the weights are detached. Returns (weights (B, T), metrics):
+    "tis/mean_ratio", the mean per-token ratio over the masked tokens (1 on policy), and "tis/frac_capped",
+    the share of them whose weight differs from their ratio (truncated or dropped).
+    """
+    _check_shapes(logps.shape, "logps", sampler_logps=sampler_logps, mask=mask)
+    per_sequence, bound = _pick(IMPORTANCE_SAMPLING_MODES, mode, "mode")
+    if clip_min is not None and clip_max is not None and not clip_min < clip_max:
+        raise ValueError(f"clip_min = {clip_min}, clip_max = {clip_max}: clip_min must be below clip_max")
     on = mask.bool()
     bad = (~torch.isfinite(sampler_logps) & on).nonzero()
     if len(bad):
@@ -288,11 +327,15 @@ def truncated_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tenso
         raise ValueError(f"sampler_logps[{row}, {col}] = {sampler_logps[row, col].item()}: the sampler gave no "
                          f"finite log-prob for this token ({len(bad)} such tokens); the off-policy correction "
                          "needs one per sampled token (a vLLM server must answer `logprobs`)")
-    ratio = torch.exp(_upcast(logps) - _upcast(sampler_logps))
-    weights = torch.where(on, ratio.clamp(max=cap), 1.0)
-    m = on.to(ratio.dtype)
-    metrics = {"tis/mean_ratio": _masked_mean(torch.where(on, ratio, 0.0), m),
-               "tis/frac_capped": _masked_mean((ratio > cap).to(m.dtype), m)}
+    log_ratio = torch.where(on, _upcast(logps) - _upcast(sampler_logps), 0.0)
+    token_ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.sum(dim=1, keepdim=True)).expand_as(log_ratio) if per_sequence else token_ratio
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    weights = torch.where(on, bound(ratio, lo, hi), 1.0)
+    m = on.to(token_ratio.dtype)
+    metrics = {"tis/mean_ratio": _masked_mean(token_ratio, m),
+               "tis/frac_capped": _masked_mean((weights != ratio).to(m.dtype), m)}
     return weights, metrics
 
 

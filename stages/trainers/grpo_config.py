@@ -85,6 +85,14 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     num_completions_to_print: int | None = param(None, help="log_completions: rows printed (null: all)",
                                                  check=lambda v: v >= 0, rule="must be >= 0 or null")
     log_unique_prompts: bool = param(False, help="log_completions: print one row per prompt only")
+    disable_dropout: bool = param(False, help="dropout off in the policy and reference (nn.Dropout and attention "
+                                  "dropout), so sampling-time and update log-probs agree")
+    shuffle_dataset: bool = param(True, help="shuffle the training prompts each epoch (false: dataset order)")
+    sync_ref_model: bool = param(False, help="TR-DPO: every ref_model_sync_steps steps the reference becomes "
+                                 "ref_model_mixup_alpha x policy + (1 - alpha) x reference (needs beta > 0)")
+    ref_model_mixup_alpha: float = param(0.6, help="sync_ref_model: the policy's share in the new reference",
+                                         check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
+    ref_model_sync_steps: int = positive(512, "sync_ref_model: optimizer steps between reference updates")
     use_vllm: bool = param(False, help="sample from a vLLM server (vllm_mode server; an OpenAI-compatible "
                            "`vllm serve` whose weights training does not update: see vllm_importance_sampling_cap)")
     vllm_mode: Literal["server", "colocate"] = param("colocate", help="use_vllm: server (supported) or colocate "
@@ -106,6 +114,18 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     reward_head_batch_size: int = positive(8, "reward_head shared: preference pairs per step for the head")
     max_length: int = positive(512, "reward_head shared: truncate preference prompt + completion (tokens)")
     vllm_importance_sampling_cap: float | None = tis_cap_field()
+    vllm_importance_sampling_correction: bool = param(True, help="weight the policy-gradient term by pi/mu where "
+                                                      "the sampler's own log-probs are known (backend vllm); false: "
+                                                      "never")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        param("token_truncate", help="per token or per sequence ratio; truncate clamps it to [clip_min, clip_max], "
+              "mask drops the token or sequence outside (stages.losses.sampler_importance_weights; TRL's default "
+              "is sequence_mask)")
+    vllm_importance_sampling_clip_max: float | None = param(
+        None, help="upper bound of the importance weight (null: vllm_importance_sampling_cap)", check=lambda v: v > 0,
+        rule="must be > 0 or null")
+    vllm_importance_sampling_clip_min: float | None = param(None, help="lower bound of the importance weight (null: "
+                                                            "none)", check=lambda v: v >= 0, rule="must be >= 0 or null")
     tis_warn: float = tis_warn_field()
     use_chunked_logprobs: bool = chunked_field()
     generation: dict | None = deprecated(sampling_renames("max_completion_length"), "the old nested sampling section")
@@ -136,6 +156,13 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
             problems.append(("vllm_mode", f"= {self.vllm_mode!r}: TRL's colocated vLLM engine (and its weight sync) "
                              "is not built; set vllm_mode: server and start an OpenAI-compatible `vllm serve` "
                              "(stages.generation.vllm.serve_command)"))
+        if self.sync_ref_model and self.beta == 0:
+            problems.append(("sync_ref_model", "= True but beta = 0: there is no reference to move; set beta > 0 "
+                             "(e.g. 0.04) or sync_ref_model: false"))
+        low, high = self.importance_sampling_bounds
+        if low is not None and high is not None and low >= high:
+            problems.append(("vllm_importance_sampling_clip_min", f"= {low}: must be below the upper bound {high} "
+                             "(vllm_importance_sampling_clip_max, else vllm_importance_sampling_cap)"))
         if self.use_vllm and self.generation_backend not in ("auto", "vllm"):
             problems.append(("use_vllm", f"= True but generation_backend = {self.generation_backend!r}: use_vllm "
                              "samples with the vllm backend; drop one of them"))
@@ -150,6 +177,17 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
         if self.generation_batch_size is not None:
             return self.generation_batch_size // (self.per_device_train_batch_size * _processes(self))
         return self.gradient_accumulation_steps
+
+    @property
+    def importance_sampling_bounds(self) -> tuple[float | None, float | None]:
+        """(lowest, highest) importance weight: clip_min, and clip_max else vllm_importance_sampling_cap."""
+        high = self.vllm_importance_sampling_clip_max
+        return self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_cap if high is None else high
+
+    @property
+    def importance_sampling_on(self) -> bool:
+        """Whether the sampler correction weights the loss: switched on, with at least one bound."""
+        return self.vllm_importance_sampling_correction and self.importance_sampling_bounds != (None, None)
 
     @property
     def vllm_url(self) -> str:

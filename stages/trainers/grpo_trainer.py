@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from stages.basics import stable_seed
 from stages.losses import (
@@ -35,7 +35,7 @@ from stages.losses import (
     high_entropy_mask,
     normalized_sum_advantages,
     off_policy_sequence_mask,
-    truncated_importance_weights,
+    sampler_importance_weights,
 )
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
@@ -78,18 +78,20 @@ class RepeatBatchSampler(Sampler):
     GRPOTrainer makes each batch one generation's prompts (steps_per_generation micro-batches' worth), group
     the processes and repeats = steps_per_generation x num_iterations: every micro-batch a generation feeds
     receives its prompts. whole: a short last batch is completed with the epoch's first rows, so each of its
-    micro-batches gets prompts.
+    micro-batches gets prompts. shuffle: a new order each epoch (seed + epoch), else the rows' own order.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, *, group: int, repeats: int, seed: int, whole: bool = False):
+    def __init__(self, num_rows: int, batch_size: int, *, group: int, repeats: int, seed: int, whole: bool = False,
+                 shuffle: bool = True):
         self.num_rows, self.batch_size, self.group, self.repeats, self.seed = num_rows, batch_size, group, repeats, seed
-        self.whole, self.epoch = whole, 0
+        self.whole, self.shuffle, self.epoch = whole, shuffle, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+            if self.shuffle else torch.arange(self.num_rows)
         batches = [order[i:i + self.batch_size].tolist() for i in range(0, self.num_rows, self.batch_size)]
         if self.whole and len(batches[-1]) < self.batch_size:
             wrapped = order.repeat(math.ceil(self.batch_size / self.num_rows)).tolist()
@@ -148,6 +150,37 @@ def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) 
                                               continue_final_message=cont, **chat_template_kwargs)
         out.append(p)
     return out
+
+
+def disable_dropout(model) -> None:
+    """Dropout off in `model` (None: nothing): every nn.Dropout, and the attention dropout rate the attention
+    modules read from their `attention_dropout` attribute (HF's Llama, Qwen, Mistral) and the config."""
+    if model is None:
+        return
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(unwrap(model), "config", None)
+    if isinstance(getattr(config, "attention_dropout", None), float):
+        config.attention_dropout = 0.0
+
+
+class SyncReference(TrainerCallback):
+    """TR-DPO for GRPO: after every ref_model_sync_steps optimizer steps, ref <- alpha x policy + (1 - alpha) x ref."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps:
+            return
+        alpha = args.ref_model_mixup_alpha
+        policy = dict(unwrap(self.trainer.model).named_parameters())
+        for name, ref in unwrap(self.trainer.ref_model).named_parameters():
+            ref.mul_(1 - alpha).add_(policy[name].detach().to(ref.device, ref.dtype), alpha=alpha)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +271,14 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
             if reward_funcs is not None else None
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
+        if args.disable_dropout:
+            for module in (self.model, self.ref_model):
+                disable_dropout(module)
+        if args.sync_ref_model:
+            if self.ref_model is None:
+                raise ValueError("sync_ref_model = True with a PEFT policy: its reference is the base with the adapter "
+                                 "off, which a sync cannot move; pass ref_model, or set sync_ref_model: false")
+            self.add_callback(SyncReference(self))
 
         self.reward_head, self.preference_rows = None, None
         if args.reward_head == "shared":
@@ -268,7 +309,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         """Each item holds one generation's prompts, repeated for every micro-batch that generation feeds."""
         a, spg = self.args, self.args.resolved_steps_per_generation
         sampler = RepeatBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations * spg,
-                                     group=a.world_size, repeats=spg * a.num_iterations, seed=a.seed, whole=spg > 1)
+                                     group=a.world_size, repeats=spg * a.num_iterations, seed=a.seed, whole=spg > 1,
+                                     shuffle=a.shuffle_dataset)
         return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
                                                    collate_fn=self.data_collator))
 
@@ -456,8 +498,9 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         weights, tis = None, {}
         if "sampler_logps" in inputs:  # the policy at sampling time (old_logps, else now) over the sampler
             at_sampling = inputs["old_logps"] if inputs.get("old_logps") is not None else logps.detach()
-            cap = a.vllm_importance_sampling_cap if a.vllm_importance_sampling_cap is not None else math.inf
-            weights, tis = truncated_importance_weights(at_sampling, inputs["sampler_logps"], mask, cap=cap)
+            low, high = a.importance_sampling_bounds
+            weights, tis = sampler_importance_weights(at_sampling, inputs["sampler_logps"], mask,
+                                                      mode=a.vllm_importance_sampling_mode, clip_min=low, clip_max=high)
         keep = None
         if a.off_policy_mask_threshold is not None:  # drift of the sampler (else the policy at sampling) from now
             drifted = inputs.get("sampler_logps", inputs.get("old_logps"))
@@ -473,7 +516,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                                   beta=a.beta, epsilon_low=a.epsilon, epsilon_high=a.epsilon_high,
                                   loss_type=a.loss_type, num_items_in_batch=num_items_in_batch,
                                   max_completion_length=a.sampling.max_new_tokens,
-                                  importance_weights=weights if a.vllm_importance_sampling_cap is not None else None,
+                                  importance_weights=weights if a.importance_sampling_on else None,
                                   importance_sampling_level=a.importance_sampling_level, delta=a.delta,
                                   sapo_temperature_pos=a.sapo_temperature_pos,
                                   sapo_temperature_neg=a.sapo_temperature_neg, vespo_k_pos=a.vespo_k_pos,

@@ -23,8 +23,6 @@ _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation
          "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
 _SAMPLER = "the sampler (stages.generation) takes temperature, top_p and top_k only"
 _TR_DPO = "TR-DPO's reference syncing is not built (the reference stays the starting model)"
-_IS = ("the importance-sampling correction is always on, per token, truncated at vllm_importance_sampling_cap "
-       "(TRL's token_truncate)")
 _NO_METRICS = "evaluation returns the loss and the method's metrics only, no predictions for compute_metrics"
 
 UNSUPPORTED: dict[str, str] = {
@@ -81,8 +79,6 @@ UNSUPPORTED: dict[str, str] = {
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
     "GRPOConfig.cast_lm_head_to_fp32": "not a switch here (log-probs come from the chunked lm-head kernel)",
     "GRPOConfig.max_tool_calling_iterations": "tool calling is not built (a separate issue)",
-    "GRPOConfig.vllm_importance_sampling_correction": _IS, "GRPOConfig.vllm_importance_sampling_mode": _IS,
-    "GRPOConfig.vllm_importance_sampling_clip_max": _IS, "GRPOConfig.vllm_importance_sampling_clip_min": _IS,
     "GRPOConfig.log_multimodal": "prompts are text only: there are no images to log",
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
     "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",

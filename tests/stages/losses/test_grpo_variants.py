@@ -13,6 +13,7 @@ from stages.losses import (
     grpo_loss,
     high_entropy_mask,
     off_policy_sequence_mask,
+    sampler_importance_weights,
     vespo_weights,
 )
 
@@ -192,6 +193,38 @@ def test_bias_corrected_kl_keeps_the_value_on_policy_but_changes_the_gradient():
     (g_plain,) = torch.autograd.grad(plain, logps)
     (g_corrected,) = torch.autograd.grad(corrected, logps)
     _close([g_plain.item(), g_corrected.item()], [-0.5, -0.5 * math.log(2)])
+
+
+@pytest.mark.parametrize("mode, bounds, expected, frac", [
+    ("token_truncate", (0.6, 3.5), [[2, 0.6, 3.5], [3, 1, 1]], 2 / 5),
+    ("token_mask", (0.6, 3.5), [[2, 0, 0], [3, 1, 1]], 2 / 5),
+    ("token_truncate", (None, 3.5), [[2, 0.5, 3.5], [3, 1, 1]], 1 / 5),
+    ("sequence_truncate", (None, 3.5), [[3.5] * 3, [3, 3, 1]], 3 / 5),
+    ("sequence_mask", (None, 3.5), [[0] * 3, [3, 3, 1]], 3 / 5),
+    ("sequence_mask", (3.2, None), [[4] * 3, [0, 0, 1]], 2 / 5),
+])
+def test_sampler_importance_weights_modes(mode, bounds, expected, frac):
+    """Token ratios π/μ: row 0 [2, 0.5, 4], row 1 [3, 1, (masked: weight 1)]; per sequence, their products over
+    the mask: 4 and 3. truncate clamps to [clip_min, clip_max], mask zeroes what lies outside. mean_ratio is the
+    per-token mean (2 + 0.5 + 4 + 3 + 1)/5 = 2.1 in every mode; frac_capped counts the masked-in tokens whose
+    weight is not their ratio."""
+    sampler = torch.zeros(2, 3, dtype=F64)
+    logps = torch.log(torch.tensor([[2.0, 0.5, 4.0], [3.0, 1.0, 9.0]], dtype=F64))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    weights, metrics = sampler_importance_weights(logps, sampler, mask, mode=mode, clip_min=bounds[0],
+                                                  clip_max=bounds[1])
+    _close(weights, expected)
+    _close([metrics["tis/mean_ratio"].item(), metrics["tis/frac_capped"].item()], [2.1, frac])
+
+
+def test_sampler_importance_weights_bad_inputs():
+    z, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"mode = 'seq' is not supported; choose one of \['sequence_mask'"):
+        sampler_importance_weights(z, z, mask, mode="seq")
+    with pytest.raises(ValueError, match="clip_min = 2, clip_max = 1: clip_min must be below clip_max"):
+        sampler_importance_weights(z, z, mask, clip_min=2, clip_max=1)
+    with pytest.raises(ValueError, match=r"sampler_logps\[0, 1\] = nan"):
+        sampler_importance_weights(z, torch.tensor([[0.0, math.nan]]), mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,3 +232,59 @@ def test_wait_for_server_waits_for_a_real_server_then_fails_by_name():
     with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:\d+/v1 within "
                                               r"vllm_server_timeout = 0.2 s"):
         wait_for_server(f"http://127.0.0.1:{server.server_port}/v1", timeout=0.2, poll=0.1)
+
+
+@pytest.mark.parametrize("mode, correction, moves", [("sequence_mask", True, False), ("sequence_mask", False, True),
+                                                     ("token_truncate", True, True)])
+def test_importance_sampling_mode_drops_sequences_outside_the_bounds(setup, tmp_path, mode, correction, moves):
+    """The hf sampler reports its own log-probs, so π/μ = 1 (to float rounding). clip_max 0.5 below every ratio:
+    sequence_mask drops every sequence (zero loss, no update, beta 0); with the correction off, or truncating
+    instead (weights 0.5), the weights still move."""
+    trainer, model, before = _train(setup, tmp_path, max_steps=1, vllm_importance_sampling_mode=mode,
+                                    vllm_importance_sampling_correction=correction,
+                                    vllm_importance_sampling_clip_max=0.5)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "tis/frac_capped" in h)
+    assert log["tis/frac_capped"] == 1.0  # every ratio lies above 0.5, corrected or not
+    assert bool(_changed(model, before)) == moves
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min = 3.0: must be below the upper bound 2.0"):
+        _args(tmp_path, vllm_importance_sampling_clip_min=3.0)
+
+
+def test_disable_dropout_turns_off_attention_dropout(setup, tmp_path):
+    """The built-in Llama with attention dropout 0.5: two train-mode forwards differ; disable_dropout makes them
+    equal (HF's Llama reads its attention modules' `attention_dropout`, not an nn.Dropout)."""
+    path, tok, prompts = setup
+    model = _model(path)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    model.train()
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    GRPOTrainer(model, low_ids, processing_class=tok, train_dataset=prompts,
+                args=_args(tmp_path, disable_dropout=True))
+    model.train()
+    assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_shuffle_dataset_false_keeps_the_rows_order(setup, tmp_path):
+    trainer, _, _ = _train(setup, tmp_path, max_steps=2, shuffle_dataset=False)
+    seen = []
+    make = trainer.make_batch
+    trainer.make_batch = lambda rows: seen.append([r["prompt"] for r in rows]) or make(rows)
+    trainer.train()
+    assert seen == [[r["prompt"] for r in setup[2][i:i + 2]] for i in (0, 2)]
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(setup, tmp_path):
+    """TR-DPO with alpha 0.5 every 2 steps, 2 steps: the reference ends as 0.5 x final policy + 0.5 x start."""
+    trainer, model, before = _train(setup, tmp_path, max_steps=2, beta=0.1, sync_ref_model=True,
+                                    ref_model_mixup_alpha=0.5, ref_model_sync_steps=2)
+    trainer.train()
+    assert _changed(model, before) == set(before)
+    for name, ref in trainer.ref_model.named_parameters():
+        expected = 0.5 * dict(model.named_parameters())[name].detach() + 0.5 * before[name]
+        assert torch.allclose(ref, expected, atol=1e-6), name
+    with pytest.raises(ValueError, match="sync_ref_model = True but beta = 0: there is no reference to move"):
+        _args(tmp_path, sync_ref_model=True)
