@@ -85,6 +85,13 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     num_completions_to_print: int | None = param(None, help="log_completions: rows printed (null: all)",
                                                  check=lambda v: v >= 0, rule="must be >= 0 or null")
     log_unique_prompts: bool = param(False, help="log_completions: print one row per prompt only")
+    log_multimodal: bool = param(True, help="log_completions: TRL also logs the prompts' images; prompts are text "
+                                 "only here, so there are none to log")
+    router_aux_loss_coef: float | None = param(
+        None, help="Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (null: "
+        "the model config's router_aux_loss_coef)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+    cast_lm_head_to_fp32: bool = param(False, help="the language-model head of the policy and reference in float32, "
+                                       "from float32 hidden states (ScaleRL)")
     disable_dropout: bool = param(False, help="dropout off in the policy and reference (nn.Dropout and attention "
                                   "dropout), so sampling-time and update log-probs agree")
     shuffle_dataset: bool = param(True, help="shuffle the training prompts each epoch (false: dataset order)")

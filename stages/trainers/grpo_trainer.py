@@ -57,7 +57,13 @@ from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
-from stages.trainers.rollout import completion_logps, pad_rollout, position_ids, sampler_logps
+from stages.trainers.rollout import (
+    cast_lm_head_to_fp32,
+    completion_logps,
+    pad_rollout,
+    position_ids,
+    sampler_logps,
+)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -150,6 +156,20 @@ def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) 
                                               continue_final_message=cont, **chat_template_kwargs)
         out.append(p)
     return out
+
+
+def router_aux_loss_coef(model, coef: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's load-balancing loss: `coef`, else its config's (0: none, and for
+    a model without a router). A coefficient set for a model without a router is an error."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    moe = hasattr(config, "output_router_logits")
+    if coef and not moe:
+        raise ValueError(f"router_aux_loss_coef = {coef}, but {type(model).__name__} is not a Mixture-of-Experts model "
+                         "(its config has no output_router_logits); remove router_aux_loss_coef")
+    if not moe:
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
 
 
 def disable_dropout(model) -> None:
@@ -274,6 +294,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         if args.disable_dropout:
             for module in (self.model, self.ref_model):
                 disable_dropout(module)
+        if args.cast_lm_head_to_fp32:
+            for module in (self.model, self.ref_model):
+                if module is not None:
+                    cast_lm_head_to_fp32(module)
+        self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model = True with a PEFT policy: its reference is the base with the adapter "
@@ -492,7 +517,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         a = self.args
         bonus = a.entropy_coef > 0 or a.use_adaptive_entropy
         out = completion_logps(model, inputs, temperature=a.sampling.temperature, chunked=a.use_chunked_logprobs,
-                               with_entropy=True)
+                               with_entropy=True, with_aux_loss=self.router_aux_loss_coef > 0)
         logps, entropy = out["logps"], out["entropy"] if bonus else out["entropy"].detach()
         mask = inputs["loss_mask"]
         weights, tis = None, {}
@@ -529,6 +554,10 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         metrics["entropy"] = entropy_bonus(entropy.detach(), mask)
         if bonus:
             loss = loss - self._entropy_term(entropy, mask if tokens is None else mask * tokens)
+        if self.router_aux_loss_coef > 0:
+            aux = self.router_aux_loss_coef * out["aux_loss"]
+            loss = loss + (aux / self.current_gradient_accumulation_steps if self.loss_is_scaled_for_ga else aux)
+            metrics["aux_loss"] = out["aux_loss"]
         if self.reward_head is not None:
             bt, bt_metrics = self.reward_head_loss(model)
             head = a.reward_head_coef * bt

@@ -77,9 +77,7 @@ UNSUPPORTED: dict[str, str] = {
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
     "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "GRPOConfig.cast_lm_head_to_fp32": "not a switch here (log-probs come from the chunked lm-head kernel)",
     "GRPOConfig.max_tool_calling_iterations": "tool calling is not built (a separate issue)",
-    "GRPOConfig.log_multimodal": "prompts are text only: there are no images to log",
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
     "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
     "GRPOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "

@@ -288,3 +288,79 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(setup, tmp_path):
         assert torch.allclose(ref, expected, atol=1e-6), name
     with pytest.raises(ValueError, match="sync_ref_model = True but beta = 0: there is no reference to move"):
         _args(tmp_path, sync_ref_model=True)
+
+
+def _tiny_mixtral(tok, coef):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                           router_aux_loss_coef=coef, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id, bos_token_id=None)
+    return MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("coef, expected", [(None, 0.02), (0.5, 0.5), (0.0, 0.0)])
+def test_router_aux_loss_of_a_mixture_of_experts(setup, tmp_path, coef, expected):
+    """A tiny Mixtral (4 experts, top 2, its config's coefficient 0.02): router_aux_loss_coef null takes the
+    config's, a number overrides it; the load-balancing loss is logged and reaches the router's gradient."""
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grad = next(p.grad.clone() for n, p in model.named_parameters() if n.endswith("gate.weight"))
+
+    path, tok, prompts = setup
+    runs = {}
+    for c in (coef, 0.0):
+        grab = Grab()
+        trainer = GRPOTrainer(_tiny_mixtral(tok, 0.02), low_ids, processing_class=tok, train_dataset=prompts,
+                              callbacks=[grab], args=_args(tmp_path / str(c), max_steps=1, router_aux_loss_coef=c))
+        trainer.train()
+        runs[c] = (trainer, grab.grad)
+    trainer = runs[coef][0]
+    assert trainer.router_aux_loss_coef == expected
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert ("aux_loss" in logged) == (expected > 0) and logged.get("aux_loss", 1.0) > 0
+    assert torch.equal(runs[coef][1], runs[0.0][1]) == (expected == 0)  # same samples: only the aux term differs
+
+
+def test_router_aux_loss_coef_on_a_dense_model_is_refused(setup, tmp_path):
+    path, tok, prompts = setup
+    with pytest.raises(ValueError, match="router_aux_loss_coef = 0.1, but LlamaForCausalLM is not a "
+                                         "Mixture-of-Experts model"):
+        GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
+                    args=_args(tmp_path, router_aux_loss_coef=0.1))
+
+
+def test_cast_lm_head_to_fp32_computes_the_head_in_float32(setup, tmp_path):
+    """A bfloat16 policy: with cast_lm_head_to_fp32 its head weight is float32 and both log-prob paths (chunked
+    kernel and full logits) equal log_softmax(float32(hidden) @ float32(W)) to 1e-5; the bfloat16 head differs
+    from that by bfloat16 rounding (> 1e-4 on this tiny model)."""
+    from stages.trainers.rollout import completion_logps, pad_rollout
+
+    path, tok, prompts = setup
+    batch = pad_rollout([[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14, 15]], pad_token_id=tok.pad_token_id,
+                        eos_token_id=tok.eos_token_id)
+
+    def reference(model):
+        with torch.no_grad():
+            ids = batch["input_ids"]
+            pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            hidden = model.model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=pos)[0]
+            logits = hidden.float() @ model.lm_head.weight.float().T
+            logps = logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            return logps[:, -4:] * batch["completion_mask"]
+
+    plain = _model(path).to(torch.bfloat16)
+    with torch.no_grad():
+        assert (completion_logps(plain, batch, chunked=True)["logps"] - reference(plain)).abs().max() > 1e-4
+    model = _model(path).to(torch.bfloat16)
+    GRPOTrainer(model, low_ids, processing_class=tok, train_dataset=prompts,
+                args=_args(tmp_path, cast_lm_head_to_fp32=True))
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        for chunked in (True, False):
+            got = completion_logps(model, batch, chunked=chunked)["logps"]
+            assert torch.allclose(got, reference(model), atol=1e-5), chunked
