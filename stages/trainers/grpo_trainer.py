@@ -648,6 +648,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         if checkpoint is None:
             return
         self._window_start_step = self.state.global_step
+        self._micro = self.state.global_step * self.args.gradient_accumulation_steps  # unless the state says
         tensors = load_state(checkpoint, self.args.process_index)
         if tensors is None:
             logger.warning("%s has no rollout state for process %d (saved by an older version or another number "
@@ -655,8 +656,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                            "uninterrupted run", checkpoint, self.args.process_index)
             return
         self._buffer = unflatten(tensors, device=self.args.device)
-        self._micro = int(tensors["micro"]) if "micro" in tensors else \
-            self.state.global_step * self.args.gradient_accumulation_steps
+        if "micro" in tensors:
+            self._micro = int(tensors["micro"])
         if "entropy" in tensors:
             coef, last = tensors["entropy"].tolist()
             self.entropy_coef, self._last_entropy = coef, None if math.isnan(last) else last
@@ -674,6 +675,9 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         a, start = self.args, time.perf_counter()
         g = a.num_generations_eval or a.num_generations
         per_call = max(1, a.per_device_eval_batch_size // g)
+        if a.world_size > 1:  # every process scores the same number of batches (their statistics are gathered)
+            rows = list(itertools.islice(itertools.cycle(rows), -(-len(rows) // (per_call * a.world_size))
+                                         * per_call * a.world_size))
         metrics: dict[str, list[float]] = defaultdict(list)
         model = self.accelerator.unwrap_model(self.model)
         was_training, step = model.training, self.state.global_step

@@ -364,3 +364,27 @@ def test_cast_lm_head_to_fp32_computes_the_head_in_float32(setup, tmp_path):
         for chunked in (True, False):
             got = completion_logps(model, batch, chunked=chunked)["logps"]
             assert torch.allclose(got, reference(model), atol=1e-5), chunked
+
+
+def test_resume_inside_a_generation_reuses_its_rollouts(setup, tmp_path):
+    """steps_per_generation 2, checkpoint after step 1: step 2 trains on the second half of step 1's generation
+    (restored from the checkpoint, not sampled again), so the resumed run ends exactly as the uninterrupted one."""
+    path, tok, prompts = setup
+
+    def trainer(folder):
+        return GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
+                           args=_args(folder, steps_per_generation=2, save_strategy="steps", save_steps=1,
+                                      learning_rate=5e-3))
+
+    clean = trainer(tmp_path / "clean")
+    clean.train()
+    resumed = trainer(tmp_path / "resumed")
+    seen = []
+    make = resumed.make_batch
+    resumed.make_batch = lambda rows: seen.append(rows) or make(rows)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "clean" / "checkpoint-1"))
+    assert len(seen) == 1  # step 2 reused the checkpoint's rollouts; step 3 generated
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h and h["step"] > 1] for t in (clean, resumed)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-9)
+    for (name, p), q in zip(clean.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
