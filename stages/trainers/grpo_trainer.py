@@ -6,11 +6,14 @@ score them with the reward functions (`stages.reward_functions`), turn the rewar
 advantages (`stages.losses.grpo_advantages`) and train on `stages.losses.grpo_loss` over the
 chunked per-token log-probs. `per_device_train_batch_size` counts completions, as in TRL.
 `num_iterations` > 1 reuses one generation for that many updates (importance ratio to the sampling
-policy); `beta` > 0 adds a k3 KL to the reference; `vllm_importance_sampling_cap` weights each token
-by min(π/μ, cap) against the sampler's own log-probs. `reward_head="shared"` trains a Bradley-Terry
-head on the policy's trunk in the same update (self-rewarding). Checkpoints keep the buffered
-rollouts and RNG states, so a resumed run samples and trains as an uninterrupted one.
-The details (aggregations, logged metrics, timing): docs/trainers.md.
+policy); `steps_per_generation` > gradient_accumulation_steps makes one generation feed several optimizer
+steps; `beta` > 0 adds a k3 KL to the reference; `vllm_importance_sampling_*` weight each token by π/μ
+against the sampler's own log-probs. The loss variants of TRL 1.16 (`loss_type`, GSPO's sequence-level
+ratio, `delta`, the off-policy and entropy masks, the entropy bonus) are arguments of the pure
+`grpo_loss`. `reward_head="shared"` trains a Bradley-Terry head on the policy's trunk in the same update
+(self-rewarding). `eval_dataset` is sampled and scored every `eval_steps` (`evaluate`). Checkpoints keep
+the buffered rollouts and RNG states, so a resumed run samples and trains as an uninterrupted one.
+The details: docs/methods.md (GRPO) and docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from stages.basics import stable_seed
 from stages.losses import (
@@ -52,6 +55,7 @@ from stages.trainers.inputs import (
     refuse,
     renamed_kwarg,
 )
+from stages.trainers.model_options import SyncReference, disable_dropout, router_aux_loss_coef
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
@@ -156,51 +160,6 @@ def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) 
                                               continue_final_message=cont, **chat_template_kwargs)
         out.append(p)
     return out
-
-
-def router_aux_loss_coef(model, coef: float | None) -> float:
-    """The weight of a Mixture-of-Experts model's load-balancing loss: `coef`, else its config's (0: none, and for
-    a model without a router). A coefficient set for a model without a router is an error."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)()
-    moe = hasattr(config, "output_router_logits")
-    if coef and not moe:
-        raise ValueError(f"router_aux_loss_coef = {coef}, but {type(model).__name__} is not a Mixture-of-Experts model "
-                         "(its config has no output_router_logits); remove router_aux_loss_coef")
-    if not moe:
-        return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
-
-
-def disable_dropout(model) -> None:
-    """Dropout off in `model` (None: nothing): every nn.Dropout, and the attention dropout rate the attention
-    modules read from their `attention_dropout` attribute (HF's Llama, Qwen, Mistral) and the config."""
-    if model is None:
-        return
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-    config = getattr(unwrap(model), "config", None)
-    if isinstance(getattr(config, "attention_dropout", None), float):
-        config.attention_dropout = 0.0
-
-
-class SyncReference(TrainerCallback):
-    """TR-DPO for GRPO: after every ref_model_sync_steps optimizer steps, ref <- alpha x policy + (1 - alpha) x ref."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    @torch.no_grad()
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps:
-            return
-        alpha = args.ref_model_mixup_alpha
-        policy = dict(unwrap(self.trainer.model).named_parameters())
-        for name, ref in unwrap(self.trainer.ref_model).named_parameters():
-            ref.mul_(1 - alpha).add_(policy[name].detach().to(ref.device, ref.dtype), alpha=alpha)
 
 
 # ---------------------------------------------------------------------------------------------
