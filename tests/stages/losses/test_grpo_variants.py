@@ -233,7 +233,7 @@ def test_sampler_importance_weights_bad_inputs():
 
 def _trl_loss(logps, old, ref, adv, mask, entropies, sampler=None, *, loss_type, level="token", beta=0.0,
               epsilon=0.2, epsilon_high=0.28, delta=None, threshold=None, quantile=1.0, bias_kl=False,
-              entropy_coef=0.0):
+              entropy_coef=0.0, is_ratio=None):
     """TRL's `_compute_loss` with these per-token log-probs in place of the model's forward: a single-process
     `accelerate.Accelerator` and the config fields it reads; everything else is TRL's own code."""
     trl = pytest.importorskip("trl")
@@ -247,7 +247,8 @@ def _trl_loss(logps, old, ref, adv, mask, entropies, sampler=None, *, loss_type,
         args=args, accelerator=Accelerator(cpu=True), model=types.SimpleNamespace(training=True),
         loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=epsilon,
         epsilon_high=epsilon_high, off_policy_mask_threshold=threshold, top_entropy_quantile=quantile,
-        use_vllm=False, vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        current_gradient_accumulation_steps=1,
         max_completion_length=8, entropy_coef=entropy_coef, use_adaptive_entropy=False,
         _entropy_bonus_enabled=entropy_coef != 0.0, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list)},
@@ -262,6 +263,8 @@ def _trl_loss(logps, old, ref, adv, mask, entropies, sampler=None, *, loss_type,
         inputs["ref_per_token_logps"] = ref
     if sampler is not None:
         inputs["sampling_per_token_logps"] = sampler
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     return trainer_cls._compute_loss(t, None, inputs)
 
 
@@ -291,15 +294,27 @@ CASES = [  # (loss_type, our extra kwargs, TRL's extra kwargs)
     ("grpo", {"beta": 0.1}, {"beta": 0.1}),
     ("dapo", {"off_policy": 0.05}, {"threshold": 0.05}),
     ("grpo", {"quantile": 0.5, "entropy_coef": 0.3}, {"quantile": 0.5, "entropy_coef": 0.3}),
+    ("grpo", {"sampler": "token_truncate"}, {}),
+    ("vespo", {"sampler": "token_mask"}, {}),
+    ("dapo", {"sampler": "sequence_mask", "importance_sampling_level": "sequence"}, {"level": "sequence"}),
 ]
 
 
 @pytest.mark.parametrize("loss_type, ours, theirs", CASES)
 def test_matches_trl_on_the_same_batch(loss_type, ours, theirs):
-    """Loss and gradient equal TRL's (ε 0.2, ε_high 0.28, max_completion_length 8, one process, no accumulation)."""
+    """Loss and gradient equal TRL's (ε 0.2, ε_high 0.28, max_completion_length 8, one process, no accumulation).
+    With a sampler correction both sides get the same weights (TRL computes them at generation; the mode's own
+    arithmetic is tested above): the comparison is of how each loss type applies them (vespo folds them into φ)."""
     ours = dict(ours)
     logps, old, ref, sampler, adv, mask, entropies = _batch(len(CASES) + hash(loss_type) % 7)
-    theirs_loss = _trl_loss(logps, old, ref, adv, mask, entropies, sampler, loss_type=loss_type, **theirs)
+    mode = ours.pop("sampler", None)  # the vLLM correction: TRL's importance_sampling_ratio is our importance_weights
+    weights = None
+    if mode is not None:
+        weights, _ = sampler_importance_weights(old, sampler, mask, mode=mode, clip_min=0.9, clip_max=1.2)
+        theirs = {**theirs, "is_ratio": weights}
+        ours["importance_weights"] = weights
+    theirs_loss = _trl_loss(logps, old, ref, adv, mask, entropies, sampler if mode is None else None,
+                            loss_type=loss_type, **theirs)
     (theirs_grad,) = torch.autograd.grad(theirs_loss, logps)
 
     threshold, quantile, coef = ours.pop("off_policy", None), ours.pop("quantile", 1.0), ours.pop("entropy_coef", 0.0)
