@@ -388,3 +388,24 @@ def test_resume_inside_a_generation_reuses_its_rollouts(setup, tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-9)
     for (name, p), q in zip(clean.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_chat_template_kwargs_reach_the_rendered_prompts(setup, tmp_path):
+    """A template that reads `enable_thinking`: with chat_template_kwargs {enable_thinking: false} the prompts the
+    policy samples from carry its marker; without them they do not. Plain-text prompts pass unchanged."""
+    from transformers import AutoTokenizer
+
+    from stages.trainers.grpo_trainer import render_prompts
+
+    path, _, prompts = setup
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = tok.chat_template + "{% if enable_thinking is defined and not enable_thinking %}nothink" \
+                                            "{% endif %}"
+    assert render_prompts(tok, ["2+2="], {"enable_thinking": False}) == ["2+2="]
+    for kwargs, marked in ((None, False), ({"enable_thinking": False}, True)):
+        trainer = GRPOTrainer(_model(path), low_ids, processing_class=tok, train_dataset=prompts,
+                              args=_args(tmp_path, chat_template_kwargs=kwargs))
+        batch = trainer.make_batch(prompts[:2])
+        width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+        rendered = tok.decode(batch["input_ids"][0, :width][batch["attention_mask"][0, :width].bool()])
+        assert rendered.endswith("nothink") == marked, rendered
