@@ -409,3 +409,20 @@ def test_chat_template_kwargs_reach_the_rendered_prompts(setup, tmp_path):
         width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
         rendered = tok.decode(batch["input_ids"][0, :width][batch["attention_mask"][0, :width].bool()])
         assert rendered.endswith("nothink") == marked, rendered
+
+
+@pytest.mark.slow  # MLflow's sqlite store takes about 12 s to set up
+def test_log_completions_writes_an_mlflow_table(setup, tmp_path, monkeypatch):
+    """With MLflow's callback active, each training log line stores the table as the run artifact
+    completions/step_<N>.json (mlflow.log_table): one row per completion, the reward function as a column."""
+    from transformers.integrations import MLflowCallback
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    trainer, _, _ = _train(setup, tmp_path / "out", max_steps=2, log_completions=True)
+    trainer.add_callback(MLflowCallback())
+    trainer.train()
+    files = sorted(tmp_path.glob("mlruns/*/*/artifacts/completions/step_*.json"))
+    assert [f.name for f in files] == ["step_1.json", "step_2.json"]
+    table = json.loads(files[0].read_text())
+    assert {"prompt", "completion", "low_ids", "advantage"} <= set(table["columns"]) and len(table["data"]) == 2 * G
