@@ -447,9 +447,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
             totals = [None if t is None else t + w * s for t, s in zip(totals, head)]
         return totals, per_function
 
-    def _log_generation(self, rewards, valid, per_function, batch, g: int, m=None) -> None:
-        """Reward and completion statistics of a generation into `m` (default: the training metrics)."""
+    def _log_generation(self, rewards, valid, per_function, batch, g: int | None = None, m=None) -> None:
+        """Reward and completion statistics of a generation (g completions per prompt, default num_generations)
+        into `m` (default: the training metrics)."""
         m = self._metrics if m is None else m
+        g = g or self.args.num_generations
         rewards, valid = self.accelerator.gather(rewards), self.accelerator.gather(valid)  # every rank's groups
         scored = rewards[valid]
         m["reward"].append(scored.mean().item() if scored.numel() else math.nan)
@@ -688,4 +690,4 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "RepeatBatchSampler", "RewardHead", "completion_tensors", "last_token_hidden",
-           "per_token_logps", "rows_collator", "REWARD_HEAD_FILE"]
+           "per_token_logps", "prompt_rows", "render_prompts", "rows_collator", "REWARD_HEAD_FILE"]
