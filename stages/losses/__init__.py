@@ -20,22 +20,33 @@ from stages.losses.preference import (
 )
 from stages.losses.rl import (
     GRPO_AGGREGATIONS,
+    GRPO_POLICY_TERMS,
     GRPO_REWARD_SCALES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    IMPORTANCE_SAMPLING_MODES,
     KL_ESTIMATORS,
+    entropy_bonus,
     explained_variance,
     gae,
     grpo_advantages,
     grpo_loss,
+    high_entropy_mask,
     kl_k1,
     kl_k3,
     masked_whiten,
+    normalized_sum_advantages,
+    off_policy_sequence_mask,
     per_token_rewards,
     ppo_loss,
+    sampler_importance_weights,
     truncated_importance_weights,
+    vespo_weights,
 )
 
-__all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS", "OBJECTIVES",
-           "check_objective_output", "dpo_loss", "explained_variance", "gae", "grpo_advantages", "grpo_loss", "kl_k1",
-           "kl_k3", "kto_loss", "masked_whiten", "objective_problems", "per_token_rewards", "ppo_loss",
-           "preference_loss", "resolve_objective", "reward_loss", "sft_loss", "sft_loss_from_logps", "sft_objective",
-           "truncated_importance_weights"]
+__all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_POLICY_TERMS", "GRPO_REWARD_SCALES", "IGNORE_INDEX",
+           "IMPORTANCE_SAMPLING_LEVELS", "IMPORTANCE_SAMPLING_MODES", "KL_ESTIMATORS", "OBJECTIVES",
+           "check_objective_output", "dpo_loss", "entropy_bonus", "explained_variance", "gae", "grpo_advantages",
+           "grpo_loss", "high_entropy_mask", "kl_k1", "kl_k3", "kto_loss", "masked_whiten", "normalized_sum_advantages",
+           "objective_problems", "off_policy_sequence_mask", "per_token_rewards", "ppo_loss", "preference_loss",
+           "resolve_objective", "reward_loss", "sampler_importance_weights", "sft_loss", "sft_loss_from_logps",
+           "sft_objective", "truncated_importance_weights", "vespo_weights"]

@@ -41,3 +41,27 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     source = options.pop("model") if g.backend == "vllm" else model
     with cached_casts(model, precision if g.backend != "vllm" else "no"):
         return generate(source, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size, **options)
+
+
+def wait_for_server(base_url: str, *, timeout: float, poll: float = 2.0) -> None:
+    """Wait until the OpenAI-compatible server at `base_url` (…/v1) lists its models, for at most `timeout` seconds
+    (TRL's vllm_server_timeout); a ConnectionError naming the URL and how to start it when it never answers."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout, ""
+    while True:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=max(poll, 1.0)) as r:
+                json.load(r)
+                return
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            last = str(getattr(e, "reason", e))
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"no vLLM server answered at {base_url} within vllm_server_timeout = {timeout} s "
+                                  f"({last}); start one with `vllm serve <model> --logprobs-mode processed_logprobs` "
+                                  "(stages.generation.vllm.serve_command) or fix vllm_server_host / _port / "
+                                  "vllm_server_base_url")
+        time.sleep(poll)

@@ -22,9 +22,11 @@ the off-policy correction.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from stages.group_packing import pack_groups
 from stages.kernels import entropy_from_logits, selective_log_softmax
@@ -81,36 +83,51 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: float = 1.0, chunked: bool = True,
-                     with_entropy: bool = False) -> dict[str, torch.Tensor]:
+                     with_entropy: bool = False, with_aux_loss: bool = False) -> dict[str, torch.Tensor]:
     """Per-token quantities of the completion tokens of a `pad_rollout` batch, each (B, C), float32.
 
     Returns {"logps": log p(token | prefix) under softmax(logits / temperature), 0 where
-    completion_mask is 0; "entropy" with with_entropy; "values" when the model has a value head}.
+    completion_mask is 0; "entropy" with with_entropy; "values" when the model has a value head;
+    "aux_loss", a Mixture-of-Experts model's load-balancing loss (a scalar), with with_aux_loss}.
     model: a causal LM, a PEFT model, or a `PreTrainedModelWrapper` (possibly DDP-wrapped).
+    A head marked by `cast_lm_head_to_fp32` runs in float32 on either path, autocast or not.
     """
     input_ids, mask = batch["input_ids"], batch["completion_mask"]
     width = mask.shape[1]
     start = input_ids.shape[1] - width - 1  # hidden state at column P - 1 predicts completion token 0
     inputs = {"input_ids": input_ids, "attention_mask": batch["attention_mask"],
               "position_ids": position_ids(batch["attention_mask"]), "use_cache": False}
+    if with_aux_loss:
+        inputs["output_router_logits"] = True
     inner = unwrap(model)
     has_value = isinstance(inner, PreTrainedModelWrapper)
     head = lm_head_for_chunking(inner.pretrained_model if has_value else model) if chunked else None
+    if with_aux_loss and has_value:
+        raise ValueError("with_aux_loss: a model with a value head returns no load-balancing loss")
+    aux_loss = None
     if has_value:
         logits, hidden, values = model(**inputs, return_logits=head is None)
     else:
         extra = {"logits_to_keep": 1} if head is not None else {}
-        packed = pack_groups(model, batch, width) if head is not None else None  # completions of one prompt
-        hidden, out = final_hidden(model, {**packed.inputs(model), "use_cache": False} if packed else inputs, **extra)
+        # the completions of one prompt as one row; not with a router loss, which would count the prompt once
+        packed = pack_groups(model, batch, width) if head is not None and not with_aux_loss else None
+        hidden, out = final_hidden(model, {**inputs, **packed.inputs(model)} if packed else inputs, **extra)
         hidden = packed.unpack(hidden) if packed else hidden
-        logits, values = out.logits, None
+        logits, values, aux_loss = out.logits, None, getattr(out, "aux_loss", None)
     window = slice(start, start + width)
     targets = input_ids[:, start + 1:]
-    result = {}
+    result: dict[str, torch.Tensor] = {}
+    if with_aux_loss:
+        if aux_loss is None:
+            raise ValueError(f"with_aux_loss: {type(unwrap(model)).__name__} returned no aux_loss with "
+                             "output_router_logits=True (not a Mixture-of-Experts model?)")
+        result["aux_loss"] = aux_loss
     if head is not None:
         select = mask.bool()
-        got = head_logprobs(hidden[:, window][select], head, targets[select], temperature=temperature,
-                            return_entropy=with_entropy)
+        fp32 = getattr(head, FP32_HEAD, False)
+        with torch.autocast(input_ids.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            got = head_logprobs(hidden[:, window][select].float() if fp32 else hidden[:, window][select], head,
+                                targets[select], temperature=temperature, return_entropy=with_entropy)
         got = got if with_entropy else (got,)
         for name, value in zip(("logps", "entropy"), got):
             result[name] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(
@@ -123,3 +140,31 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
     if has_value:
         result["values"] = values[:, window].float() * mask
     return result
+
+
+FP32_HEAD = "_align_fp32_head"  # set on an lm_head that `cast_lm_head_to_fp32` made float32
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """The language-model head of `model` in float32, computing from float32 hidden states even under autocast
+    (ScaleRL; TRL's cast_lm_head_to_fp32). With tied embeddings the embedding output keeps the model's dtype.
+    `completion_logps` honours it on its chunked path too (the head's matmul outside autocast)."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"cast_lm_head_to_fp32: {type(inner).__name__}'s output embeddings are "
+                         f"{type(head).__name__}, not a plain Linear layer (a PEFT adapter on lm_head?); remove "
+                         "lm_head from the adapter's target modules or set cast_lm_head_to_fp32: false")
+    dtype = head.weight.dtype
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return nn.functional.linear(hidden.float(), head.weight.float(),
+                                        None if head.bias is None else head.bias.float())
+
+    setattr(head, "forward", forward)  # noqa: B010 (an instance attribute shadowing the method, as TRL patches it)
+    setattr(head, FP32_HEAD, True)
+    embed = inner.get_input_embeddings()
+    if embed is not None and embed.weight is head.weight:
+        embed.register_forward_hook(lambda module, args, output: output.to(dtype))

@@ -19,15 +19,10 @@ from typing import Any
 
 TRL_VERSION = "1.16"
 
-_VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'); TRL's colocated "
-         "engine and weight sync are not built")
+_VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'; GRPO: use_vllm "
+         "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
 _SAMPLER = "the sampler (stages.generation) takes temperature, top_p and top_k only"
 _TR_DPO = "TR-DPO's reference syncing is not built (the reference stays the starting model)"
-_ENTROPY = "entropy terms in the loss are not built (the entropy is logged)"
-_LOG = "completions are not logged or printed by the trainer"
-_GRPO_LOSS = "this GRPO loss variant is not built (loss_type: grpo, bnpo, dr_grpo, dapo)"
-_IS = ("the importance-sampling correction is always on, per token, truncated at vllm_importance_sampling_cap "
-       "(TRL's token_truncate)")
 _NO_METRICS = "evaluation returns the loss and the method's metrics only, no predictions for compute_metrics"
 
 UNSUPPORTED: dict[str, str] = {
@@ -82,37 +77,12 @@ UNSUPPORTED: dict[str, str] = {
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
     "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "GRPOConfig.cast_lm_head_to_fp32": "not a switch here (log-probs come from the chunked lm-head kernel)",
-    "GRPOConfig.num_generations_eval": "GRPO has no evaluation loop here",
-    "GRPOConfig.generation_batch_size": "one generation per optimizer step (all its micro-batches), reused "
-                                        "num_iterations times",
-    "GRPOConfig.steps_per_generation": "one generation per optimizer step (all its micro-batches), reused "
-                                       "num_iterations times",
-    "GRPOConfig.chat_template_kwargs": "prompts are rendered with the chat template's defaults",
-    "GRPOConfig.delta": _GRPO_LOSS, "GRPOConfig.sapo_temperature_neg": _GRPO_LOSS,
-    "GRPOConfig.sapo_temperature_pos": _GRPO_LOSS, "GRPOConfig.vespo_k_pos": _GRPO_LOSS,
-    "GRPOConfig.vespo_lambda_pos": _GRPO_LOSS, "GRPOConfig.vespo_k_neg": _GRPO_LOSS,
-    "GRPOConfig.vespo_lambda_neg": _GRPO_LOSS, "GRPOConfig.off_policy_mask_threshold": _GRPO_LOSS,
-    "GRPOConfig.importance_sampling_level": "importance ratios are per token (TRL's 'token'); GSPO's sequence level "
-                                            "is not built",
-    "GRPOConfig.multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's "
-                                              "default, sum_then_normalize)",
-    "GRPOConfig.top_entropy_quantile": _ENTROPY, "GRPOConfig.entropy_coef": _ENTROPY,
-    "GRPOConfig.use_adaptive_entropy": _ENTROPY, "GRPOConfig.entropy_coef_min": _ENTROPY,
-    "GRPOConfig.entropy_coef_max": _ENTROPY, "GRPOConfig.entropy_coef_delta": _ENTROPY,
-    "GRPOConfig.entropy_target": _ENTROPY,
-    "GRPOConfig.max_tool_calling_iterations": "tool calling is not built",
-    "GRPOConfig.vllm_importance_sampling_correction": _IS, "GRPOConfig.vllm_importance_sampling_mode": _IS,
-    "GRPOConfig.vllm_importance_sampling_clip_max": _IS, "GRPOConfig.vllm_importance_sampling_clip_min": _IS,
-    "GRPOConfig.use_bias_correction_kl": "the k3 KL term is not reweighted by the importance ratio",
-    "GRPOConfig.log_completions": _LOG, "GRPOConfig.log_multimodal": _LOG,
-    "GRPOConfig.num_completions_to_print": _LOG, "GRPOConfig.log_unique_prompts": _LOG,
-    "GRPOConfig.log_completions_hub_repo": _LOG,
+    "GRPOConfig.max_tool_calling_iterations": "tool calling is not built (a separate issue)",
+    "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
     "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
     "GRPOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
                                                           "vllm",
     "GRPOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
-    "GRPOTrainer.eval_dataset": "GRPO has no evaluation loop here; evaluate the saved model",
     "GRPOTrainer.tools": "tool calling is not built",
     "GRPOTrainer.rollout_func": "rollouts are the trainer's own (stages.generation)",
     "GRPOTrainer.environment_factory": "environments (multi-turn agents) are not built",

@@ -63,13 +63,14 @@ def test_pipeline_defaults_are_training_arguments_keys():
 def test_choices_match_the_loss_tables():
     """The Literal choices of the configs are the keys of the tables the losses use."""
     from stages.data.packing import PACKING_STRATEGIES
-    from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, KL_ESTIMATORS
+    from stages.losses import GRPO_AGGREGATIONS, GRPO_REWARD_SCALES, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS
 
     def choices(dotted, name):
         return set(typing.get_args(typing.get_type_hints(TRAINING_SECTIONS[dotted])[name]))
 
     assert choices("policy.grpo", "loss_type") == set(GRPO_AGGREGATIONS)
     assert choices("policy.grpo", "scale_rewards") == set(GRPO_REWARD_SCALES)
+    assert choices("policy.grpo", "importance_sampling_level") == set(IMPORTANCE_SAMPLING_LEVELS)
     assert choices("policy.ppo", "kl_estimator") == set(KL_ESTIMATORS)
     assert choices("sft", "packing_strategy") == set(PACKING_STRATEGIES)
 
@@ -168,14 +169,17 @@ def test_committed_params_yaml_is_the_rendering_of_the_schema():
 
 def test_a_trl_field_we_do_not_support_is_named_as_trls_never_ignored(tmp_path):
     with pytest.raises(ValueError) as err:
-        load_params(ROOT / "params.yaml", {"policy.grpo.use_vllm": True, "sft.use_liger_kernel": True})
+        load_params(ROOT / "params.yaml", {"policy.grpo.vllm_gpu_memory_utilization": 0.5,
+                                           "sft.use_liger_kernel": True})
     message = str(err.value)
-    assert "policy.grpo.use_vllm: TRL 1.16's `use_vllm` is not supported by stages.trainers yet" in message
+    assert ("policy.grpo.vllm_gpu_memory_utilization: TRL 1.16's `vllm_gpu_memory_utilization` is not supported by "
+            "stages.trainers yet") in message
     assert "sft.use_liger_kernel: TRL 1.16's `use_liger_kernel` is not supported" in message
     from stages.trainers import DPOConfig, GRPOConfig
 
-    with pytest.raises(TypeError, match=r"GRPOConfig.use_vllm: TRL 1.16's `use_vllm` is not supported"):
-        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
+    with pytest.raises(TypeError, match=r"GRPOConfig.vllm_enable_sleep_mode: TRL 1.16's `vllm_enable_sleep_mode` is "
+                                        r"not supported"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, vllm_enable_sleep_mode=True)
     with pytest.raises(ValueError, match=r"use_liger_kernel = True: TRL 1.16's `use_liger_kernel` is not supported"):
         DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)
     DPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=False)  # its default is no request

@@ -6,6 +6,7 @@ import torch
 
 from stages.losses import (
     GRPO_AGGREGATIONS,
+    GRPO_POLICY_TERMS,
     KL_ESTIMATORS,
     explained_variance,
     gae,
@@ -168,7 +169,10 @@ def test_grpo_loss_ignores_padding_columns(loss_type):
 
 
 def test_grpo_aggregations_all_tested():
-    assert set(GRPO_AGGREGATIONS) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+    """The four above, plus the variants' own (tests/stages/losses/test_grpo_variants.py): sapo as grpo, cispo
+    and vespo as dapo, luspo a per-sequence sum."""
+    assert set(GRPO_AGGREGATIONS) == set(GRPO_POLICY_TERMS) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo",
+                                                               "cispo", "vespo"}
 
 
 def test_grpo_clip_metrics():
@@ -240,7 +244,7 @@ def test_grpo_loss_bad_inputs():
     logps, old, advantages, mask = _grpo_inputs()
     with pytest.raises(ValueError, match="ref_logps is None but beta = 0.1"):
         grpo_loss(logps, old, None, advantages, mask, beta=0.1)
-    with pytest.raises(ValueError, match=r"\['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"\['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'luspo', 'sapo', 'vespo'\]"):
         grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="ppo")
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\): expected \(2,\)"):
         grpo_loss(logps, old, None, torch.zeros(3), mask, beta=0.0)
@@ -250,6 +254,13 @@ def test_grpo_loss_bad_inputs():
         grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="a completion has 3 loss tokens > max_completion_length = 2"):
         grpo_loss(logps, old, None, advantages, mask, beta=0.0, loss_type="dr_grpo", max_completion_length=2)
+    with pytest.raises(ValueError, match=r"importance_sampling_level = 'seq' is not supported; choose one of "
+                       r"\['sequence', 'token'\]"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="delta = 0: must be > 0"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, delta=0)
+    with pytest.raises(ValueError, match=r"sequence_mask has shape \(3,\): expected \(2,\)"):
+        grpo_loss(logps, old, None, advantages, mask, beta=0.0, sequence_mask=torch.ones(3))
 
 
 # ---------------------------------------------------------------------------------------------

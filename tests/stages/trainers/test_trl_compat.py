@@ -248,10 +248,13 @@ def test_stages_trainers_exports_what_from_trl_import_gives(pairs):
 def test_unsupported_trl_fields_names_the_field_as_trls():
     from stages.trainers.grpo_trainer import GRPOConfig
 
-    problems = unsupported_trl_fields(GRPOConfig, {"use_vllm": True, "beta": 0.1, "entropy_coef": 0.01})
-    assert [k for k, _ in problems] == ["use_vllm", "entropy_coef"]
-    assert re.search(r"GRPOConfig\.use_vllm: TRL 1\.16's `use_vllm` is not supported by stages\.trainers yet "
-                     r"\(vLLM is reached as a separate .*\); remove it", problems[0][1])
+    problems = unsupported_trl_fields(GRPOConfig, {"vllm_gpu_memory_utilization": 0.5, "beta": 0.1, "use_vllm": True,
+                                                   "max_tool_calling_iterations": 3})
+    assert [k for k, _ in problems] == ["vllm_gpu_memory_utilization", "max_tool_calling_iterations"]
+    assert re.search(r"GRPOConfig\.vllm_gpu_memory_utilization: TRL 1\.16's `vllm_gpu_memory_utilization` is not "
+                     r"supported by stages\.trainers yet \(vLLM is reached as a separate .*colocated engine.*\); "
+                     r"remove it", problems[0][1])
+    assert [k for k, _ in unsupported_trl_fields("OnlineDPOConfig", {"use_vllm": True})] == ["use_vllm"]
 
 
 def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default():
