@@ -281,6 +281,7 @@ def _batch(seed):
     return logps, old, ref, sampler, adv, mask, entropies
 
 
+SEED = 20  # case i runs on batch SEED + i (fixed: some batches leave a masked case nothing to compare)
 CASES = [  # (loss_type, our extra kwargs, TRL's extra kwargs)
     ("grpo", {}, {}),
     ("dapo", {"importance_sampling_level": "sequence"}, {"level": "sequence"}),
@@ -300,13 +301,14 @@ CASES = [  # (loss_type, our extra kwargs, TRL's extra kwargs)
 ]
 
 
-@pytest.mark.parametrize("loss_type, ours, theirs", CASES)
-def test_matches_trl_on_the_same_batch(loss_type, ours, theirs):
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_trl_on_the_same_batch(case):
     """Loss and gradient equal TRL's (ε 0.2, ε_high 0.28, max_completion_length 8, one process, no accumulation).
     With a sampler correction both sides get the same weights (TRL computes them at generation; the mode's own
     arithmetic is tested above): the comparison is of how each loss type applies them (vespo folds them into φ)."""
+    loss_type, ours, theirs = CASES[case]
     ours = dict(ours)
-    logps, old, ref, sampler, adv, mask, entropies = _batch(len(CASES) + hash(loss_type) % 7)
+    logps, old, ref, sampler, adv, mask, entropies = _batch(SEED + case)
     mode = ours.pop("sampler", None)  # the vLLM correction: TRL's importance_sampling_ratio is our importance_weights
     weights = None
     if mode is not None:
@@ -328,7 +330,7 @@ def test_matches_trl_on_the_same_batch(loss_type, ours, theirs):
     if coef:
         loss = loss - coef * entropy_bonus(entropies, mask if tokens is None else mask * tokens)
     (grad,) = torch.autograd.grad(loss, logps)
-    assert abs(loss.item()) > 1e-3 and grad.abs().max() > 1e-3  # a case that tests something
+    assert grad.abs().max() > 1e-3  # a case that tests something (the loss itself may be ~0: advantages sum to 0)
     # TRL builds SAPO's temperatures as float32 scalars (1.05 -> 1.0499999523); ours keep the inputs' float64
     tol = 1e-7 if loss_type == "sapo" else 1e-12
     _close(loss.item(), theirs_loss.item(), tol=tol)
