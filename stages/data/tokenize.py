@@ -14,13 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import is_messages
-from stages.data.templates import apply_chat_template
+from stages.data.templates import apply_chat_template, assistant_spans, has_generation_markers
 
 
 def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple[str, str]:
-    """(prompt text, completion text) of an SFT row; completion text ends with EOS."""
+    """(prompt text, completion text) of an SFT row; a completion given as text ends with EOS.
+
+    Rows: `text_field` (plain text, all of it the completion), `messages` (a conversation rendered
+    whole with the chat template, all of it the completion, as TRL's language-modelling rows), or
+    prompt/completion (strings or message lists)."""
     if text_field in row and "completion" not in row:
         return "", _with_eos(tokenizer, row[text_field])
+    if "messages" in row and "completion" not in row:
+        require_chat_template(tokenizer)
+        return "", apply_chat_template({"messages": row["messages"]}, tokenizer)["text"]
+    if "prompt" not in row or "completion" not in row:
+        raise ValueError(f"an SFT row has columns {sorted(row)}; expected 'messages' (a conversation), "
+                         f"'prompt' and 'completion', or {text_field!r} (plain text; SFTConfig.dataset_text_field), "
+                         "or pass formatting_func=row -> text")
     prompt, completion = row["prompt"], row["completion"]
     if is_messages(prompt):
         require_chat_template(tokenizer)
@@ -55,13 +66,15 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     """input_ids and completion_mask (1 where the loss applies) per row, truncated to max_length.
 
     formatting_func: row -> text, for rows in a shape of the user's own (loss on all tokens).
-    assistant_only: conversations are rendered whole and every assistant turn is a target
-    (the template's `{% generation %}` spans), not only the last one.
+    assistant_only: conversations (`messages`, or prompt/completion message lists) are rendered
+    whole and every assistant turn is a target, not only the last one: an `assistant_masks`
+    column from the template's `{% generation %}` spans when it has them, else from
+    `stages.data.templates.assistant_spans` (any template whose turns render as prefixes).
     """
     if formatting_func is not None:
         rows = [{text_field: formatting_func(r)} for r in rows]
-    if assistant_only and rows and is_messages(rows[0].get("prompt")):
-        out = [_assistant_tokens(tokenizer, r) for r in rows]
+    if assistant_only:
+        out = [_assistant_tokens(tokenizer, _conversation(r, i)) for i, r in enumerate(rows)]
     else:
         rendered = [render(tokenizer, r, text_field=text_field) for r in rows]
         prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
@@ -73,16 +86,33 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     return out
 
 
-def _assistant_tokens(tokenizer, row: dict[str, Any]) -> dict[str, list[int]]:
+def _conversation(row: dict[str, Any], index: int) -> list[dict]:
+    """The whole conversation of a conversational SFT row (for assistant-only masks)."""
+    if is_messages(row.get("messages")) and "completion" not in row:
+        return row["messages"]
+    if is_messages(row.get("prompt")) and is_messages(row.get("completion")):
+        return row["prompt"] + row["completion"]
+    raise ValueError(f"sft.assistant_only_loss = true, but row {index} (columns {sorted(row)}) is not a "
+                     "conversation: it needs 'messages', or 'prompt' and 'completion' as lists of chat messages; "
+                     "set assistant_only_loss: false for plain-text rows (completion_only_loss masks the prompt)")
+
+
+def _assistant_tokens(tokenizer, messages: list[dict]) -> dict[str, list[int]]:
     require_chat_template(tokenizer)
-    enc = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    mask = list(enc["assistant_masks"])
+    if has_generation_markers(tokenizer.chat_template):
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    else:
+        text, spans = assistant_spans(messages, tokenizer)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
     if not any(mask):
-        raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: it needs "
-                         "{% generation %}...{% endgeneration %} around assistant content; use such a template or "
-                         "set sft.assistant_only_loss: false")
-    return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
+        raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: its "
+                         "{% generation %}...{% endgeneration %} spans are empty, or the conversation has no "
+                         "assistant turn; fix the template or the rows, or set sft.assistant_only_loss: false")
+    return {"input_ids": ids, "assistant_masks": mask}
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -91,3 +91,47 @@ def test_config_warms_up_like_the_pipeline(tmp_path):
     assert args.get_warmup_steps(752) == 38  # ceil(0.05 * 752): the schedule ramps over the first 38 steps
     off = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", warmup_steps=0)
     assert off.get_warmup_steps(752) == 0
+
+
+def _messages_rows(rows):
+    """The built-in rows as TRL's conversational language-modelling rows (trl-lib/Capybara's shape)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"messages": [r["prompt"] + r["completion"] for r in rows]})
+
+
+def test_messages_rows_train_on_the_whole_conversation(setup, tmp_path):
+    """A Dataset with one `messages` column (TRL's SFT quickstart): each row is the whole conversation rendered
+    with the chat template, every token a target, as in TRL; the loss falls."""
+    path, rows = setup
+    data = _messages_rows(rows)
+    trainer, tok = _trainer((path, data), tmp_path)
+    row = trainer.train_dataset[0]
+    text = tok.apply_chat_template(data[0]["messages"], tokenize=False)
+    assert row["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert all(row["completion_mask"])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_messages_rows_with_assistant_only_loss_target_the_assistant_turns(setup, tmp_path):
+    path, rows = setup
+    trainer, tok = _trainer((path, _messages_rows(rows[:4])), tmp_path, assistant_only_loss=True)
+    row = trainer.train_dataset[0]
+    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
+    assert tok.decode(targets) == rows[0]["completion"][0]["content"] + "<|end|>"
+    labels = trainer.data_collator([row])["labels"][0]
+    assert (labels != -100).sum() == len(targets)
+
+
+def test_assistant_only_loss_refuses_rows_that_are_not_conversations(setup, tmp_path):
+    path, _ = setup
+    with pytest.raises(ValueError, match=r"assistant_only_loss = true, but row 0 .* is not a conversation"):
+        _trainer((path, [{"text": "plain text"}]), tmp_path, assistant_only_loss=True)
+
+
+def test_rows_of_no_known_shape_are_explained(setup, tmp_path):
+    path, _ = setup
+    with pytest.raises(ValueError, match=r"an SFT row has columns \['question'\]; expected 'messages'"):
+        _trainer((path, [{"question": "2+2"}]), tmp_path)
