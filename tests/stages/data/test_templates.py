@@ -269,7 +269,7 @@ def test_assistant_only_masks_on_chatml_token_by_token(chatml):
         body = enc(message["content"]) + ["<|im_end|>"]
         target = int(message["role"] == "assistant")
         expected += [(t, 0) for t in header] + [(t, target) for t in body] + [(t, 0) for t in enc("\n")]
-    assert list(zip(tokens, row["assistant_masks"])) == expected
+    assert list(zip(tokens, row["assistant_masks"], strict=True)) == expected
 
 
 def test_assistant_spans_refuse_a_template_that_rewrites_earlier_turns():
