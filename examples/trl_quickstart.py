@@ -163,7 +163,8 @@ def reward(model: str, out: str):
     return trainer
 
 
-SNIPPETS = {"SFT": sft, "SFT-LoRA": sft_lora, "SFT-text": sft_text, "DPO": dpo, "GRPO": grpo, "KTO": kto, "Reward": reward}
+SNIPPETS = {"SFT": sft, "SFT-LoRA": sft_lora, "SFT-text": sft_text, "DPO": dpo, "GRPO": grpo, "KTO": kto,
+            "Reward": reward}
 
 
 def run(name: str, model: str, out: str) -> dict:

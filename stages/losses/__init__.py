@@ -6,7 +6,7 @@ trainers in `stages.trainers` only gather the inputs and call these. One module 
 (reward models); `numerics` holds what they share.
 """
 from stages.losses.bradley_terry import reward_loss
-from stages.losses.likelihood import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.losses.likelihood import IGNORE_INDEX, SFT_LOSSES, sft_loss, sft_loss_from_logps
 from stages.losses.preference import (
     DPO_LOSSES,
     OBJECTIVES,
@@ -35,6 +35,7 @@ from stages.losses.rl import (
 )
 
 __all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS", "OBJECTIVES",
+           "SFT_LOSSES",
            "check_objective_output", "dpo_loss", "explained_variance", "gae", "grpo_advantages", "grpo_loss", "kl_k1",
            "kl_k3", "kto_loss", "masked_whiten", "objective_problems", "per_token_rewards", "ppo_loss",
            "preference_loss", "resolve_objective", "reward_loss", "sft_loss", "sft_loss_from_logps", "sft_objective",

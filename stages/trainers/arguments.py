@@ -19,6 +19,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from stages.trainers.method_fields import ModelLoadingFields
+
 _light = False  # True while `light_module` executes a config module
 
 # TrainingArguments fields whose default transformers computes at import (optim: fused AdamW on new torch).
@@ -210,9 +212,10 @@ def check(config: Any) -> None:
         raise_problems(type(config).__name__, config.validate() + refused)
 
 
-class MethodConfig:
-    """Mixin of every method config, before TrainingArguments in its bases: deprecated names moved (`settle`),
-    then transformers' own checks, then the method's (`check`)."""
+class MethodConfig(ModelLoadingFields):
+    """Mixin of every method config, before TrainingArguments in its bases: TRL's model-loading fields
+    (`model_init_kwargs`, `trust_remote_code`); in `__post_init__`, deprecated names moved (`settle`), then
+    transformers' own checks, then the method's (`check`)."""
 
     def __post_init__(self):
         settle(self)

@@ -24,7 +24,8 @@ from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.method_fields import pad_multiple
 from stages.trainers.pair_batches import (
     REF_COLUMNS,
     PairCollator,
@@ -94,6 +95,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
 
         def prepare(rows):
             if rows is not None:
@@ -105,7 +108,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or PairCollator(
-            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            processing_class.pad_token_id, pad_multiple(args.pad_to_multiple_of)), processing_class=processing_class,
+            train_dataset=prepare(train_dataset),
             eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
@@ -137,7 +141,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
             logps = reference_logps_table(
                 module, self.processing_class, data.to_list(), max_length=self.args.max_length,
-                batch_size=self.args.per_device_eval_batch_size, device=self.args.device,
+                batch_size=self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size,
+                device=self.args.device,
                 chunked=self.args.use_chunked_logprobs)
         data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
         for j, col in enumerate(REF_COLUMNS):
@@ -172,7 +177,10 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
                                       ref_chosen, ref_rejected, weight=inputs.get("weight"), beta=self.args.beta,
                                       label_smoothing=self.args.label_smoothing,
-                                      reference_free=self.args.reference_free, bco_delta=bco_delta)
+                                      reference_free=self.args.reference_free, bco_delta=bco_delta,
+                                      discopop_tau=self.args.discopop_tau,
+                                      f_divergence_type=self.args.f_divergence_type,
+                                      f_alpha_divergence_coef=self.args.f_alpha_divergence_coef)
         mode = "train" if model.training else "eval"
         for key, value in stats.items():
             self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())

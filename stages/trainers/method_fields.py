@@ -63,6 +63,20 @@ def check_objectives(names: list[str], weights: list[float] | None) -> list[tupl
     return problems
 
 
+def f_divergence_problems(divergence: str, names: list[str], *, light: bool) -> list[tuple[str, str]]:
+    """f-DPO scores the margin of some DPO variants only (`stages.losses.F_DIVERGENCE_LOSSES`; a light config,
+    torch-free, leaves the check to the real one the stage builds)."""
+    if divergence == "reverse_kl" or light:
+        return []
+    from stages.losses.preference import F_DIVERGENCE_LOSSES
+
+    others = [n for n in names if n not in F_DIVERGENCE_LOSSES]
+    if not others:
+        return []
+    return [("f_divergence_type", f"= {divergence!r}: applies to loss_type {', '.join(F_DIVERGENCE_LOSSES)} only; "
+             f"loss_type also names {others}: use reverse_kl with those, or drop them")]
+
+
 # The sampling settings of the online configs, flat as in TRL (`max_completion_length` or `max_new_tokens` is the
 # config's own field, named as TRL names it there). The old nested `generation` section maps onto them.
 SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -116,3 +130,54 @@ def tis_warn_field() -> Any:
                     "float rounding, and E_mu[pi/mu] = 1 for any sampler covering the policy's support, so a larger "
                     "departure means the sampler truncates the distribution (top-p/top-k, raw instead of processed "
                     "log-probs) or the ratios are so heavy-tailed that the capped gradient is biased")
+
+
+# ---- how a trainer loads the model and the tokenizer (stages.trainers.inputs applies them)
+
+def _json_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+@dataclass
+class ModelLoadingFields:
+    """TRL's model-loading fields, on every method config (`stages.trainers.arguments.MethodConfig`)."""
+
+    model_init_kwargs: dict[str, Any] | None = param(
+        None, help="keyword arguments of from_pretrained when the trainer loads the model from a path (dtype, "
+        "attn_implementation, revision, ...; dtype defaults to float32); a model passed as an object must be "
+        "loaded with them already", check=_json_dict, rule="must be a mapping of from_pretrained keyword arguments")
+    trust_remote_code: bool = param(False, help="run the Python code a model folder ships when loading it and its "
+                                    "tokenizer (only for a model whose code you have read)")
+
+
+@dataclass
+class TokenizerFields:
+    """TRL's tokenizer fields of SFT, reward and DPO (`stages.trainers.inputs.configure_tokenizer`)."""
+
+    chat_template_path: str | None = param(
+        None, help="a Jinja chat template file (.jinja / .j2), or a tokenizer folder whose template to use, "
+        "set on the tokenizer before tokenising")
+    eos_token: str | None = param(None, help="end-of-sequence token (a token of the vocabulary) set on the "
+                                  "tokenizer and the model's generation config (null: the tokenizer's)")
+    pad_token: str | None = param(None, help="padding token (a token of the vocabulary; null: the tokenizer's, "
+                                  "else its EOS)")
+
+
+def _pad_multiple(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+
+
+def pad_to_multiple_of_field() -> Any:
+    return param(None, help="pad each batch's length up to a multiple of this (null: to its longest row; 'auto', "
+                 "TRL's default, pads only on AWS Neuron, so here as null)", check=_pad_multiple,
+                 rule="must be a positive integer, 'auto' or null")
+
+
+def pad_multiple(value: int | str | None) -> int | None:
+    """The multiple to pad to: 'auto' (TRL's setting for Neuron devices, which we do not target) is None."""
+    return None if value in (None, "auto") else int(value)
+
+
+def disable_dropout_field() -> Any:
+    return param(True, help="turn dropout off in the model and the reference model (TRL's default), so the "
+                 "policy's and the reference's log-probs of the same text agree")

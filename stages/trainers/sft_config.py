@@ -6,14 +6,14 @@ from typing import Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import num_proc_field
+from stages.trainers.method_fields import TokenizerFields, num_proc_field, pad_to_multiple_of_field
 
 TrainingArguments = training_arguments()
 
 
 @refuses_trl_fields
 @dataclass
-class SFTConfig(MethodConfig, TrainingArguments):
+class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
     """TrainingArguments plus SFT's settings. `warmup_steps` defaults to a 0.05 share of the steps instead of
     0: AdamW started at the peak rate leaves the tiny model on the loss plateau (docs/decisions.md)."""
 
@@ -24,6 +24,12 @@ class SFTConfig(MethodConfig, TrainingArguments):
     dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
     dataset_num_proc: int | None = num_proc_field()
     packing: bool = param(False, help="pack rows into max_length sequences, padding-free")
+    padding_free: bool = param(False, help="join each batch's rows into one row without padding (sequences kept "
+                               "apart by position_ids); on by itself with packing and flash attention")
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
+    loss_type: Literal["nll", "dft"] = param("nll", help="nll: token negative log-likelihood; dft: each token's "
+                                             "loss weighted by its probability (Dynamic Fine-Tuning, "
+                                             "arXiv:2508.05629)")
     packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
     use_chunked_logprobs: bool = param(True, help="loss from the final hidden states through the chunked lm-head "
                                        "kernel (no full logits) where the model allows")

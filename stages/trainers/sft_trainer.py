@@ -1,9 +1,13 @@
 """Supervised fine-tuning: `SFTConfig` + `SFTTrainer` (a `transformers.Trainer`).
 
-Rows are prompt/completion (strings or chat messages) or plain text; they are tokenised
-with the chat template and a completion mask built from positions. With
-`completion_only_loss` the loss covers completion tokens only. The loss itself is
-`stages.losses.sft_loss` (from logits) or `sft_loss_from_logps`; this module only feeds it.
+Rows are conversations (a `messages` column, TRL's conversational language-modelling shape),
+prompt/completion (strings or chat messages), plain text, or anything a `formatting_func`
+turns into text; they are tokenised with the chat template and a completion mask built
+from positions. With `completion_only_loss` the loss covers completion tokens only (a
+`messages` row is all completion, as in TRL); with `assistant_only_loss`, every assistant
+turn of a conversation and nothing else. The loss itself is
+`stages.losses.sft_loss` (from logits) or `sft_loss_from_logps`, per token as `loss_type` names it
+(`stages.losses.SFT_LOSSES`); this module only feeds it.
 
 Memory: with `use_chunked_logprobs` (default) and a model whose output layer allows it
 (see `stages.logprobs`), the loss is computed from the final hidden states of
@@ -25,7 +29,8 @@ from stages.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, se
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.precision import use_fp32_cpu_attention
 from stages.sharding import unwrap
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.method_fields import pad_multiple
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
@@ -41,6 +46,7 @@ class SFTTrainer(Trainer):
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             SFTConfig, "SFT", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        apply_eos_to_model(model, processing_class, args)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
         # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
@@ -49,7 +55,8 @@ class SFTTrainer(Trainer):
         data_collator = data_collator or CompletionCollator(
             pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss,
-            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length)
+            padding_free=args.padding_free or (args.packing and attn.startswith("flash_attention")),
+            max_length=args.max_length, pad_to_multiple_of=pad_multiple(args.pad_to_multiple_of))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class,
@@ -84,12 +91,13 @@ class SFTTrainer(Trainer):
             select = targets != IGNORE_INDEX
             hidden, outputs = selected_hidden(model, inputs, select)
             logps = head_logprobs(hidden, head, targets[select])
-            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch)
+            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch, loss_type=self.args.loss_type)
             stats = {"num_tokens": select.sum(), "correct_tokens": (head_argmax(hidden.detach(), head)
                                                                     == targets[select]).sum()}
         else:
             outputs = model(**inputs, use_cache=False)
-            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch)
+            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch,
+                                   loss_type=self.args.loss_type)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages grads; the denominator is already global
         mode = "train" if model.training else "eval"

@@ -1,0 +1,72 @@
+"""Our trainers' losses against TRL 1.16's on the same batch, for the variants this project added after TRL.
+
+Each case builds TRL's trainer and ours on the same tiny model, reference model (another seed, so the
+log-ratios are not 0) and rows, and compares one batch's loss without a step. The hand-derived values of
+the same formulas are in tests/stages/losses/. Skipped without trl (`pip install -e .[bench]`).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="trl is not installed (pip install -e .[bench]): nothing to compare with")
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from tests.stages.trainers.conftest import build_tiny  # noqa: E402
+
+COMMON = {"per_device_train_batch_size": 2, "report_to": "none", "use_cpu": True, "bf16": False,
+          "gradient_checkpointing": False, "max_length": 64, "save_strategy": "no"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from stages.builtin import tiny
+
+    policy = build_tiny(tmp_path_factory.mktemp("policy"))
+    reference = str(tiny.build(tmp_path_factory.mktemp("reference"), hidden_size=32, num_layers=1, num_heads=2,
+                               intermediate_size=64, vocab_size=384, seed=1))
+    return policy, reference
+
+
+def both_losses(models, tmp_path, ours: tuple, theirs: tuple, rows: Dataset, **config) -> list[float]:
+    """[TRL's loss, our loss] on each trainer's first training batch (the same rows, unshuffled)."""
+    policy, reference = models
+    out = []
+    for config_cls, trainer_cls in (theirs, ours):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(policy),
+                                  ref_model=AutoModelForCausalLM.from_pretrained(reference),
+                                  args=config_cls(output_dir=str(tmp_path), **COMMON, **config),
+                                  train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(policy))
+        collated = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+        batch = trainer._prepare_inputs(collated)
+        with torch.no_grad():
+            out.append(trainer.compute_loss(trainer.model, batch).item())
+    return out
+
+
+PAIRS = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?"], "chosen": [" 5", " 8"],
+                           "rejected": [" 6", " 9 or 10"]})
+
+
+@pytest.mark.parametrize("config", [
+    {"loss_type": "sigmoid"},
+    {"loss_type": "discopop", "discopop_tau": 0.05},
+    {"loss_type": "discopop", "discopop_tau": 1.0},
+    {"loss_type": "sigmoid", "f_divergence_type": "forward_kl"},
+    {"loss_type": "sigmoid", "f_divergence_type": "js_divergence"},
+    {"loss_type": "hinge", "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+], ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_dpo_loss_variants_match_trl(models, tmp_path, config):
+    from stages.trainers import DPOConfig, DPOTrainer
+
+    theirs, ours = both_losses(models, tmp_path, (DPOConfig, DPOTrainer), (trl.DPOConfig, trl.DPOTrainer), PAIRS,
+                               beta=0.5, precompute_ref_log_probs=False, **config)
+    assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
