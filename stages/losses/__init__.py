@@ -9,6 +9,8 @@ from stages.losses.bradley_terry import reward_loss
 from stages.losses.likelihood import IGNORE_INDEX, SFT_LOSSES, sft_loss, sft_loss_from_logps
 from stages.losses.preference import (
     DPO_LOSSES,
+    F_DIVERGENCES,
+    KTO_LOSSES,
     OBJECTIVES,
     check_objective_output,
     dpo_loss,
@@ -34,9 +36,8 @@ from stages.losses.rl import (
     truncated_importance_weights,
 )
 
-__all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS", "OBJECTIVES",
-           "SFT_LOSSES",
-           "check_objective_output", "dpo_loss", "explained_variance", "gae", "grpo_advantages", "grpo_loss", "kl_k1",
-           "kl_k3", "kto_loss", "masked_whiten", "objective_problems", "per_token_rewards", "ppo_loss",
-           "preference_loss", "resolve_objective", "reward_loss", "sft_loss", "sft_loss_from_logps", "sft_objective",
-           "truncated_importance_weights"]
+__all__ = ["DPO_LOSSES", "F_DIVERGENCES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS",
+           "KTO_LOSSES", "OBJECTIVES", "SFT_LOSSES", "check_objective_output", "dpo_loss", "explained_variance", "gae",
+           "grpo_advantages", "grpo_loss", "kl_k1", "kl_k3", "kto_loss", "masked_whiten", "objective_problems",
+           "per_token_rewards", "ppo_loss", "preference_loss", "resolve_objective", "reward_loss", "sft_loss",
+           "sft_loss_from_logps", "sft_objective", "truncated_importance_weights"]

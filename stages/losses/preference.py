@@ -208,9 +208,24 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
 # KTO (unpaired)
 # ---------------------------------------------------------------------------------------------
 
+def _kto(r, z, beta):
+    # KTO: desirable 1 - σ(β(r - z)), undesirable 1 - σ(β(z - r)), around the reference point z.
+    return 1 - torch.sigmoid(beta * (r - z)), 1 - torch.sigmoid(beta * (z - r))
+
+
+def _apo_zero_unpaired(r, z, beta):
+    # APO-zero on unpaired rows: desirable 1 - σ(β r), undesirable σ(β r); no reference point.
+    return 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
+
+
+# loss_type -> (r, z, beta) -> (desirable losses, undesirable losses), each (B,)
+KTO_LOSSES = {"kto": _kto, "apo_zero_unpaired": _apo_zero_unpaired}
+KTO_LOSSES_WITH_KL = ("kto",)  # the variants that use the KL reference point (the others need no KL estimate)
+
+
 def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor | float,
              labels: torch.Tensor, *, beta: float, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0) -> torch.Tensor:
+             undesirable_weight: float = 1.0, loss_type: str = "kto") -> torch.Tensor:
     """KTO's per-example losses for unpaired desirable / undesirable completions.
 
     policy_logps, ref_logps: (B,) summed completion log-probs; labels: (B,) bool, True for a
@@ -218,21 +233,22 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tens
     mismatched prompt/completion pairs), used as the reference point z = max(0, kl), detached.
     With r = policy_logps - ref_logps:
 
-      desirable    desirable_weight   · (1 - σ(β(r - z)))
-      undesirable  undesirable_weight · (1 - σ(β(z - r)))
+      loss_type          desirable                            undesirable
+      kto                w_d · (1 - σ(β(r - z)))             w_u · (1 - σ(β(z - r)))
+      apo_zero_unpaired  w_d · (1 - σ(β r))                  w_u · σ(β r)          (kl unused)
 
-    Returns losses (B,); the trainer averages them.
+    w_d = desirable_weight, w_u = undesirable_weight. Returns losses (B,); the trainer averages them.
     """
     if policy_logps.dim() != 1:
         raise ValueError(f"policy_logps has shape {tuple(policy_logps.shape)}: expected (B,)")
     _check_shapes(policy_logps.shape, "policy_logps", ref_logps=ref_logps, labels=labels)
     if not beta > 0:
         raise ValueError(f"beta = {beta}: must be > 0 (the KL strength; 0.1 is typical)")
+    fn = _pick(KTO_LOSSES, loss_type, "loss_type")
     r = _upcast(policy_logps) - _upcast(ref_logps)
     z = torch.as_tensor(kl, dtype=r.dtype, device=r.device).detach().clamp(min=0)
-    desirable = desirable_weight * (1 - torch.sigmoid(beta * (r - z)))
-    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z - r)))
-    return torch.where(labels.bool(), desirable, undesirable)
+    desirable, undesirable = fn(r, z, beta)
+    return torch.where(labels.bool(), desirable_weight * desirable, undesirable_weight * undesirable)
 
 
 # ---------------------------------------------------------------------------------------------

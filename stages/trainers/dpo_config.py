@@ -22,6 +22,7 @@ from stages.trainers.method_fields import (
     objective_names,
     objectives_problems,
     pad_to_multiple_of_field,
+    precompute_ref_batch_size_field,
 )
 
 TrainingArguments = training_arguments()
@@ -47,9 +48,7 @@ class DPOConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                            "default: false; the pipeline caches them in stage `reference`, so a "
                                            "rerun with another beta or loss_type skips them); ignored with "
                                            "reference_free")
-    precompute_ref_batch_size: int | None = param(None, help="rows per batch of the precomputing reference pass "
-                                                  "(null: per_device_eval_batch_size)", check=lambda v: v >= 1,
-                                                  rule="must be >= 1 or null")
+    precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
     dataset_num_proc: int | None = num_proc_field()

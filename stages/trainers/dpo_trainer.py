@@ -132,17 +132,18 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
     def _precompute_reference(self, ref_model) -> None:
         """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
         ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
-        self.train_dataset = self._with_reference(self.train_dataset, ref)
-        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref))
+        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
 
-    def _with_reference(self, data, ref):
+    def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):
             return data
         with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
             logps = reference_logps_table(
                 module, self.processing_class, data.to_list(), max_length=self.args.max_length,
-                batch_size=self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size,
-                device=self.args.device,
+                batch_size=batch_size, device=self.args.device,
                 chunked=self.args.use_chunked_logprobs)
         data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
         for j, col in enumerate(REF_COLUMNS):

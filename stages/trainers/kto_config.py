@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from stages.fields import check_fields, positive
+from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import beta_field, chunked_field, num_proc_field
+from stages.trainers.method_fields import (
+    beta_field,
+    chunked_field,
+    disable_dropout_field,
+    num_proc_field,
+    pad_to_multiple_of_field,
+    precompute_ref_batch_size_field,
+)
 
 TrainingArguments = training_arguments()
 
@@ -14,10 +22,19 @@ TrainingArguments = training_arguments()
 @dataclass
 class KTOConfig(MethodConfig, TrainingArguments):
     beta: float = beta_field()
+    loss_type: Literal["kto", "apo_zero_unpaired"] = param(
+        "kto", help="kto: KTO around the batch KL reference point; apo_zero_unpaired: APO-zero on unpaired rows, "
+        "no KL estimate (stages.losses.KTO_LOSSES)")
     desirable_weight: float = positive(1.0, "loss weight of desirable rows")
     undesirable_weight: float = positive(1.0, "loss weight of undesirable rows")
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
     dataset_num_proc: int | None = num_proc_field()
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
+    precompute_ref_log_probs: bool = param(False, help="compute the reference log-probs of every row (and of its KL "
+                                           "pair) once before training, then drop the reference model; as in TRL, "
+                                           "off by default")
+    precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
+    disable_dropout: bool = disable_dropout_field()
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:

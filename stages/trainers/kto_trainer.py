@@ -2,8 +2,10 @@
 
 Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
 under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
-the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
-docs/trainers.md.
+the batch, feed `stages.losses.kto_loss` (`loss_type`) with `desirable_weight` / `undesirable_weight`.
+With `precompute_ref_log_probs`, one reference pass before training stores each row's reference
+log-probs and its KL pair's (REF_COLUMNS) and the reference model is dropped, as DPO does. The
+details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -17,14 +19,18 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
+from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.sharding import unwrap
 from stages.tensors import pad
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.method_fields import pad_multiple
 from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
-from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
+from stages.trainers.reference_model import frozen_reference, is_peft, reference_model, reference_sequence_logps
 
 KL_PREFIX = "kl_"
+REF_COLUMNS = ("ref_logps", "ref_kl_logps")  # precomputed reference log-probs (summed): the row's, its KL pair's
 
 
 def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: int = 0, kl: bool = True
@@ -86,10 +92,12 @@ def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight
 @dataclass
 class KTOCollator:
     """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
-    (prompt i + its `kl_completion_ids`) for the KL estimate; right-padded; `desirable`: (B,) bool."""
+    (prompt i + its `kl_completion_ids`) for the KL estimate; right-padded; `desirable`: (B,) bool; the
+    REF_COLUMNS (B,) when the features have them."""
 
     pad_token_id: int
     max_length: int
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         matched = [(f["prompt_ids"], f["completion_ids"]) for f in features]
@@ -98,9 +106,14 @@ class KTOCollator:
         for prefix, pairs in (("", matched), (KL_PREFIX, shifted)):
             ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
             mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
-            batch.update({f"{prefix}input_ids": pad(ids, padding_value=self.pad_token_id),
-                          f"{prefix}attention_mask": pad([torch.ones_like(i) for i in ids]),
-                          f"{prefix}completion_mask": pad(mask)})
+            multiple = self.pad_to_multiple_of
+            batch.update({f"{prefix}input_ids": pad(ids, padding_value=self.pad_token_id, pad_to_multiple_of=multiple),
+                          f"{prefix}attention_mask": pad([torch.ones_like(i) for i in ids],
+                                                         pad_to_multiple_of=multiple),
+                          f"{prefix}completion_mask": pad(mask, pad_to_multiple_of=multiple)})
+        for column in REF_COLUMNS:
+            if column in features[0]:
+                batch[column] = torch.tensor([f[column] for f in features], dtype=torch.float32)
         return batch
 
 
@@ -130,13 +143,69 @@ class KTOTrainer(Trainer):
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
-            processing_class.pad_token_id, args.max_length), processing_class=processing_class, train_dataset=train,
-            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
-        self.ref_model = frozen_reference(self.model, ref_model)
+            processing_class.pad_token_id, args.max_length, pad_multiple(args.pad_to_multiple_of)),
+            processing_class=processing_class, train_dataset=train, eval_dataset=map_eval(eval_dataset, prepare),
+            callbacks=callbacks, optimizers=optimizers)
+        self.uses_kl = args.loss_type in KTO_LOSSES_WITH_KL
+        if args.precompute_ref_log_probs and not self._has_ref_columns():
+            self._precompute_reference(ref_model)
+            ref_model = None  # dropped: the columns replace it
+        self.ref_model = frozen_reference(self.model, ref_model, needed=not self._has_ref_columns())
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _datasets(self) -> list:
+        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return [d for d in (self.train_dataset, *evals) if d is not None]
+
+    def _has_ref_columns(self) -> bool:
+        return all(set(REF_COLUMNS) <= set(d.column_names) for d in self._datasets())
+
+    def _precompute_reference(self, ref_model) -> None:
+        """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
+        ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
+        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
+
+    @torch.no_grad()
+    def _with_reference(self, data, ref, batch_size: int):
+        if data is None or set(REF_COLUMNS) <= set(data.column_names):
+            return data
+        collate = KTOCollator(self.processing_class.pad_token_id, self.args.max_length)
+        values: dict[str, list[float]] = {column: [] for column in REF_COLUMNS}
+        with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
+            was_training = module.training
+            module.eval()
+            try:
+                for start in range(0, len(data), batch_size):
+                    batch = collate(data.select(range(start, min(start + batch_size, len(data)))).to_list())
+                    batch = {k: v.to(self.args.device) for k, v in batch.items()}
+                    for prefix, column in zip(("", KL_PREFIX), REF_COLUMNS):
+                        logps = reference_sequence_logps(module, _part(batch, prefix),
+                                                         chunked=self.args.use_chunked_logprobs)
+                        values[column] += logps.float().cpu().tolist()
+            finally:
+                module.train(was_training)
+        data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
+        for column in REF_COLUMNS:
+            data = data.add_column(column, values[column])
+        return data
+
+    def _reference_logps(self, model, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """Summed reference log-probs of the batch's matched ("") or KL ("kl_") rows: precomputed, else one
+        reference forward."""
+        column = REF_COLUMNS[0] if prefix == "" else REF_COLUMNS[1]
+        if column in batch:
+            return batch[column]
+        with torch.no_grad(), reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+            return reference_sequence_logps(ref, _part(batch, prefix), chunked=self.args.use_chunked_logprobs)
 
     @torch.no_grad()
     def kl_estimate(self, model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -146,10 +215,8 @@ class KTOTrainer(Trainer):
         rows = torch.zeros((), device=self.args.device)
         with self.compute_loss_context_manager():
             for batch in batches:
-                mismatched = _part(batch, KL_PREFIX)
-                kl_logps = sequence_logps(model, mismatched, chunked=chunked)
-                with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                    kl_logps = kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked)
+                kl_logps = sequence_logps(model, _part(batch, KL_PREFIX), chunked=chunked)
+                kl_logps = kl_logps - self._reference_logps(model, batch, KL_PREFIX)
                 total, rows = total + kl_logps.sum(), rows + kl_logps.numel()
         if self.accelerator.num_processes > 1:
             total, rows = self.accelerator.reduce(total, "sum"), self.accelerator.reduce(rows, "sum")
@@ -158,21 +225,20 @@ class KTOTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The optimizer step's micro-batches, each with the step's one KL estimate ("kl") attached."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if batches:
+        if batches and self.uses_kl:
             kl = self.kl_estimate(self.model, batches)
             batches = [{**b, "kl": kl} for b in batches]
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        chunked = self.args.use_chunked_logprobs
-        matched = _part(inputs, "")
-        logps = sequence_logps(model, matched, chunked=chunked)
-        with torch.no_grad():
-            with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
+        logps = sequence_logps(model, _part(inputs, ""), chunked=self.args.use_chunked_logprobs)
+        ref_logps = self._reference_logps(model, inputs, "")
+        if not self.uses_kl:
+            kl = torch.zeros((), device=logps.device)
+        else:
             kl = inputs["kl"] if "kl" in inputs else self.kl_estimate(model, [inputs])  # training: the step's
         desirable = inputs["desirable"]
-        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
+        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta, loss_type=self.args.loss_type,
                           desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)
         self._record("train" if model.training else "eval", logps.detach(), ref_logps, kl, desirable)
         loss = losses.mean()
@@ -182,7 +248,8 @@ class KTOTrainer(Trainer):
         gather = self.accelerator.gather_for_metrics
         logps, rewards, desirable = gather(logps), gather(self.args.beta * (logps - ref_logps)), gather(desirable)
         m = self._metrics[mode]
-        m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
+        if self.uses_kl:
+            m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
         for name, select in (("chosen", desirable), ("rejected", ~desirable)):
             if select.any():  # a batch may hold one class only
                 m[f"rewards/{name}"].append(rewards[select].mean().item())

@@ -178,6 +178,12 @@ def pad_multiple(value: int | str | None) -> int | None:
     return None if value in (None, "auto") else int(value)
 
 
+def precompute_ref_batch_size_field() -> Any:
+    return param(None, help="rows per batch of the reference pass of precompute_ref_log_probs (null: "
+                 "per_device_train_batch_size for the training rows, per_device_eval_batch_size for evaluation rows)",
+                 check=lambda v: v >= 1, rule="must be >= 1 or null")
+
+
 def disable_dropout_field() -> Any:
     return param(True, help="turn dropout off in the model and the reference model (TRL's default), so the "
                  "policy's and the reference's log-probs of the same text agree")

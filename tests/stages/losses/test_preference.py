@@ -332,3 +332,20 @@ def test_kto_bad_inputs():
         kto_loss(policy, ref, 0.0, torch.tensor([True, False, True]), beta=1.0)
     with pytest.raises(ValueError, match="beta = 0"):
         kto_loss(policy, ref, 0.0, labels, beta=0)
+
+
+def test_apo_zero_unpaired_ignores_the_reference_point():
+    """β = 1, r = log 3 on both rows: desirable 1 - σ(log 3) = 1/4, undesirable σ(log 3) = 3/4; the same with a
+    KL of 5 (kto would shift both by it). Weights 2 and 3 scale each side: 1/2 and 9/4."""
+    policy, ref, labels = _kto_inputs()
+    for kl in (0.0, 5.0):
+        _check(kto_loss(policy, ref, torch.tensor(kl), labels, beta=1.0, loss_type="apo_zero_unpaired"), [0.25, 0.75])
+    _check(kto_loss(policy, ref, 0.0, labels, beta=1.0, loss_type="apo_zero_unpaired", desirable_weight=2.0,
+                    undesirable_weight=3.0), [0.5, 2.25])
+
+
+def test_kto_loss_type_is_checked():
+    policy, ref, labels = _kto_inputs()
+    with pytest.raises(ValueError, match=r"loss_type = 'apo_zero' is not supported; choose one of "
+                                         r"\['apo_zero_unpaired', 'kto'\]"):
+        kto_loss(policy, ref, 0.0, labels, beta=1.0, loss_type="apo_zero")

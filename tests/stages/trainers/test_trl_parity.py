@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.stages.trainers.conftest import build_tiny  # noqa: E402
 
-COMMON = {"per_device_train_batch_size": 2, "report_to": "none", "use_cpu": True, "bf16": False,
+COMMON = {"per_device_train_batch_size": 4, "report_to": "none", "use_cpu": True, "bf16": False,
           "gradient_checkpointing": False, "max_length": 64, "save_strategy": "no"}
 
 
@@ -69,4 +69,20 @@ def test_dpo_loss_variants_match_trl(models, tmp_path, config):
 
     theirs, ours = both_losses(models, tmp_path, (DPOConfig, DPOTrainer), (trl.DPOConfig, trl.DPOTrainer), PAIRS,
                                beta=0.5, precompute_ref_log_probs=False, **config)
+    assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
+
+
+UNPAIRED = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?", "What is 1+1?", "What is 3+3?"],
+                              "completion": [" 5", " 9 or 10", " 2", " 7"], "label": [True, False, True, False]})
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_kto_apo_zero_unpaired_matches_trl(models, tmp_path, precompute):
+    """apo_zero_unpaired needs no KL estimate, so both trainers see the same terms (TRL's KL pairs differ from
+    ours); with precompute_ref_log_probs the reference comes from the precomputed columns on both sides."""
+    from stages.trainers import KTOConfig, KTOTrainer
+
+    theirs, ours = both_losses(models, tmp_path, (KTOConfig, KTOTrainer), (trl.KTOConfig, trl.KTOTrainer), UNPAIRED,
+                               beta=0.5, loss_type="apo_zero_unpaired", precompute_ref_log_probs=precompute,
+                               desirable_weight=1.5)
     assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
