@@ -81,7 +81,8 @@ def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
     before = reference.REFERENCE_FORWARDS
     trainer = DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
                          train_dataset=rows, eval_dataset=rows[:16])
-    assert reference.REFERENCE_FORWARDS - before == 5  # (64 train + 16 eval rows) / eval batch 16: one precompute pass
+    # one precompute pass, in TRL's batch sizes: 64 train rows / train batch 8 + 16 eval rows / eval batch 16
+    assert reference.REFERENCE_FORWARDS - before == 9
     start = reference.REFERENCE_FORWARDS
     assert trainer.evaluate()["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
     trainer.train()
@@ -90,6 +91,14 @@ def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
     live = DPOTrainer(_load(path), args=_args(tmp_path), processing_class=tok, train_dataset=rows)
     live.train()
     assert reference.REFERENCE_FORWARDS - start == 3  # the counter does see live reference passes
+
+
+def test_precompute_ref_batch_size_sets_the_reference_pass_batch(setup, tmp_path):
+    path, tok, rows = setup
+    before = reference.REFERENCE_FORWARDS
+    DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=32),
+               processing_class=tok, train_dataset=rows, eval_dataset=rows[:16])
+    assert reference.REFERENCE_FORWARDS - before == 3  # 64 / 32 + 16 / 32 (one short batch)
 
 
 def test_combination_is_the_weighted_sum_of_its_parts(setup, tmp_path):
