@@ -10,11 +10,26 @@ from typing import Any, ClassVar, Literal
 
 from stages.fields import param, positive
 
+BETA_HELP = ("KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev split, "
+             "docs/methods.md)")
 
-def beta_field() -> Any:
-    """`beta` of DPO, KTO and online DPO: one default (0.3, the built-in task's dev choice; TRL: 0.1)."""
-    return positive(0.3, "KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev "
-                    "split, docs/methods.md)")
+
+def beta_field(*, per_epoch: bool = False) -> Any:
+    """`beta` of DPO, KTO and online DPO: one default (0.3, the built-in task's dev choice; TRL: 0.1). With
+    `per_epoch` (online DPO, as TRL's), a list of values, one per epoch, is accepted too (`beta_for_epoch`)."""
+    if not per_epoch:
+        return positive(0.3, BETA_HELP)
+    return param(0.3, help=BETA_HELP + "; a list gives one β per epoch, its last for the epochs after it",
+                 check=lambda v: v != [] and all(b > 0 for b in (v if isinstance(v, list) else [v])),
+                 rule="must be > 0, or a non-empty list of values > 0")
+
+
+def beta_for_epoch(beta: float | list[float], epoch: float) -> float:
+    """β for the (0-based, possibly fractional) `epoch`: `beta` itself, or its entry for that epoch, the last
+    entry once the list runs out."""
+    if not isinstance(beta, list):
+        return beta
+    return beta[min(int(epoch), len(beta) - 1)]
 
 
 def loss_type_field() -> Any:
@@ -142,7 +157,7 @@ def _json_dict(value: Any) -> bool:
 class ModelLoadingFields:
     """TRL's model-loading fields, on every method config (`stages.trainers.arguments.MethodConfig`)."""
 
-    model_init_kwargs: dict[str, Any] | None = param(
+    model_init_kwargs: dict | None = param(
         None, help="keyword arguments of from_pretrained when the trainer loads the model from a path (dtype, "
         "attn_implementation, revision, ...; dtype defaults to float32); a model passed as an object must be "
         "loaded with them already", check=_json_dict, rule="must be a mapping of from_pretrained keyword arguments")

@@ -7,8 +7,8 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"KTOConfig.loss_type"); a "Class.name" we have with a narrower type than TRL's (OnlineDPOConfig.beta:
-a float, TRL also takes a list) is listed for the part we lack. Values: why, and what to do instead.
+"DPOConfig.ld_alpha"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
+lack. Values: why, and what to do instead.
 No TRL import here (torch-free).
 """
 from __future__ import annotations
@@ -61,9 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "DPOConfig.use_weighting": "WPO weighting is not built; a 'weight' column scales each pair's loss instead",
     "DPOTrainer.compute_metrics": _NO_METRICS,
     "KTOTrainer.compute_metrics": _NO_METRICS,
-    "OnlineDPOConfig.beta": "a list of β values, one per epoch, is not built; give one float",
-    "OnlineDPOConfig.reward_model_path": "give the reward model's folder in reward_funcs",
-    "OnlineDPOConfig.missing_eos_penalty": "not built for online DPO (PPOConfig has missing_eos_penalty)",
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
     "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
