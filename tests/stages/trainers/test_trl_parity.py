@@ -86,3 +86,26 @@ def test_kto_apo_zero_unpaired_matches_trl(models, tmp_path, precompute):
                                beta=0.5, loss_type="apo_zero_unpaired", precompute_ref_log_probs=precompute,
                                desirable_weight=1.5)
     assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
+
+
+def test_sft_dft_loss_matches_trl(models, tmp_path):
+    """SFT's loss_type="dft" on a conversational batch: TRL's SFTTrainer and ours give the same loss."""
+    from stages.trainers import SFTConfig, SFTTrainer
+
+    policy, _ = models
+    rows = Dataset.from_dict({"messages": [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                                           for q, a in (("What is 2+3?", "5"), ("What is 4+4?", "9 or 10"))]})
+    out = []
+    for config_cls, trainer_cls, loss_type in ((trl.SFTConfig, trl.SFTTrainer, "dft"), (SFTConfig, SFTTrainer, "dft"),
+                                               (SFTConfig, SFTTrainer, "nll")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(policy), train_dataset=rows,
+                                  args=config_cls(output_dir=str(tmp_path), loss_type=loss_type, **COMMON),
+                                  processing_class=AutoTokenizer.from_pretrained(policy))
+        batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(2)]))
+        with torch.no_grad():
+            out.append(trainer.compute_loss(trainer.model, batch).item())
+    theirs, ours, nll = out
+    assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
+    assert not math.isclose(ours, nll, rel_tol=1e-2)  # the weighting is visible on this batch
