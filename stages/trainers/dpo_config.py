@@ -13,6 +13,7 @@ from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, is_light, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
     TokenizerFields,
+    activation_offloading_field,
     beta_field,
     chunked_field,
     disable_dropout_field,
@@ -55,6 +56,7 @@ class DPOConfig(MethodConfig, TokenizerFields, TrainingArguments):
     task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
                                                   "(multi-task mixtures; tasks not listed: 1.0)")
     balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+    activation_offloading: bool = activation_offloading_field()
     use_chunked_logprobs: bool = chunked_field()
 
     @property

@@ -26,6 +26,7 @@ from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import (
     REF_COLUMNS,
     PairCollator,
@@ -83,7 +84,7 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 
 
 
-class DPOTrainer(CheckpointsRewardMean, Trainer):
+class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,

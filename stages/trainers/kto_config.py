@@ -7,6 +7,7 @@ from typing import Literal
 from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    activation_offloading_field,
     beta_field,
     chunked_field,
     disable_dropout_field,
@@ -35,6 +36,7 @@ class KTOConfig(MethodConfig, TrainingArguments):
                                            "off by default")
     precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
     disable_dropout: bool = disable_dropout_field()
+    activation_offloading: bool = activation_offloading_field()
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:

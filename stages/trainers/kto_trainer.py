@@ -26,6 +26,7 @@ from stages.tensors import pad
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.reference_model import frozen_reference, is_peft, reference_model, reference_sequence_logps
 
@@ -121,7 +122,7 @@ def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor
     return {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "completion_mask")}
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,

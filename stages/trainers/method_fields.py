@@ -199,6 +199,11 @@ def precompute_ref_batch_size_field() -> Any:
                  check=lambda v: v >= 1, rule="must be >= 1 or null")
 
 
+def activation_offloading_field() -> Any:
+    return param(False, help="keep the activations saved for the backward pass in CPU memory instead of the GPU's "
+                 "(stages.trainers.offloading)")
+
+
 def disable_dropout_field() -> Any:
     return param(True, help="turn dropout off in the model and the reference model (TRL's default), so the "
                  "policy's and the reference's log-probs of the same text agree")

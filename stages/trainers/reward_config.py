@@ -8,6 +8,7 @@ from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
     TokenizerFields,
+    activation_offloading_field,
     disable_dropout_field,
     num_proc_field,
     pad_to_multiple_of_field,
@@ -27,6 +28,7 @@ class RewardConfig(MethodConfig, TokenizerFields, TrainingArguments):
     dataset_num_proc: int | None = num_proc_field()
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     disable_dropout: bool = disable_dropout_field()
+    activation_offloading: bool = activation_offloading_field()
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, RewardConfig)

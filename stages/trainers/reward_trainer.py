@@ -32,6 +32,7 @@ from stages.trainers.inputs import (
     refuse,
 )
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import tokenized_dataset
 from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
@@ -112,7 +113,7 @@ def _mean(values: list[float]) -> float:
 _REDUCE = {"reward_min": min, "reward_max": max}
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,

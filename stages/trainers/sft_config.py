@@ -6,7 +6,12 @@ from typing import Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import TokenizerFields, num_proc_field, pad_to_multiple_of_field
+from stages.trainers.method_fields import (
+    TokenizerFields,
+    activation_offloading_field,
+    num_proc_field,
+    pad_to_multiple_of_field,
+)
 
 TrainingArguments = training_arguments()
 
@@ -31,6 +36,7 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                              "loss weighted by its probability (Dynamic Fine-Tuning, "
                                              "arXiv:2508.05629)")
     packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
+    activation_offloading: bool = activation_offloading_field()
     use_chunked_logprobs: bool = param(True, help="loss from the final hidden states through the chunked lm-head "
                                        "kernel (no full logits) where the model allows")
     warmup_steps: float = param(WARMUP_RATIO, help="linear warm-up: steps (>= 1) or a share of all steps (< 1)",

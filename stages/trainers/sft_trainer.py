@@ -31,10 +31,11 @@ from stages.precision import use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(OffloadsActivations, Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 

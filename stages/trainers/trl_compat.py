@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, str] = {
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
     "pad_to_multiple_of": "this trainer pads each batch to its longest row",
-    "activation_offloading": "offloading activations to the CPU is not built",
     "disable_dropout": "dropout stays as the model's config sets it (only PPOConfig has disable_dropout)",
     "truncation_mode": "rows are always cut at the end (TRL's keep_start, its only non-deprecated mode)",
     "shuffle_dataset": "the training rows are always shuffled",

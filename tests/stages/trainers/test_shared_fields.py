@@ -151,3 +151,41 @@ def test_disable_dropout_turns_dropout_off_in_model_and_reference(tiny, tmp_path
                          train_dataset=builtin_rows("preference", "preference", num_preference=4))
     expected = {0.0} if disable else {0.2, 0.3}
     assert rates(trainer.model) == expected and rates(trainer.ref_model) == expected
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_activation_offloading_routes_saved_tensors_through_the_offload_hooks(tiny, tmp_path, offload):
+    """Offloaded, what autograd saves during the forward goes through save_on_cpu's pack/unpack hooks instead of
+    autograd's own store: an in-place change of an input after the forward, which autograd's version check refuses
+    at backward, passes. (On CPU the packed tensor is the tensor itself, already in CPU memory, so the backward
+    sees the changed values; on a GPU it is a CPU copy.)"""
+    trainer = SFTTrainer(tiny, args=SFTConfig(output_dir=str(tmp_path), activation_offloading=offload, **SMOKE),
+                         train_dataset=sft_rows())
+    weight, x = torch.ones(3, requires_grad=True), torch.tensor([1.0, 2.0, 3.0])
+    with trainer.compute_loss_context_manager():
+        y = (weight * x).sum()
+    x.mul_(10)
+    if offload:
+        y.backward()
+        assert weight.grad.tolist() == [10.0, 20.0, 30.0]
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls, rows", [
+    (SFTTrainer, SFTConfig, "sft"), (DPOTrainer, DPOConfig, "preference"), (KTOTrainer, KTOConfig, "unpaired"),
+    (RewardTrainer, RewardConfig, "preference"),
+])
+def test_activation_offloading_trains_to_the_same_weights(tiny, tmp_path, trainer_cls, config_cls, rows):
+    data = {"sft": sft_rows(), "preference": builtin_rows("preference", "preference", num_preference=8),
+            "unpaired": builtin_rows("unpaired", "unpaired", num_preference=8)}[rows]
+    weights = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        args = config_cls(output_dir=str(tmp_path), activation_offloading=offload, **{**SMOKE, "max_steps": 2},
+                          learning_rate=1e-2, seed=0)
+        trainer = trainer_cls(tiny, args=args, train_dataset=data)
+        trainer.train()
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    assert all(torch.allclose(weights[0][n], weights[1][n], atol=1e-6) for n in weights[0])
