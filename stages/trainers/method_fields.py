@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from stages.fields import param, positive
+from stages.trainers.generation_params import (
+    CACHE_IMPLEMENTATION_HELP,
+    GENERATION_KWARGS_HELP,
+    MIN_P_HELP,
+    REPETITION_PENALTY_HELP,
+)
 
 BETA_HELP = ("KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev split, "
              "docs/methods.md)")
@@ -96,7 +102,8 @@ def f_divergence_problems(divergence: str, names: list[str], *, light: bool) -> 
 # config's own field, named as TRL names it there). The old nested `generation` section maps onto them.
 SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                     "batch_size": "generation_prompts_per_call", "vllm_url": "vllm_server_base_url",
-                    "vllm_model": "vllm_model"}
+                    "vllm_model": "vllm_model", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "generation_kwargs": "generation_kwargs", "cache_implementation": "cache_implementation"}
 
 
 @dataclass
@@ -112,6 +119,10 @@ class SamplingFields:
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,
                        rule="must be >= 0")
+    min_p: float | None = param(None, help=MIN_P_HELP, check=lambda v: 0 <= v < 1, rule="must be in [0, 1) or null")
+    repetition_penalty: float = positive(1.0, REPETITION_PENALTY_HELP)
+    generation_kwargs: dict | None = param(None, help=GENERATION_KWARGS_HELP)
+    cache_implementation: str | None = param(None, help=CACHE_IMPLEMENTATION_HELP)
     generation_prompts_per_call: int = positive(64, "prompts per generate call")
     vllm_server_base_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server "
                                       "(generation_backend: vllm)")
@@ -122,7 +133,9 @@ class SamplingFields:
         from stages.trainers.generation_params import GenerationParams
 
         return GenerationParams(backend=self.generation_backend, max_new_tokens=getattr(self, self.MAX_TOKENS),
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                repetition_penalty=self.repetition_penalty, generation_kwargs=self.generation_kwargs,
+                                cache_implementation=self.cache_implementation,
                                 batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
                                 vllm_model=self.vllm_model)
 

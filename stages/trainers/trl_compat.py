@@ -21,7 +21,6 @@ TRL_VERSION = "1.16"
 
 _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'); TRL's colocated "
          "engine and weight sync are not built")
-_SAMPLER = "the sampler (stages.generation) takes temperature, top_p and top_k only"
 _TR_DPO = "TR-DPO's reference syncing is not built (the reference stays the starting model)"
 _ENTROPY = "entropy terms in the loss are not built (the entropy is logged)"
 _LOG = "completions are not logged or printed by the trainer"
@@ -42,8 +41,6 @@ UNSUPPORTED: dict[str, str] = {
     "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
                               "padding)",
     "sync_ref_model": _TR_DPO, "ref_model_mixup_alpha": _TR_DPO, "ref_model_sync_steps": _TR_DPO,
-    "min_p": _SAMPLER, "repetition_penalty": _SAMPLER, "generation_kwargs": _SAMPLER,
-    "cache_implementation": _SAMPLER,
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,

@@ -107,3 +107,17 @@ def test_reward_model_path_ranks_when_reward_funcs_is_not_given(tmp_path):
         _online(tmp_path, None, rows, max_steps=1)
     with pytest.raises(ValueError, match="both reward_funcs and args.reward_model_path"):
         _online(tmp_path, digits, rows, max_steps=1, reward_model_path=str(tmp_path))
+
+
+def test_trls_sampling_fields_reach_the_sampler():
+    from stages.generation import SamplingParams
+
+    args = OnlineDPOConfig(output_dir="unused", min_p=0.1, repetition_penalty=1.2, report_to="none",
+                           generation_kwargs={"no_repeat_ngram_size": 2}, cache_implementation="static")
+    g = args.sampling
+    assert (g.min_p, g.repetition_penalty, g.generation_kwargs, g.cache_implementation) == (
+        0.1, 1.2, {"no_repeat_ngram_size": 2}, "static")
+    s = SamplingParams(min_p=g.min_p, repetition_penalty=g.repetition_penalty)  # the same checks as the sampler's
+    assert s.min_p == 0.1
+    with pytest.raises(ValueError, match=r"min_p = 1.5: must be in \[0, 1\) or null"):
+        OnlineDPOConfig(output_dir="unused", min_p=1.5, report_to="none")
