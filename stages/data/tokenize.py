@@ -67,14 +67,17 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
 
     formatting_func: row -> text, for rows in a shape of the user's own (loss on all tokens).
     assistant_only: conversations (`messages`, or prompt/completion message lists) are rendered
-    whole and every assistant turn is a target, not only the last one: an `assistant_masks`
-    column from the template's `{% generation %}` spans when it has them, else from
-    `stages.data.templates.assistant_spans` (any template whose turns render as prefixes).
+    whole with an `assistant_masks` column, 1 on every assistant turn: from the template's
+    `{% generation %}` spans when it has them, else from `stages.data.templates.assistant_spans`
+    (any template whose turns render as prefixes). Their `completion_mask` is 1 from the end of
+    the rendered prompt on (all 1 for `messages` rows), so with both masks applied, as TRL's
+    collator does under completion_only_loss, a prompt/completion row trains the assistant turns
+    of its completion only.
     """
     if formatting_func is not None:
         rows = [{text_field: formatting_func(r)} for r in rows]
     if assistant_only:
-        out = [_assistant_tokens(tokenizer, _conversation(r, i)) for i, r in enumerate(rows)]
+        out = [_assistant_tokens(tokenizer, *_conversation(r, i)) for i, r in enumerate(rows)]
     else:
         rendered = [render(tokenizer, r, text_field=text_field) for r in rows]
         prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
@@ -86,33 +89,37 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     return out
 
 
-def _conversation(row: dict[str, Any], index: int) -> list[dict]:
-    """The whole conversation of a conversational SFT row (for assistant-only masks)."""
+def _conversation(row: dict[str, Any], index: int) -> tuple[list[dict], list[dict] | None]:
+    """(the whole conversation, its prompt or None) of a conversational SFT row (for assistant-only masks)."""
     if is_messages(row.get("messages")) and "completion" not in row:
-        return row["messages"]
+        return row["messages"], None
     if is_messages(row.get("prompt")) and is_messages(row.get("completion")):
-        return row["prompt"] + row["completion"]
+        return row["prompt"] + row["completion"], row["prompt"]
     raise ValueError(f"sft.assistant_only_loss = true, but row {index} (columns {sorted(row)}) is not a "
                      "conversation: it needs 'messages', or 'prompt' and 'completion' as lists of chat messages; "
                      "set assistant_only_loss: false for plain-text rows (completion_only_loss masks the prompt)")
 
 
-def _assistant_tokens(tokenizer, messages: list[dict]) -> dict[str, list[int]]:
+def _assistant_tokens(tokenizer, messages: list[dict], prompt: list[dict] | None) -> dict[str, list[int]]:
     require_chat_template(tokenizer)
-    if has_generation_markers(tokenizer.chat_template):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    marked = has_generation_markers(tokenizer.chat_template)
+    text, spans = ((apply_chat_template({"messages": messages}, tokenizer)["text"], []) if marked
+                   else assistant_spans(messages, tokenizer))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, starts = list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+    if marked:  # transformers' masks from the {% generation %} spans, on the same tokens
+        mask = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True)["assistant_masks"])
     else:
-        text, spans = assistant_spans(messages, tokenizer)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        mask = [int(any(s <= start < e for s, e in spans)) for start in starts]
+    boundary = len(apply_chat_template({"prompt": prompt, "completion": messages[len(prompt):]}, tokenizer)["prompt"]
+                   ) if prompt is not None else 0
+    completion = [int(start >= boundary) for start in starts]
     if not any(mask):
         raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: its "
                          "{% generation %}...{% endgeneration %} spans are empty, or the conversation has no "
                          "assistant turn; fix the template or the rows, or set sft.assistant_only_loss: false")
-    return {"input_ids": ids, "assistant_masks": mask}
+    return {"input_ids": ids, "assistant_masks": mask, "completion_mask": completion}
 
 
 def longest_token_chars(tokenizer) -> int:

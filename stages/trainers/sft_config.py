@@ -24,8 +24,9 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
 
     max_length: int = positive(512, "truncate tokenised rows to this many tokens")
     completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
-    assistant_only_loss: bool = param(False, help="loss on every assistant turn of multi-turn conversations only "
-                                      "(needs {% generation %} markers in the chat template)")
+    assistant_only_loss: bool = param(False, help="loss on the assistant turns of conversations only (with "
+                                      "completion_only_loss, those of the completion), from the template's "
+                                      "{% generation %} markers or the turns' positions")
     dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
     dataset_num_proc: int | None = num_proc_field()
     packing: bool = param(False, help="pack rows into max_length sequences, padding-free")

@@ -132,8 +132,9 @@ def _tokenize_checked(tokenize, max_length: int, rows: list[dict], *, start: int
 def check_targets(rows: list[dict[str, list[int]]], max_length: int, *, start: int = 0) -> None:
     """Every row must keep at least one loss token after truncation (else the prompt fills max_length).
     `start`: the index of the first of `rows` in the whole dataset, for the message."""
-    key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
-    empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
+    keys = [k for k in ("assistant_masks", "completion_mask") if rows and k in rows[0]]
+    empty = [i for i, r in enumerate(rows) if keys and not any(all(m) for m in zip(*(r[k] for k in keys),
+                                                                                   strict=True))]
     if empty:
         raise ValueError(f"sft.max_length = {max_length} is shorter than the prompt of {len(empty)} row(s) "
                          f"(first: row {start + empty[0]}), which would leave nothing to learn; raise "

@@ -47,14 +47,17 @@ def test_completion_tokens_are_the_assistant_answer(setup, tmp_path):
     assert tok.decode(completion) == answer + "<|end|>"
 
 
-def test_assistant_only_loss_trains_every_assistant_turn(setup, tmp_path):
-    _, rows = setup
+@pytest.mark.parametrize("completion_only, expected", [(True, "4<|end|>"), (False, "2<|end|>4<|end|>")])
+def test_assistant_only_loss_trains_the_assistant_turns(setup, tmp_path, completion_only, expected):
+    """As in TRL: assistant_masks mark every assistant turn; with completion_only_loss (the default) the collator
+    also masks the prompt, so a prompt/completion row trains its completion's assistant turns only."""
     turns = [{"prompt": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
                          {"role": "user", "content": "2+2"}], "completion": [{"role": "assistant", "content": "4"}]}]
-    trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True)
+    trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True, completion_only_loss=completion_only)
     row = trainer._prepare(turns, tok, trainer.args, False)[0]
-    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
-    assert tok.decode(targets) == "2<|end|>4<|end|>"
+    assert tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]) == "2<|end|>4<|end|>"
+    labels = trainer.data_collator([row])["labels"][0]
+    assert tok.decode(labels[labels != -100]) == expected
 
 
 def test_packing_trains_and_uses_fewer_rows(setup, tmp_path):

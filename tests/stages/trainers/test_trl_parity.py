@@ -109,3 +109,33 @@ def test_sft_dft_loss_matches_trl(models, tmp_path):
     theirs, ours, nll = out
     assert math.isclose(ours, theirs, rel_tol=1e-5), (ours, theirs)
     assert not math.isclose(ours, nll, rel_tol=1e-2)  # the weighting is visible on this batch
+
+
+CONVERSATION = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]
+
+
+@pytest.mark.parametrize("rows, config", [
+    ({"messages": [CONVERSATION]}, {}),
+    ({"messages": [CONVERSATION]}, {"assistant_only_loss": True}),
+    ({"prompt": [CONVERSATION[:3]], "completion": [CONVERSATION[3:]]}, {}),
+    ({"prompt": [CONVERSATION[:3]], "completion": [CONVERSATION[3:]]}, {"assistant_only_loss": True}),
+    ({"prompt": [CONVERSATION[:3]], "completion": [CONVERSATION[3:]]},
+     {"assistant_only_loss": True, "completion_only_loss": False}),
+], ids=["messages", "messages-assistant", "prompt-completion", "prompt-completion-assistant",
+        "prompt-completion-assistant-all"])
+def test_sft_tokens_and_loss_positions_match_trl(models, tmp_path, rows, config):
+    """The same conversational rows through TRL's SFTTrainer and ours: the same input ids and the same labels
+    (which tokens are trained), for TRL's row shapes and its assistant_only_loss / completion_only_loss."""
+    from stages.trainers import SFTConfig, SFTTrainer
+
+    policy, _ = models
+    batches = []
+    for config_cls, trainer_cls in ((trl.SFTConfig, trl.SFTTrainer), (SFTConfig, SFTTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(str(policy), train_dataset=Dataset.from_dict(rows),
+                                  args=config_cls(output_dir=str(tmp_path), **COMMON, **config))
+        batch = trainer.data_collator([trainer.train_dataset[0]])
+        batches.append((batch["input_ids"][0].tolist(), batch["labels"][0].tolist()))
+    assert batches[1] == batches[0]
