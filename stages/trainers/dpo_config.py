@@ -24,6 +24,7 @@ from stages.trainers.method_fields import (
     objectives_problems,
     pad_to_multiple_of_field,
     precompute_ref_batch_size_field,
+    truncation_mode_field,
 )
 
 TrainingArguments = training_arguments()
@@ -52,6 +53,7 @@ class DPOConfig(MethodConfig, TokenizerFields, TrainingArguments):
     precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    truncation_mode: Literal["keep_start"] = truncation_mode_field()
     dataset_num_proc: int | None = num_proc_field()
     task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
                                                   "(multi-task mixtures; tasks not listed: 1.0)")

@@ -217,6 +217,11 @@ def activation_offloading_field() -> Any:
                  "(stages.trainers.offloading)")
 
 
+def truncation_mode_field() -> Any:
+    return param("keep_start", help="which end of a row longer than max_length is kept: keep_start, TRL's only "
+                 "non-deprecated mode (keep_end is deprecated in TRL 1.16 and not taken here)")
+
+
 def disable_dropout_field() -> Any:
     return param(True, help="turn dropout off in the model and the reference model (TRL's default), so the "
                  "policy's and the reference's log-probs of the same text agree")

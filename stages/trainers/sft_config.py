@@ -11,6 +11,7 @@ from stages.trainers.method_fields import (
     activation_offloading_field,
     num_proc_field,
     pad_to_multiple_of_field,
+    truncation_mode_field,
 )
 
 TrainingArguments = training_arguments()
@@ -23,6 +24,9 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
     0: AdamW started at the peak rate leaves the tiny model on the loss plateau (docs/decisions.md)."""
 
     max_length: int = positive(512, "truncate tokenised rows to this many tokens")
+    truncation_mode: Literal["keep_start"] = truncation_mode_field()
+    shuffle_dataset: bool = param(False, help="shuffle the prepared training rows (before packing) with the seed, "
+                                  "besides the sampler's shuffling of every epoch")
     completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
     assistant_only_loss: bool = param(False, help="loss on the assistant turns of conversations only (with "
                                       "completion_only_loss, those of the completion), from the template's "
@@ -37,6 +41,7 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                              "loss weighted by its probability (Dynamic Fine-Tuning, "
                                              "arXiv:2508.05629)")
     packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
+    eval_packing: bool | None = param(None, help="pack the evaluation rows too (null: as packing)")
     activation_offloading: bool = activation_offloading_field()
     use_chunked_logprobs: bool = param(True, help="loss from the final hidden states through the chunked lm-head "
                                        "kernel (no full logits) where the model allows")

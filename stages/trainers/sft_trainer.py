@@ -62,16 +62,19 @@ class SFTTrainer(OffloadsActivations, Trainer):
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class,
             train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
-            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(rows, processing_class, args, False)),
+            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(
+                rows, processing_class, args, args.packing if args.eval_packing is None else args.eval_packing,
+                shuffle=False)),
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 
-    def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
+    def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool, *, shuffle: bool | None = None):
         """Rows -> tokenised Dataset (`Dataset.map` over args.dataset_num_proc processes, cached as Arrow files by
-        content: stages.data.tokenize.tokenized_dataset), packed if asked; IterableDatasets are tokenised lazily."""
+        content: stages.data.tokenize.tokenized_dataset), shuffled with the seed (`shuffle`, default
+        args.shuffle_dataset) and packed if asked; IterableDatasets are tokenised lazily."""
         import datasets
 
         if rows is None:
@@ -80,6 +83,8 @@ class SFTTrainer(OffloadsActivations, Trainer):
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
         dataset = tokenized_dataset(rows, partial(_tokenize_checked, tokenize, args.max_length), marker="input_ids",
                                     tokenizer=tokenizer, num_proc=getattr(args, "dataset_num_proc", None))
+        if (args.shuffle_dataset if shuffle is None else shuffle) and isinstance(dataset, datasets.Dataset):
+            dataset = dataset.shuffle(seed=args.seed)
         if pack and not isinstance(dataset, datasets.IterableDataset):
             dataset = pack_dataset(dataset, args.max_length, args.packing_strategy)
         return dataset

@@ -35,9 +35,8 @@ UNSUPPORTED: dict[str, str] = {
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
     "pad_to_multiple_of": "this trainer pads each batch to its longest row",
+    "shuffle_dataset": "the training rows are shuffled by the sampler every epoch (SFTConfig also takes it)",
     "disable_dropout": "dropout stays as the model's config sets it (only PPOConfig has disable_dropout)",
-    "truncation_mode": "rows are always cut at the end (TRL's keep_start, its only non-deprecated mode)",
-    "shuffle_dataset": "the training rows are always shuffled",
     "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
                               "padding)",
     "sync_ref_model": _TR_DPO, "ref_model_mixup_alpha": _TR_DPO, "ref_model_sync_steps": _TR_DPO,
@@ -49,7 +48,6 @@ UNSUPPORTED: dict[str, str] = {
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
     "SFTConfig.dataset_kwargs": "rows are always prepared; pass rows that already hold input_ids to skip it",
-    "SFTConfig.eval_packing": "evaluation rows are never packed",
     "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
     "RewardTrainer.compute_metrics": _NO_METRICS,
     "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,

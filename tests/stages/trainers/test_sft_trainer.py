@@ -138,3 +138,24 @@ def test_rows_of_no_known_shape_are_explained(setup, tmp_path):
     path, _ = setup
     with pytest.raises(ValueError, match=r"an SFT row has columns \['question'\]; expected 'messages'"):
         _trainer((path, [{"question": "2+2"}]), tmp_path)
+
+
+def test_shuffle_dataset_eval_packing_and_truncation_mode(setup, tmp_path):
+    """shuffle_dataset reorders the prepared training rows by the seed (the same rows); eval rows are packed as the
+    training rows are unless eval_packing says otherwise; truncation_mode takes TRL's keep_start only."""
+    path, rows = setup
+    plain, _ = _trainer(setup, tmp_path)
+    shuffled, _ = _trainer(setup, tmp_path, shuffle_dataset=True)
+    ids = [tuple(r["input_ids"]) for r in plain.train_dataset]
+    moved = [tuple(r["input_ids"]) for r in shuffled.train_dataset]
+    assert moved != ids and sorted(moved) == sorted(ids)
+    for eval_packing, packed in ((None, True), (False, False), (True, True)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        args = SFTConfig(output_dir=str(tmp_path), packing=True, max_length=128, eval_packing=eval_packing,
+                         report_to="none", use_cpu=True, save_strategy="no")
+        trainer = SFTTrainer(AutoModelForCausalLM.from_pretrained(path), args, train_dataset=rows[:64],
+                             eval_dataset=rows[:64], processing_class=AutoTokenizer.from_pretrained(path))
+        assert (len(trainer.eval_dataset) < 64) == packed, eval_packing
+    with pytest.raises(ValueError, match=r"truncation_mode = 'keep_end': expected one of 'keep_start'"):
+        SFTConfig(output_dir=str(tmp_path), truncation_mode="keep_end")
