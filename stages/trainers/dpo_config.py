@@ -12,6 +12,7 @@ from typing import Literal
 from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, is_light, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    RefSyncFields,
     TokenizerFields,
     activation_offloading_field,
     beta_field,
@@ -32,7 +33,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class DPOConfig(MethodConfig, TokenizerFields, TrainingArguments):
+class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments):
     beta: float = beta_field()
     loss_type: str | list[str] = loss_type_field()
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
@@ -68,6 +69,7 @@ class DPOConfig(MethodConfig, TokenizerFields, TrainingArguments):
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, DPOConfig) + objectives_problems(self)
         problems += f_divergence_problems(self.f_divergence_type, self.objective_names, light=is_light(self))
+        problems += self.ref_sync_problems()
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))

@@ -37,6 +37,7 @@ from stages.trainers.pair_batches import (
     tokenize_pairs,
     tokenized_dataset,
 )
+from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import (
     frozen_reference,
     is_peft,
@@ -119,6 +120,7 @@ class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
             ref_model = None  # dropped: the columns replace it
         self.ref_model = frozen_reference(self.model, ref_model,
                                           needed=not args.reference_free and not self._has_ref_columns())
+        sync_reference(self)  # TR-DPO: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
 

@@ -7,6 +7,7 @@ from typing import Literal
 from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    RefSyncFields,
     activation_offloading_field,
     beta_field,
     chunked_field,
@@ -21,7 +22,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class KTOConfig(MethodConfig, TrainingArguments):
+class KTOConfig(MethodConfig, RefSyncFields, TrainingArguments):
     beta: float = beta_field()
     loss_type: Literal["kto", "apo_zero_unpaired"] = param(
         "kto", help="kto: KTO around the batch KL reference point; apo_zero_unpaired: APO-zero on unpaired rows, "
@@ -40,4 +41,4 @@ class KTOConfig(MethodConfig, TrainingArguments):
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:
-        return check_fields(self, KTOConfig)
+        return check_fields(self, KTOConfig) + self.ref_sync_problems()

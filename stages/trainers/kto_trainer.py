@@ -28,6 +28,7 @@ from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of th
 from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import frozen_reference, is_peft, reference_model, reference_sequence_logps
 
 KL_PREFIX = "kl_"
@@ -157,6 +158,7 @@ class KTOTrainer(OffloadsActivations, Trainer):
             self._precompute_reference(ref_model)
             ref_model = None  # dropped: the columns replace it
         self.ref_model = frozen_reference(self.model, ref_model, needed=not self._has_ref_columns())
+        sync_reference(self)  # TR-DPO's reference syncing: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _datasets(self) -> list:

@@ -217,6 +217,23 @@ def activation_offloading_field() -> Any:
                  "(stages.trainers.offloading)")
 
 
+@dataclass
+class RefSyncFields:
+    """TR-DPO's reference syncing, TRL's names (DPO and KTO; `stages.trainers.ref_sync`)."""
+
+    sync_ref_model: bool = param(False, help="move the reference towards the policy every ref_model_sync_steps "
+                                 "steps (TR-DPO); needs a reference model: no PEFT, no precompute_ref_log_probs")
+    ref_model_mixup_alpha: float = param(0.6, help="α of the sync: reference <- α·policy + (1 - α)·reference",
+                                         check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
+    ref_model_sync_steps: int = positive(512, "optimizer steps between two reference syncs")
+
+    def ref_sync_problems(self) -> list[tuple[str, str]]:
+        if self.sync_ref_model and getattr(self, "precompute_ref_log_probs", False):
+            return [("sync_ref_model", "= true with precompute_ref_log_probs = true: precomputed reference log-probs "
+                     "cannot follow a moving reference; set precompute_ref_log_probs: false")]
+        return []
+
+
 def truncation_mode_field() -> Any:
     return param("keep_start", help="which end of a row longer than max_length is kept: keep_start, TRL's only "
                  "non-deprecated mode (keep_end is deprecated in TRL 1.16 and not taken here)")

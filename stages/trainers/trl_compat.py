@@ -21,7 +21,7 @@ TRL_VERSION = "1.16"
 
 _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'); TRL's colocated "
          "engine and weight sync are not built")
-_TR_DPO = "TR-DPO's reference syncing is not built (the reference stays the starting model)"
+_TR_DPO = "this trainer's reference stays the starting model (TR-DPO's syncing: DPOConfig and KTOConfig)"
 _ENTROPY = "entropy terms in the loss are not built (the entropy is logged)"
 _LOG = "completions are not logged or printed by the trainer"
 _GRPO_LOSS = "this GRPO loss variant is not built (loss_type: grpo, bnpo, dr_grpo, dapo)"
@@ -35,11 +35,11 @@ UNSUPPORTED: dict[str, str] = {
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
     "pad_to_multiple_of": "this trainer pads each batch to its longest row",
+    "sync_ref_model": _TR_DPO, "ref_model_mixup_alpha": _TR_DPO, "ref_model_sync_steps": _TR_DPO,
     "shuffle_dataset": "the training rows are shuffled by the sampler every epoch (SFTConfig also takes it)",
     "disable_dropout": "dropout stays as the model's config sets it (only PPOConfig has disable_dropout)",
     "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
                               "padding)",
-    "sync_ref_model": _TR_DPO, "ref_model_mixup_alpha": _TR_DPO, "ref_model_sync_steps": _TR_DPO,
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,

@@ -199,3 +199,21 @@ def test_precompute_with_lora_uses_the_adapter_disabled_base(setup, tmp_path):
     got = torch.tensor([trainer.train_dataset[c] for c in REF_COLUMNS]).T
     assert torch.allclose(got, reference_logps_table(_load(path), tok, rows[:8], max_length=1024), atol=1e-4)
     assert not torch.allclose(got, reference_logps_table(model, tok, rows[:8], max_length=1024), atol=1e-2)
+
+
+def test_sync_ref_model_moves_the_reference_and_needs_one(setup, tmp_path):
+    """TR-DPO on DPO: after ref_model_sync_steps steps the reference is no longer the starting weights (the KTO
+    test checks the mix exactly); with PEFT there is no reference copy to move, which is refused."""
+    from peft import LoraConfig
+
+    path, tok, rows = setup
+    trainer = DPOTrainer(_load(path), args=_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1),
+                         processing_class=tok, train_dataset=rows)
+    start = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    assert all(not torch.equal(p, start[n]) for n, p in trainer.ref_model.named_parameters())
+    with pytest.raises(ValueError, match="sync_ref_model = true, but this trainer keeps no reference model"):
+        DPOTrainer(_load(path), args=_args(tmp_path, sync_ref_model=True), processing_class=tok, train_dataset=rows,
+                   peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
+        _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)

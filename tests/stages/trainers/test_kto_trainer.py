@@ -136,3 +136,36 @@ def test_apo_zero_unpaired_trains_without_a_kl_estimate(setup, tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # r = 0: desirable 1 - σ(0), undesirable σ(0)
     assert logs[-1]["loss"] < logs[0]["loss"] and not any("kl" in h for h in logs)
+
+
+def test_sync_ref_model_mixes_the_reference_towards_the_policy(setup, tmp_path):
+    """TR-DPO: at every ref_model_sync_steps-th step the reference becomes α·policy + (1 - α)·reference; checked
+    against the weights saved at the step before the sync (3 steps, a sync after step 2 only)."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    path, tok, rows = setup
+    trainer = KTOTrainer(AutoModelForCausalLM.from_pretrained(path), processing_class=tok, train_dataset=rows,
+                         args=_args(tmp_path, max_steps=3, sync_ref_model=True, ref_model_sync_steps=2,
+                                    ref_model_mixup_alpha=0.25))
+    seen = {}
+
+    class Snapshot(TrainerCallback):  # runs after SyncReference (added first, by the trainer)
+        def on_step_end(self, args, state, control, **kwargs):
+            seen[state.global_step] = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+
+    start = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    policy_at = {}
+
+    class PolicyAt(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            policy_at[state.global_step + 1] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    trainer.add_callback(PolicyAt())
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert all(torch.equal(seen[1][n], start[n]) for n in start)  # step 1: no sync
+    for n in start:  # step 2: synced with the policy after its second update
+        assert torch.allclose(seen[2][n], 0.25 * policy_at[2][n] + 0.75 * start[n], atol=1e-6), n
+    assert all(torch.equal(seen[3][n], seen[2][n]) for n in start)
+    with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
+        _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)
