@@ -110,6 +110,9 @@ def _assistant_tokens(tokenizer, messages: list[dict], prompt: list[dict] | None
     if marked:  # transformers' masks from the {% generation %} spans, on the same tokens
         mask = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                   return_assistant_tokens_mask=True)["assistant_masks"])
+        if len(mask) != len(ids):
+            raise ValueError(f"the chat template's assistant mask has {len(mask)} entries for the {len(ids)} tokens of "
+                             "its rendered text; the tokenizer does not tokenise its own rendering consistently")
     else:
         mask = [int(any(s <= start < e for s, e in spans)) for start in starts]
     boundary = len(apply_chat_template({"prompt": prompt, "completion": messages[len(prompt):]}, tokenizer)["prompt"]
