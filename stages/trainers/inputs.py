@@ -8,8 +8,10 @@ evaluation, a dict of them (each evaluated with its name in the metric prefix, a
 function here; every trainer in `stages.trainers` calls them in this order:
 
     args = args or default_args(SFTConfig, model, "SFT")
-    processing_class = load_processing_class(model, processing_class, args)
-    model = apply_peft(load_model(model, args, quantization_config), peft_config)
+    processing_class = load_processing_class(model, processing_class, args)  # + chat_template_path, eos/pad_token
+    model = apply_peft(load_model(model, args, quantization_config), peft_config)  # model_init_kwargs
+
+then, where the config asks, `apply_eos_to_model` (eos_token) and `disable_dropout`.
 
 Plus `renamed_kwarg` (an old keyword kept for one release with a FutureWarning naming the new
 one: a FutureWarning, not a DeprecationWarning, because Python shows it to the user by default, as
