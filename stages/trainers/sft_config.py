@@ -27,7 +27,8 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
     truncation_mode: Literal["keep_start"] = truncation_mode_field()
     shuffle_dataset: bool = param(False, help="shuffle the prepared training rows (before packing) with the seed, "
                                   "besides the sampler's shuffling of every epoch")
-    completion_only_loss: bool = param(True, help="loss on completion tokens only (prompt tokens masked)")
+    completion_only_loss: bool | None = param(True, help="loss on completion tokens only (prompt tokens masked); "
+                                              "null as in TRL: the same (rows without a prompt are all completion)")
     assistant_only_loss: bool = param(False, help="loss on the assistant turns of conversations only (with "
                                       "completion_only_loss, those of the completion), from the template's "
                                       "{% generation %} markers or the turns' positions")

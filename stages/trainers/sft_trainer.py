@@ -54,7 +54,7 @@ class SFTTrainer(OffloadsActivations, Trainer):
         # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
         attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
         data_collator = data_collator or CompletionCollator(
-            pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
+            pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss is not False,
             assistant_only_loss=args.assistant_only_loss,
             padding_free=args.padding_free or (args.packing and attn.startswith("flash_attention")),
             max_length=args.max_length, pad_to_multiple_of=pad_multiple(args.pad_to_multiple_of))

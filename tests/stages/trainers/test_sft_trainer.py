@@ -159,3 +159,14 @@ def test_shuffle_dataset_eval_packing_and_truncation_mode(setup, tmp_path):
         assert (len(trainer.eval_dataset) < 64) == packed, eval_packing
     with pytest.raises(ValueError, match=r"truncation_mode = 'keep_end': expected one of 'keep_start'"):
         SFTConfig(output_dir=str(tmp_path), truncation_mode="keep_end")
+
+
+def test_completion_only_loss_none_is_trls_auto(setup, tmp_path):
+    """TRL's default None: prompt/completion rows train their completion only (rows without a prompt are all
+    completion anyway), as True does; False trains the prompt too."""
+    row_labels = {}
+    for value in (None, True, False):
+        trainer, _ = _trainer(setup, tmp_path, completion_only_loss=value)
+        labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+        row_labels[value] = (labels != -100).sum().item()
+    assert row_labels[None] == row_labels[True] < row_labels[False]
