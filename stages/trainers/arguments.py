@@ -16,10 +16,11 @@ import functools
 import importlib.util
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.trainers.method_fields import ModelLoadingFields
+from stages.fields import param
 
 _light = False  # True while `light_module` executes a config module
 
@@ -210,6 +211,22 @@ def check(config: Any) -> None:
         refused = [(key, f"= {inherited[key]!r}: {message.split(': ', 1)[1]}")
                    for key, message in unsupported_trl_fields(type(config), inherited)]
         raise_problems(type(config).__name__, config.validate() + refused)
+
+
+def _json_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+@dataclass
+class ModelLoadingFields:
+    """TRL's model-loading fields, on every method config (through `MethodConfig` below)."""
+
+    model_init_kwargs: dict | None = param(
+        None, help="keyword arguments of from_pretrained when the trainer loads the model from a path (dtype, "
+        "attn_implementation, revision, ...; dtype defaults to float32); a model passed as an object must be "
+        "loaded with them already", check=_json_dict, rule="must be a mapping of from_pretrained keyword arguments")
+    trust_remote_code: bool = param(False, help="run the Python code a model folder ships when loading it and its "
+                                    "tokenizer (only for a model whose code you have read)")
 
 
 class MethodConfig(ModelLoadingFields):

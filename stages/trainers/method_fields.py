@@ -162,22 +162,6 @@ def tis_warn_field() -> Any:
 
 # ---- how a trainer loads the model and the tokenizer (stages.trainers.inputs applies them)
 
-def _json_dict(value: Any) -> bool:
-    return isinstance(value, dict)
-
-
-@dataclass
-class ModelLoadingFields:
-    """TRL's model-loading fields, on every method config (`stages.trainers.arguments.MethodConfig`)."""
-
-    model_init_kwargs: dict | None = param(
-        None, help="keyword arguments of from_pretrained when the trainer loads the model from a path (dtype, "
-        "attn_implementation, revision, ...; dtype defaults to float32); a model passed as an object must be "
-        "loaded with them already", check=_json_dict, rule="must be a mapping of from_pretrained keyword arguments")
-    trust_remote_code: bool = param(False, help="run the Python code a model folder ships when loading it and its "
-                                    "tokenizer (only for a model whose code you have read)")
-
-
 @dataclass
 class TokenizerFields:
     """TRL's tokenizer fields of SFT, reward and DPO (`stages.trainers.inputs.configure_tokenizer`)."""
