@@ -5,7 +5,9 @@ GRPO example of TRL's quickstart page) with three changes forced by an offline m
 smoke run: the import line (`from stages.trainers import ...` instead of `from trl import ...`),
 `model=` a local folder (the built-in tiny Llama, saved here) instead of a hub id, and a small
 `datasets.Dataset` built here in the shape of the hub dataset the snippet loads; plus `args=`
-for 2 steps. SFT and DPO add TRL's LoRA line, `peft_config=LoraConfig(...)`.
+for 2 steps. SFT is TRL's quickstart (a conversational `messages` dataset, trl-lib/Capybara's shape), as
+is, then with TRL's LoRA line `peft_config=LoraConfig(...)` (SFT-LoRA), then on plain text (SFT-text,
+roneneldan/TinyStories); DPO adds the LoRA line too.
 
     python examples/trl_quickstart.py [--out DIR] [--only SFT,DPO]
 
@@ -43,6 +45,11 @@ def assistant(text: str) -> list[dict]:
 
 # ---- datasets in the shapes of the hub datasets TRL's snippets load
 
+def capybara() -> Dataset:  # trl-lib/Capybara: one "messages" column of multi-turn conversations
+    return Dataset.from_dict({"messages": [user(q) + assistant(a) + user("Are you sure?") + assistant(f"Yes, {a}.")
+                                           for q, a in zip(QUESTIONS, ANSWERS)]})
+
+
 def tinystories() -> Dataset:  # roneneldan/TinyStories: plain text
     return Dataset.from_dict({"text": [f"Once upon a time {q.lower()} It was {a}." for q, a in zip(QUESTIONS,
                                                                                                ANSWERS)]})
@@ -66,6 +73,31 @@ def tldr() -> Dataset:  # trl-lib/tldr: prompt, completion; standard (plain stri
 # ---- the snippets
 
 def sft(model: str, out: str):
+    from stages.trainers import SFTConfig, SFTTrainer
+
+    dataset = capybara()  # load_dataset("trl-lib/Capybara", split="train")
+    trainer = SFTTrainer(
+        model=model,
+        train_dataset=dataset,
+        args=SFTConfig(output_dir=out, **SMOKE),
+    )
+    return trainer
+
+
+def sft_lora(model: str, out: str):
+    from stages.trainers import SFTConfig, SFTTrainer
+
+    dataset = capybara()  # load_dataset("trl-lib/Capybara", split="train")
+    trainer = SFTTrainer(
+        model=model,
+        train_dataset=dataset,
+        args=SFTConfig(output_dir=out, **SMOKE),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    return trainer
+
+
+def sft_text(model: str, out: str):
     from stages.trainers import SFTConfig, SFTTrainer
 
     dataset = tinystories()  # load_dataset("roneneldan/TinyStories", split="train[:1%]")
@@ -131,7 +163,8 @@ def reward(model: str, out: str):
     return trainer
 
 
-SNIPPETS = {"SFT": sft, "DPO": dpo, "GRPO": grpo, "KTO": kto, "Reward": reward}
+SNIPPETS = {"SFT": sft, "SFT-LoRA": sft_lora, "SFT-text": sft_text, "DPO": dpo, "GRPO": grpo, "KTO": kto,
+            "Reward": reward}
 
 
 def run(name: str, model: str, out: str) -> dict:

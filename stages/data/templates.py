@@ -11,15 +11,20 @@ Three pure helpers with TRL's signatures (`trl.data_utils`), each on one row (a 
 - `unpair_preference_dataset(dataset)`: each prompt/chosen/rejected row becomes two prompt/completion/label
   rows (chosen -> True, rejected -> False).
 
+Plus `assistant_spans(messages, tokenizer)`: a conversation rendered whole with the character spans of its
+assistant turns, for assistant-only loss masks with templates that have no `{% generation %}` markers.
+
 Where they differ from TRL's, each docstring says so.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from stages.data.formats import detect_format, extract_shared_prompt, is_messages
 
-__all__ = ["apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset"]
+__all__ = ["apply_chat_template", "assistant_spans", "has_generation_markers", "maybe_extract_prompt",
+           "unpair_preference_dataset"]
 
 
 def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +121,51 @@ class _Renderer:
                 "whose rendering of the prompt with add_generation_prompt=True is a prefix of the full "
                 "conversation (set tokenizer.chat_template), or give the rows as plain strings.")
         return prompt_text, full[len(prompt_text):]
+
+
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def has_generation_markers(chat_template: str | None) -> bool:
+    """Whether a chat template marks assistant content with `{% generation %}` (what transformers'
+    `return_assistant_tokens_mask` needs)."""
+    return bool(chat_template) and bool(_GENERATION_TAG.search(chat_template))
+
+
+def assistant_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """(the conversation rendered whole, [(start, end)] character spans of its assistant turns).
+
+    Any chat template, with or without `{% generation %}` markers: turn i's span starts where
+    the rendering of messages[:i] with the generation prompt ends, and ends where the
+    rendering of messages[:i + 1] ends, cut after the turn's last EOS token (so ChatML's
+    `<|im_end|>` is in the span and the newline after it is not). Both renderings must be
+    prefixes of the whole one, as they are for a template that renders earlier turns the
+    same whatever follows; ValueError otherwise (and without a chat template).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the rows are chat messages, but the tokenizer ({type(tokenizer).__name__}) has no "
+                         "chat_template; set tokenizer.chat_template or give the rows as plain strings")
+    render = _Renderer(tokenizer, tools)
+    full = render(messages)
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], generation_prompt=True), render(messages[:i + 1])
+        if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
+            raise ValueError(
+                f"the chat template renders the conversation up to message {i} (an assistant turn) differently "
+                "from the start of the whole conversation, so the assistant tokens cannot be located by "
+                "position. The template rewrites earlier turns depending on what follows. Fix: use a training "
+                "template that renders each prefix of a conversation as a prefix of the whole (set "
+                "tokenizer.chat_template or SFTConfig.chat_template_path), or set assistant_only_loss=False.")
+        end = len(through)
+        if eos and (last := full.rfind(eos, len(before), end)) >= 0:
+            end = last + len(eos)
+        spans.append((len(before), end))
+    return full, spans
 
 
 def _messages(row: dict, r: _Renderer) -> dict:

@@ -14,13 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from stages.data.formats import is_messages
-from stages.data.templates import apply_chat_template
+from stages.data.templates import apply_chat_template, assistant_spans, has_generation_markers
 
 
 def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple[str, str]:
-    """(prompt text, completion text) of an SFT row; completion text ends with EOS."""
+    """(prompt text, completion text) of an SFT row; a completion given as text ends with EOS.
+
+    Rows: `text_field` (plain text, all of it the completion), `messages` (a conversation rendered
+    whole with the chat template, all of it the completion, as TRL's language-modelling rows), or
+    prompt/completion (strings or message lists)."""
     if text_field in row and "completion" not in row:
         return "", _with_eos(tokenizer, row[text_field])
+    if "messages" in row and "completion" not in row:
+        require_chat_template(tokenizer)
+        return "", apply_chat_template({"messages": row["messages"]}, tokenizer)["text"]
+    if "prompt" not in row or "completion" not in row:
+        raise ValueError(f"an SFT row has columns {sorted(row)}; expected 'messages' (a conversation), "
+                         f"'prompt' and 'completion', or {text_field!r} (plain text; SFTConfig.dataset_text_field), "
+                         "or pass formatting_func=row -> text")
     prompt, completion = row["prompt"], row["completion"]
     if is_messages(prompt):
         require_chat_template(tokenizer)
@@ -55,13 +66,18 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     """input_ids and completion_mask (1 where the loss applies) per row, truncated to max_length.
 
     formatting_func: row -> text, for rows in a shape of the user's own (loss on all tokens).
-    assistant_only: conversations are rendered whole and every assistant turn is a target
-    (the template's `{% generation %}` spans), not only the last one.
+    assistant_only: conversations (`messages`, or prompt/completion message lists) are rendered
+    whole with an `assistant_masks` column, 1 on every assistant turn: from the template's
+    `{% generation %}` spans when it has them, else from `stages.data.templates.assistant_spans`
+    (any template whose turns render as prefixes). Their `completion_mask` is 1 from the end of
+    the rendered prompt on (all 1 for `messages` rows), so with both masks applied, as TRL's
+    collator does under completion_only_loss, a prompt/completion row trains the assistant turns
+    of its completion only.
     """
     if formatting_func is not None:
         rows = [{text_field: formatting_func(r)} for r in rows]
-    if assistant_only and rows and is_messages(rows[0].get("prompt")):
-        out = [_assistant_tokens(tokenizer, r) for r in rows]
+    if assistant_only:
+        out = [_assistant_tokens(tokenizer, *_conversation(r, i)) for i, r in enumerate(rows)]
     else:
         rendered = [render(tokenizer, r, text_field=text_field) for r in rows]
         prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
@@ -73,16 +89,40 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     return out
 
 
-def _assistant_tokens(tokenizer, row: dict[str, Any]) -> dict[str, list[int]]:
+def _conversation(row: dict[str, Any], index: int) -> tuple[list[dict], list[dict] | None]:
+    """(the whole conversation, its prompt or None) of a conversational SFT row (for assistant-only masks)."""
+    if is_messages(row.get("messages")) and "completion" not in row:
+        return row["messages"], None
+    if is_messages(row.get("prompt")) and is_messages(row.get("completion")):
+        return row["prompt"] + row["completion"], row["prompt"]
+    raise ValueError(f"sft.assistant_only_loss = true, but row {index} (columns {sorted(row)}) is not a "
+                     "conversation: it needs 'messages', or 'prompt' and 'completion' as lists of chat messages; "
+                     "set assistant_only_loss: false for plain-text rows (completion_only_loss masks the prompt)")
+
+
+def _assistant_tokens(tokenizer, messages: list[dict], prompt: list[dict] | None) -> dict[str, list[int]]:
     require_chat_template(tokenizer)
-    enc = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    mask = list(enc["assistant_masks"])
+    marked = has_generation_markers(tokenizer.chat_template)
+    text, spans = ((apply_chat_template({"messages": messages}, tokenizer)["text"], []) if marked
+                   else assistant_spans(messages, tokenizer))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, starts = list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+    if marked:  # transformers' masks from the {% generation %} spans, on the same tokens
+        mask = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True)["assistant_masks"])
+        if len(mask) != len(ids):
+            raise ValueError(f"the chat template's assistant mask has {len(mask)} entries for the {len(ids)} tokens of "
+                             "its rendered text; the tokenizer does not tokenise its own rendering consistently")
+    else:
+        mask = [int(any(s <= start < e for s, e in spans)) for start in starts]
+    boundary = len(apply_chat_template({"prompt": prompt, "completion": messages[len(prompt):]}, tokenizer)["prompt"]
+                   ) if prompt is not None else 0
+    completion = [int(start >= boundary) for start in starts]
     if not any(mask):
-        raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: it needs "
-                         "{% generation %}...{% endgeneration %} around assistant content; use such a template or "
-                         "set sft.assistant_only_loss: false")
-    return {"input_ids": list(enc["input_ids"]), "assistant_masks": mask}
+        raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: its "
+                         "{% generation %}...{% endgeneration %} spans are empty, or the conversation has no "
+                         "assistant turn; fix the template or the rows, or set sft.assistant_only_loss: false")
+    return {"input_ids": ids, "assistant_masks": mask, "completion_mask": completion}
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -109,6 +109,13 @@ def why_not_decoder(model, s: SamplingParams, capacity: int, kwargs: dict, *, ch
 
     if s.num_beams > 1:
         return f"beam search (num_beams = {s.num_beams}): the decoder decodes greedily or samples"
+    if s.repetition_penalty != 1.0:
+        return (f"repetition_penalty = {s.repetition_penalty}: the penalty reads the tokens so far, which only "
+                "generate passes to the sampler")
+    if s.generation_kwargs:
+        return f"generation_kwargs {sorted(s.generation_kwargs)}: generate's own arguments"
+    if s.cache_implementation is not None:
+        return f"cache_implementation = {s.cache_implementation!r}: the decoder keeps its own KV cache"
     if "synced_gpus" in kwargs:
         return "a model sharded across ranks generates in lockstep (synced_gpus), which only generate does"
     return why_not(model, capacity) if check_model else None
@@ -143,9 +150,14 @@ def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int, per_row: bo
     ones SamplingParams owns are always passed explicitly (top_k=0 overrides HF's default of 50).
     per_row: HF decodes greedily over rows already expanded n times; `PerRowSampler` samples."""
     kw = dict(max_new_tokens=s.max_new_tokens, do_sample=s.do_sample and not per_row, num_beams=s.num_beams,
-              num_return_sequences=1 if per_row else s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id)
+              num_return_sequences=1 if per_row else s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id,
+              **(s.generation_kwargs or {}))
+    if s.cache_implementation is not None:
+        kw["cache_implementation"] = s.cache_implementation
+    if not per_row:  # per_row: PerRowSampler applies the penalty and the warpers itself (greedy HF underneath)
+        kw["repetition_penalty"] = float(s.repetition_penalty)
     if s.do_sample and not per_row:
-        kw.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k)
+        kw.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k, min_p=s.min_p or None)
     return kw
 
 

@@ -7,7 +7,8 @@ distribution at uniform u[r, t], and only that token is left for the argmax. The
 prompt's n rows come from a generator seeded with `prompt_seed(seed, prompt ids)`.
 
 `PerRowSampler.logps` keeps the log-probability of every sampled token under the distribution it was
-drawn from (after temperature, top-k and top-p): what an off-policy correction divides by.
+drawn from (after the repetition penalty, temperature, top-k, top-p and min-p): what an off-policy
+correction divides by.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -45,22 +48,27 @@ class PerRowSampler(LogitsProcessor):
     """Sample every row from its own uniforms; return logits that leave only the sampled token.
 
     uniforms: (B, max_new_tokens) from `row_uniforms`; start: the input width, so the token being
-    generated is number input_ids.shape[1] - start. Temperature, top-k and top-p are HF's own
-    warpers, applied in HF's order; the sample is the first token whose cumulative probability
-    (float64) exceeds u · total. After the call, `logps` holds one (B,) float64 tensor per generated
-    token: log-probability of the sampled token under the filtered distribution.
+    generated is number input_ids.shape[1] - start. The repetition penalty (which needs `input_ids`), then
+    temperature, top-k, top-p and min-p are HF's own processors and warpers, applied in HF's order; the
+    sample is the first token whose cumulative probability (float64) exceeds u · total. After the call,
+    `logps` holds one (B,) float64 tensor per generated token: log-probability of the sampled token under
+    the filtered distribution.
     """
 
     def __init__(self, uniforms: torch.Tensor, start: int, s: SamplingParams):
         self.uniforms, self.start = uniforms, start
         self.logps: list[torch.Tensor] = []
         self.warpers = LogitsProcessorList()
+        if s.repetition_penalty != 1.0:
+            self.warpers.append(RepetitionPenaltyLogitsProcessor(float(s.repetition_penalty)))
         if s.temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(float(s.temperature)))
         if s.top_k:
             self.warpers.append(TopKLogitsWarper(s.top_k))
         if s.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(float(s.top_p)))
+        if s.min_p > 0:
+            self.warpers.append(MinPLogitsWarper(float(s.min_p)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         token = self.sample(input_ids.shape[1] - self.start, scores, input_ids)

@@ -81,6 +81,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         tokenizer = load_tokenizer(str(model))
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (requests in flight at once)")
+    if sampling.cache_implementation is not None:
+        raise ValueError(f"cache_implementation = {sampling.cache_implementation!r} is HF generate's; the vLLM server "
+                         "manages its own KV cache: leave it unset with backend 'vllm'")
     client = _Client(base_url or os.environ.get(URL_ENV) or DEFAULT_BASE_URL,
                      api_key if api_key is not None else os.environ.get(API_KEY_ENV), timeout, str(model))
     name = served_model_name or str(model)
@@ -143,6 +146,11 @@ def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos:
         "spaces_between_special_tokens": False,
         "return_token_ids": True,
     }
+    if s.do_sample and s.min_p > 0:
+        body["min_p"] = float(s.min_p)
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = float(s.repetition_penalty)
+    body.update(s.generation_kwargs or {})  # further fields of vLLM's sampling parameters
     if s.num_beams > 1:
         body["use_beam_search"] = True
     elif s.do_sample:

@@ -6,9 +6,11 @@ trainers in `stages.trainers` only gather the inputs and call these. One module 
 (reward models); `numerics` holds what they share.
 """
 from stages.losses.bradley_terry import reward_loss
-from stages.losses.likelihood import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.losses.likelihood import IGNORE_INDEX, SFT_LOSSES, sft_loss, sft_loss_from_logps
 from stages.losses.preference import (
     DPO_LOSSES,
+    F_DIVERGENCES,
+    KTO_LOSSES,
     OBJECTIVES,
     check_objective_output,
     dpo_loss,
@@ -43,10 +45,10 @@ from stages.losses.rl import (
     vespo_weights,
 )
 
-__all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_POLICY_TERMS", "GRPO_REWARD_SCALES", "IGNORE_INDEX",
-           "IMPORTANCE_SAMPLING_LEVELS", "IMPORTANCE_SAMPLING_MODES", "KL_ESTIMATORS", "OBJECTIVES",
-           "check_objective_output", "dpo_loss", "entropy_bonus", "explained_variance", "gae", "grpo_advantages",
-           "grpo_loss", "high_entropy_mask", "kl_k1", "kl_k3", "kto_loss", "masked_whiten", "normalized_sum_advantages",
-           "objective_problems", "off_policy_sequence_mask", "per_token_rewards", "ppo_loss", "preference_loss",
-           "resolve_objective", "reward_loss", "sampler_importance_weights", "sft_loss", "sft_loss_from_logps",
-           "sft_objective", "truncated_importance_weights", "vespo_weights"]
+__all__ = ["DPO_LOSSES", "F_DIVERGENCES", "GRPO_AGGREGATIONS", "GRPO_POLICY_TERMS", "GRPO_REWARD_SCALES",
+           "IGNORE_INDEX", "IMPORTANCE_SAMPLING_LEVELS", "IMPORTANCE_SAMPLING_MODES", "KL_ESTIMATORS", "KTO_LOSSES",
+           "OBJECTIVES", "SFT_LOSSES", "check_objective_output", "dpo_loss", "entropy_bonus", "explained_variance",
+           "gae", "grpo_advantages", "grpo_loss", "high_entropy_mask", "kl_k1", "kl_k3", "kto_loss", "masked_whiten",
+           "normalized_sum_advantages", "objective_problems", "off_policy_sequence_mask", "per_token_rewards",
+           "ppo_loss", "preference_loss", "resolve_objective", "reward_loss", "sampler_importance_weights",
+           "sft_loss", "sft_loss_from_logps", "sft_objective", "truncated_importance_weights", "vespo_weights"]

@@ -1,5 +1,12 @@
-"""Supervised fine-tuning's loss: token cross-entropy, from logits or from the labels' log-probs."""
+"""Supervised fine-tuning's loss: token cross-entropy, from logits or from the labels' log-probs.
+
+`SFT_LOSSES` names the per-token loss of each `SFTConfig.loss_type`: "nll" is -log p; "dft" (Dynamic
+Fine-Tuning, arXiv:2508.05629) is -log p weighted by p, with p held constant (no gradient through the weight),
+so tokens the model already finds unlikely pull less.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -7,9 +14,27 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Next-token cross-entropy over the labelled positions.
+def _nll(logps: torch.Tensor) -> torch.Tensor:
+    return -logps
+
+
+def _dft(logps: torch.Tensor) -> torch.Tensor:
+    return -logps * logps.detach().exp()
+
+
+# loss_type -> per-token loss from the labels' log-probs: (N,) -> (N,)
+SFT_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"nll": _nll, "dft": _dft}
+
+
+def token_loss_fn(loss_type: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if loss_type not in SFT_LOSSES:
+        raise ValueError(f"sft.loss_type = {loss_type!r}: expected one of {', '.join(SFT_LOSSES)}")
+    return SFT_LOSSES[loss_type]
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None,
+             loss_type: str = "nll") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token loss over the labelled positions (`SFT_LOSSES[loss_type]` per token).
 
     logits: (B, T, V) model outputs; labels: (B, T) token ids, IGNORE_INDEX where no loss
     (prompt and padding). Position t predicts labels[t + 1]. The sum of token losses is
@@ -22,8 +47,9 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: 
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:]
     mask = shift_labels != IGNORE_INDEX
-    token_loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="none")
+    logps = -F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
+    token_loss = token_loss_fn(loss_type)(logps)
     num_tokens = mask.sum()
     denom = num_items_in_batch if num_items_in_batch is not None else num_tokens.clamp(min=1)
     loss = token_loss.sum() / denom
@@ -32,11 +58,12 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: 
     return loss, {"num_tokens": num_tokens.detach(), "correct_tokens": correct}
 
 
-def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None,
+                        loss_type: str = "nll") -> torch.Tensor:
     """The same loss as `sft_loss`, from the labelled tokens' log-probs: (N,) -> scalar.
 
-    -sum(logps) / num_items_in_batch (or / N): what the chunked log-prob path of the SFT
-    trainer uses, where the (B, T, V) logits are never built.
+    sum(SFT_LOSSES[loss_type](logps)) / num_items_in_batch (or / N): what the chunked log-prob path of
+    the SFT trainer uses, where the (B, T, V) logits are never built.
     """
     denom = num_items_in_batch if num_items_in_batch is not None else max(logps.numel(), 1)
-    return -logps.sum() / denom
+    return token_loss_fn(loss_type)(logps).sum() / denom

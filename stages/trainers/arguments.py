@@ -16,8 +16,11 @@ import functools
 import importlib.util
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stages.fields import param
 
 _light = False  # True while `light_module` executes a config module
 
@@ -210,9 +213,26 @@ def check(config: Any) -> None:
         raise_problems(type(config).__name__, config.validate() + refused)
 
 
-class MethodConfig:
-    """Mixin of every method config, before TrainingArguments in its bases: deprecated names moved (`settle`),
-    then transformers' own checks, then the method's (`check`)."""
+def _json_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+@dataclass
+class ModelLoadingFields:
+    """TRL's model-loading fields, on every method config (through `MethodConfig` below)."""
+
+    model_init_kwargs: dict | None = param(
+        None, help="keyword arguments of from_pretrained when the trainer loads the model from a path (dtype, "
+        "attn_implementation, revision, ...; dtype defaults to float32); a model passed as an object must be "
+        "loaded with them already", check=_json_dict, rule="must be a mapping of from_pretrained keyword arguments")
+    trust_remote_code: bool = param(False, help="run the Python code a model folder ships when loading it and its "
+                                    "tokenizer (only for a model whose code you have read)")
+
+
+class MethodConfig(ModelLoadingFields):
+    """Mixin of every method config, before TrainingArguments in its bases: TRL's model-loading fields
+    (`model_init_kwargs`, `trust_remote_code`); in `__post_init__`, deprecated names moved (`settle`), then
+    transformers' own checks, then the method's (`check`)."""
 
     def __post_init__(self):
         settle(self)

@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from stages.fields import check_fields, param, positive
-from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.arguments import MethodConfig, is_light, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    RefSyncFields,
+    TokenizerFields,
+    activation_offloading_field,
     beta_field,
     chunked_field,
+    disable_dropout_field,
+    f_divergence_problems,
     loss_type_field,
     num_proc_field,
     objective_names,
     objectives_problems,
+    pad_to_multiple_of_field,
+    precompute_ref_batch_size_field,
+    truncation_mode_field,
 )
 
 TrainingArguments = training_arguments()
@@ -24,22 +33,33 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class DPOConfig(MethodConfig, TrainingArguments):
+class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments):
     beta: float = beta_field()
     loss_type: str | list[str] = loss_type_field()
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
     label_smoothing: float = param(0.0, help="conservative DPO / robust noise rate", check=lambda v: 0 <= v < 0.5,
                                    rule="must be in [0, 0.5)")
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = param(
+        "reverse_kl", help="the f-divergence of f-DPO (arXiv:2309.16240) that scores each log-ratio; reverse_kl "
+        "is DPO's own (stages.losses.F_DIVERGENCES)")
+    f_alpha_divergence_coef: float = param(0.5, help="α of f_divergence_type alpha_divergence")
+    discopop_tau: float = positive(0.05, "temperature of loss_type discopop's blend of logistic and exponential "
+                                   "losses (DiscoPOP, arXiv:2406.08414)")
     reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
+    disable_dropout: bool = disable_dropout_field()
     precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once before training (TRL's "
                                            "default: false; the pipeline caches them in stage `reference`, so a "
                                            "rerun with another beta or loss_type skips them); ignored with "
                                            "reference_free")
+    precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
+    truncation_mode: Literal["keep_start"] = truncation_mode_field()
     dataset_num_proc: int | None = num_proc_field()
     task_weights: dict[str, float] | None = param(None, help="loss scale per value of the rows' `task` column "
                                                   "(multi-task mixtures; tasks not listed: 1.0)")
     balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
+    activation_offloading: bool = activation_offloading_field()
     use_chunked_logprobs: bool = chunked_field()
 
     @property
@@ -48,6 +68,8 @@ class DPOConfig(MethodConfig, TrainingArguments):
 
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, DPOConfig) + objectives_problems(self)
+        problems += f_divergence_problems(self.f_divergence_type, self.objective_names, light=is_light(self))
+        problems += self.ref_sync_problems()
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))

@@ -24,7 +24,9 @@ from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import (
     REF_COLUMNS,
     PairCollator,
@@ -35,6 +37,7 @@ from stages.trainers.pair_batches import (
     tokenize_pairs,
     tokenized_dataset,
 )
+from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import (
     frozen_reference,
     is_peft,
@@ -82,7 +85,7 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 
 
 
-class DPOTrainer(CheckpointsRewardMean, Trainer):
+class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
@@ -94,6 +97,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
 
         def prepare(rows):
             if rows is not None:
@@ -105,7 +110,8 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or PairCollator(
-            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            processing_class.pad_token_id, pad_multiple(args.pad_to_multiple_of)), processing_class=processing_class,
+            train_dataset=prepare(train_dataset),
             eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
@@ -114,6 +120,7 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
             ref_model = None  # dropped: the columns replace it
         self.ref_model = frozen_reference(self.model, ref_model,
                                           needed=not args.reference_free and not self._has_ref_columns())
+        sync_reference(self)  # TR-DPO: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
 
@@ -128,16 +135,18 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
     def _precompute_reference(self, ref_model) -> None:
         """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
         ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
-        self.train_dataset = self._with_reference(self.train_dataset, ref)
-        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref))
+        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
 
-    def _with_reference(self, data, ref):
+    def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):
             return data
         with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
             logps = reference_logps_table(
                 module, self.processing_class, data.to_list(), max_length=self.args.max_length,
-                batch_size=self.args.per_device_eval_batch_size, device=self.args.device,
+                batch_size=batch_size, device=self.args.device,
                 chunked=self.args.use_chunked_logprobs)
         data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
         for j, col in enumerate(REF_COLUMNS):
@@ -172,7 +181,10 @@ class DPOTrainer(CheckpointsRewardMean, Trainer):
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
                                       ref_chosen, ref_rejected, weight=inputs.get("weight"), beta=self.args.beta,
                                       label_smoothing=self.args.label_smoothing,
-                                      reference_free=self.args.reference_free, bco_delta=bco_delta)
+                                      reference_free=self.args.reference_free, bco_delta=bco_delta,
+                                      discopop_tau=self.args.discopop_tau,
+                                      f_divergence_type=self.args.f_divergence_type,
+                                      f_alpha_divergence_coef=self.args.f_alpha_divergence_coef)
         mode = "train" if model.training else "eval"
         for key, value in stats.items():
             self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())

@@ -11,6 +11,13 @@ from typing import Literal
 
 from stages.fields import non_negative, param, positive
 
+MIN_P_HELP = "drop tokens less likely than min_p times the most likely one (null: off)"
+REPETITION_PENALTY_HELP = ("penalise tokens already in the prompt or completion: positive logits divided by it, "
+                           "negative ones multiplied (1.0: off)")
+GENERATION_KWARGS_HELP = ("further arguments of HF generate (backend hf, e.g. no_repeat_ngram_size) or fields of the "
+                          "vLLM request (backend vllm); the sampling settings above are their own keys")
+CACHE_IMPLEMENTATION_HELP = "HF generate's KV cache: static, offloaded, ... (backend hf; null: the model's default)"
+
 
 @dataclass
 class GenerationParams:
@@ -24,6 +31,10 @@ class GenerationParams:
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
+    min_p: float | None = param(None, help=MIN_P_HELP, check=lambda v: 0 <= v < 1, rule="must be in [0, 1) or null")
+    repetition_penalty: float = positive(1.0, REPETITION_PENALTY_HELP)
+    generation_kwargs: dict | None = param(None, help=GENERATION_KWARGS_HELP)
+    cache_implementation: str | None = param(None, help=CACHE_IMPLEMENTATION_HELP)
     batch_size: int = positive(64, "prompts per generate call")
     vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
     vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")

@@ -8,8 +8,10 @@ evaluation, a dict of them (each evaluated with its name in the metric prefix, a
 function here; every trainer in `stages.trainers` calls them in this order:
 
     args = args or default_args(SFTConfig, model, "SFT")
-    processing_class = load_processing_class(model, processing_class, args)
-    model = apply_peft(load_model(model, args, quantization_config), peft_config)
+    processing_class = load_processing_class(model, processing_class, args)  # + chat_template_path, eos/pad_token
+    model = apply_peft(load_model(model, args, quantization_config), peft_config)  # model_init_kwargs
+
+then, where the config asks, `apply_eos_to_model` (eos_token) and `disable_dropout`.
 
 Plus `renamed_kwarg` (an old keyword kept for one release with a FutureWarning naming the new
 one: a FutureWarning, not a DeprecationWarning, because Python shows it to the user by default, as
@@ -104,17 +106,104 @@ def _causal_lm(path: str, *, dtype: str, quantization_config=None, **kwargs):
 
 def load_processing_class(model, processing_class=None, args=None):
     """`processing_class` when given, else the tokenizer of the model's folder (`stages.models.load_tokenizer`:
-    EOS stands in for a missing pad token, as in TRL)."""
-    if processing_class is not None:
-        return processing_class
-    name = model_name(model)
-    if not name:
-        raise ValueError(f"processing_class is None and the model (a {type(model).__name__} built in memory) "
-                         "names no folder to load a tokenizer from: pass processing_class="
-                         "AutoTokenizer.from_pretrained(<its folder>), or pass model as that folder")
-    from stages.models import load_tokenizer
+    EOS stands in for a missing pad token, as in TRL); then the config's tokenizer fields applied to it
+    (`configure_tokenizer`)."""
+    if processing_class is None:
+        name = model_name(model)
+        if not name:
+            raise ValueError(f"processing_class is None and the model (a {type(model).__name__} built in memory) "
+                             "names no folder to load a tokenizer from: pass processing_class="
+                             "AutoTokenizer.from_pretrained(<its folder>), or pass model as that folder")
+        from stages.models import load_tokenizer
 
-    return load_tokenizer(name, trust_remote_code=bool(model_init_kwargs(args).get("trust_remote_code", False)))
+        processing_class = load_tokenizer(
+            name, trust_remote_code=bool(model_init_kwargs(args).get("trust_remote_code", False)))
+    return configure_tokenizer(processing_class, args)
+
+
+def configure_tokenizer(tokenizer, args):
+    """TRL's tokenizer fields of `args` (where the config has them) set on `tokenizer`, in place as TRL does:
+    `chat_template_path` (a .jinja/.j2 file, or a tokenizer folder whose template is copied), `eos_token`,
+    and `pad_token` (else the tokenizer's, else its EOS). A token must be in the vocabulary; a template
+    whose special tokens are not is refused (TRL adds them and resizes the embeddings; do that yourself)."""
+    owner = type(args).__name__ if args is not None else "args"
+    path = getattr(args, "chat_template_path", None)
+    if path is not None:
+        tokenizer.chat_template = _chat_template(path, tokenizer, owner)
+    vocab = tokenizer.get_vocab()
+    for field in ("eos_token", "pad_token"):
+        token = getattr(args, field, None)
+        if token is not None and token not in vocab:
+            raise ValueError(f"{owner}.{field} = {token!r}: not a token of the tokenizer's vocabulary "
+                             f"({type(tokenizer).__name__}, {len(vocab)} tokens); give one of its tokens, e.g. "
+                             f"{getattr(tokenizer, field, None)!r}, or add it with tokenizer.add_special_tokens and "
+                             "resize the model's embeddings")
+    if getattr(args, "eos_token", None) is not None:
+        tokenizer.eos_token = args.eos_token
+    if getattr(args, "pad_token", None) is not None:
+        tokenizer.pad_token = args.pad_token
+    elif getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _chat_template(path: str, tokenizer, owner: str) -> str:
+    source = Path(path).expanduser()
+    if source.is_file():
+        if source.suffix not in (".jinja", ".j2"):
+            raise ValueError(f"{owner}.chat_template_path = {path!r}: a file must be a Jinja template (.jinja or "
+                             ".j2); give such a file or a tokenizer folder")
+        return source.read_text(encoding="utf-8")
+    if not source.is_dir():
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: no such file or folder; give a .jinja/.j2 file "
+                         "or a tokenizer folder (hub ids are not fetched by the trainers)")
+    from transformers import AutoTokenizer
+
+    donor = AutoTokenizer.from_pretrained(str(source))
+    template = donor.chat_template
+    if not isinstance(template, str):
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the tokenizer there has no (single) chat "
+                         "template; give a folder whose tokenizer has one, or a .jinja file")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in donor.all_special_tokens if t in template and t not in vocab]
+    if missing:
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the template uses special tokens {missing} that "
+                         "the training tokenizer lacks; add them (tokenizer.add_special_tokens, then "
+                         "model.resize_token_embeddings) and pass that tokenizer, or use a template of this "
+                         "vocabulary")
+    return template
+
+
+def apply_eos_to_model(model, tokenizer, args) -> None:
+    """With `args.eos_token` set, the model's config and generation config stop at it too (as TRL does), so a
+    model trained to end on it also ends there when generating."""
+    if getattr(args, "eos_token", None) is None:
+        return
+    from stages.sharding import unwrap
+
+    inner = unwrap(model)
+    eos = tokenizer.eos_token_id
+    inner.config.eos_token_id = eos
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None:
+        current = generation.eos_token_id
+        current = [] if current is None else [current] if isinstance(current, int) else list(current)
+        generation.eos_token_id = [eos, *(i for i in current if i != eos)]
+
+
+def disable_dropout(*models) -> None:
+    """Dropout off in each model (None skipped): every `nn.Dropout` and the attention-dropout rate that
+    attention layers read from their own attribute."""
+    from torch import nn
+
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+            if isinstance(getattr(module, "attention_dropout", None), float):
+                module.attention_dropout = 0.0
 
 
 def apply_peft(model, peft_config=None, *, task_type: str = "CAUSAL_LM"):

@@ -2,8 +2,10 @@
 
 Rows are prompt/completion/label (desirable or not; unpaired). Each batch's completion log-probs
 under the policy and the reference, and the KL estimate from mismatched prompt/completion pairs of
-the batch, feed `stages.losses.kto_loss` with `desirable_weight` / `undesirable_weight`. The details:
-docs/trainers.md.
+the batch, feed `stages.losses.kto_loss` (`loss_type`) with `desirable_weight` / `undesirable_weight`.
+With `precompute_ref_log_probs`, one reference pass before training stores each row's reference
+log-probs and its KL pair's (REF_COLUMNS) and the reference model is dropped, as DPO does. The
+details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -17,14 +19,20 @@ from transformers import Trainer
 
 from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
+from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.sharding import unwrap
 from stages.tensors import pad
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
-from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
+from stages.trainers.ref_sync import sync_reference
+from stages.trainers.reference_model import frozen_reference, is_peft, reference_model, reference_sequence_logps
 
 KL_PREFIX = "kl_"
+REF_COLUMNS = ("ref_logps", "ref_kl_logps")  # precomputed reference log-probs (summed): the row's, its KL pair's
 
 
 def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: int = 0, kl: bool = True
@@ -87,22 +95,29 @@ def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight
 class KTOCollator:
     """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
     (prompt i + its `kl_completion_ids`) for the KL estimate; all 2B right-padded to one width, so that
-    `_pairs` can stack them as the pairs (matched, mismatched) that share prompt i; `desirable`: (B,) bool."""
+    `_pairs` can stack them as the pairs (matched, mismatched) that share prompt i; `desirable`: (B,) bool; the
+    REF_COLUMNS (B,) when the features have them."""
 
     pad_token_id: int
     max_length: int
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         pairs = [(f["prompt_ids"], f["completion_ids"]) for f in features]
         pairs += [(f["prompt_ids"], f["kl_completion_ids"]) for f in features]
         ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
         mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
-        both = {"input_ids": pad(ids, padding_value=self.pad_token_id),
-                "attention_mask": pad([torch.ones_like(i) for i in ids]), "completion_mask": pad(mask)}
+        multiple = self.pad_to_multiple_of
+        both = {"input_ids": pad(ids, padding_value=self.pad_token_id, pad_to_multiple_of=multiple),
+                "attention_mask": pad([torch.ones_like(i) for i in ids], pad_to_multiple_of=multiple),
+                "completion_mask": pad(mask, pad_to_multiple_of=multiple)}
         b = len(features)
         batch = {"desirable": torch.tensor([f["label"] for f in features])}
         for prefix, rows in (("", slice(0, b)), (KL_PREFIX, slice(b, 2 * b))):
             batch.update({f"{prefix}{k}": v[rows] for k, v in both.items()})
+        for column in REF_COLUMNS:
+            if column in features[0]:
+                batch[column] = torch.tensor([f[column] for f in features], dtype=torch.float32)
         return batch
 
 
@@ -117,7 +132,7 @@ def _pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([matched[k], mismatched[k]]) for k in matched}
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
@@ -139,13 +154,70 @@ class KTOTrainer(Trainer):
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
-            processing_class.pad_token_id, args.max_length), processing_class=processing_class, train_dataset=train,
-            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
-        self.ref_model = frozen_reference(self.model, ref_model)
+            processing_class.pad_token_id, args.max_length, pad_multiple(args.pad_to_multiple_of)),
+            processing_class=processing_class, train_dataset=train, eval_dataset=map_eval(eval_dataset, prepare),
+            callbacks=callbacks, optimizers=optimizers)
+        self.uses_kl = args.loss_type in KTO_LOSSES_WITH_KL
+        if args.precompute_ref_log_probs and not self._has_ref_columns():
+            self._precompute_reference(ref_model)
+            ref_model = None  # dropped: the columns replace it
+        self.ref_model = frozen_reference(self.model, ref_model, needed=not self._has_ref_columns())
+        sync_reference(self)  # TR-DPO's reference syncing: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _datasets(self) -> list:
+        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return [d for d in (self.train_dataset, *evals) if d is not None]
+
+    def _has_ref_columns(self) -> bool:
+        return all(set(REF_COLUMNS) <= set(d.column_names) for d in self._datasets())
+
+    def _precompute_reference(self, ref_model) -> None:
+        """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
+        ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
+        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
+
+    @torch.no_grad()
+    def _with_reference(self, data, ref, batch_size: int):
+        if data is None or set(REF_COLUMNS) <= set(data.column_names):
+            return data
+        collate = KTOCollator(self.processing_class.pad_token_id, self.args.max_length)
+        values: dict[str, list[float]] = {column: [] for column in REF_COLUMNS}
+        with reference_model(self.model, ref, precision=trainer_precision(self.args)) as module:
+            was_training = module.training
+            module.eval()
+            try:
+                for start in range(0, len(data), batch_size):
+                    batch = collate(data.select(range(start, min(start + batch_size, len(data)))).to_list())
+                    batch = {k: v.to(self.args.device) for k, v in batch.items()}
+                    for prefix, column in zip(("", KL_PREFIX), REF_COLUMNS):
+                        logps = reference_sequence_logps(module, _part(batch, prefix),
+                                                         chunked=self.args.use_chunked_logprobs)
+                        values[column] += logps.float().cpu().tolist()
+            finally:
+                module.train(was_training)
+        data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
+        for column in REF_COLUMNS:
+            data = data.add_column(column, values[column])
+        return data
+
+    def _reference_logps(self, model, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """Summed reference log-probs of the batch's matched ("") or KL ("kl_") rows: precomputed, else one
+        reference forward."""
+        column = REF_COLUMNS[0] if prefix == "" else REF_COLUMNS[1]
+        if column in batch:
+            return batch[column]
+        with torch.no_grad(), reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+            return reference_sequence_logps(ref, _part(batch, prefix), chunked=self.args.use_chunked_logprobs)
 
     @torch.no_grad()
     def kl_estimate(self, model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -154,10 +226,8 @@ class KTOTrainer(Trainer):
         ratios = []
         with self.compute_loss_context_manager():
             for batch in batches:
-                mismatched = _part(batch, KL_PREFIX)
-                kl_logps = sequence_logps(model, mismatched, chunked=chunked)
-                with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                    ratios.append(kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked))
+                kl_logps = sequence_logps(model, _part(batch, KL_PREFIX), chunked=chunked)
+                ratios.append(kl_logps - self._reference_logps(model, batch, KL_PREFIX))
         return self._mean_over_processes(torch.cat(ratios))
 
     def _mean_over_processes(self, values: torch.Tensor) -> torch.Tensor:
@@ -171,28 +241,30 @@ class KTOTrainer(Trainer):
         ("kl"), computed here first. A step of one micro-batch gets it from the forwards of its loss instead
         (`compute_loss`): the same rows, the same value, no extra forward."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if len(batches) > 1:
+        if len(batches) > 1 and self.uses_kl:
             kl = self.kl_estimate(self.model, batches)
             batches = [{**b, "kl": kl} for b in batches]
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        chunked, precision = self.args.use_chunked_logprobs, trainer_precision(self.args)
-        if "kl" in inputs:  # the step's KL came with the micro-batch: the matched rows alone
-            rows = _part(inputs, "")
-            logps = sequence_logps(model, rows, chunked=chunked)
-            with torch.no_grad(), reference_model(model, self.ref_model, precision=precision) as ref:
-                ref_logps = reference_sequence_logps(ref, rows, chunked=chunked)
-            kl = inputs["kl"]
+        chunked = self.args.use_chunked_logprobs
+        if not self.uses_kl or "kl" in inputs:  # no KL, or the step's KL came with the micro-batch
+            logps = sequence_logps(model, _part(inputs, ""), chunked=chunked)
+            ref_logps = self._reference_logps(model, inputs, "")
+            kl = inputs["kl"] if self.uses_kl else torch.zeros((), device=logps.device)
         else:  # matched and mismatched rows share their prompt: one packed forward per model gives both
             rows, b = _pairs(inputs), inputs["desirable"].shape[0]
             both = sequence_logps(model, rows, chunked=chunked, pairs=True)
-            with torch.no_grad(), reference_model(model, self.ref_model, precision=precision) as ref:
-                ref_both = reference_sequence_logps(ref, rows, chunked=chunked, pairs=True)
+            if all(column in inputs for column in REF_COLUMNS):
+                ref_both = torch.cat([inputs[column] for column in REF_COLUMNS])
+            else:
+                with torch.no_grad(), reference_model(model, self.ref_model,
+                                                      precision=trainer_precision(self.args)) as ref:
+                    ref_both = reference_sequence_logps(ref, rows, chunked=chunked, pairs=True)
             logps, ref_logps = both[:b], ref_both[:b]
             kl = self._mean_over_processes(both[b:].detach() - ref_both[b:])
         desirable = inputs["desirable"]
-        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
+        losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta, loss_type=self.args.loss_type,
                           desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)
         self._record("train" if model.training else "eval", logps.detach(), ref_logps, kl, desirable)
         loss = losses.mean()
@@ -202,7 +274,8 @@ class KTOTrainer(Trainer):
         gather = self.accelerator.gather_for_metrics
         logps, rewards, desirable = gather(logps), gather(self.args.beta * (logps - ref_logps)), gather(desirable)
         m = self._metrics[mode]
-        m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
+        if self.uses_kl:
+            m["kl"].append(kl.item())  # the raw estimate; kto_loss clamps it at 0
         for name, select in (("chosen", desirable), ("rejected", ~desirable)):
             if select.any():  # a batch may hold one class only
                 m[f"rewards/{name}"].append(rewards[select].mean().item())

@@ -9,12 +9,33 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from stages.fields import param, positive
+from stages.trainers.generation_params import (
+    CACHE_IMPLEMENTATION_HELP,
+    GENERATION_KWARGS_HELP,
+    MIN_P_HELP,
+    REPETITION_PENALTY_HELP,
+)
+
+BETA_HELP = ("KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev split, "
+             "docs/methods.md)")
 
 
-def beta_field() -> Any:
-    """`beta` of DPO, KTO and online DPO: one default (0.3, the built-in task's dev choice; TRL: 0.1)."""
-    return positive(0.3, "KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev "
-                    "split, docs/methods.md)")
+def beta_field(*, per_epoch: bool = False) -> Any:
+    """`beta` of DPO, KTO and online DPO: one default (0.3, the built-in task's dev choice; TRL: 0.1). With
+    `per_epoch` (online DPO, as TRL's), a list of values, one per epoch, is accepted too (`beta_for_epoch`)."""
+    if not per_epoch:
+        return positive(0.3, BETA_HELP)
+    return param(0.3, help=BETA_HELP + "; a list gives one β per epoch, its last for the epochs after it",
+                 check=lambda v: v != [] and all(b > 0 for b in (v if isinstance(v, list) else [v])),
+                 rule="must be > 0, or a non-empty list of values > 0")
+
+
+def beta_for_epoch(beta: float | list[float], epoch: float) -> float:
+    """β for the (0-based, possibly fractional) `epoch`: `beta` itself, or its entry for that epoch, the last
+    entry once the list runs out."""
+    if not isinstance(beta, list):
+        return beta
+    return beta[min(int(epoch), len(beta) - 1)]
 
 
 def loss_type_field() -> Any:
@@ -63,11 +84,26 @@ def check_objectives(names: list[str], weights: list[float] | None) -> list[tupl
     return problems
 
 
+def f_divergence_problems(divergence: str, names: list[str], *, light: bool) -> list[tuple[str, str]]:
+    """f-DPO scores the margin of some DPO variants only (`stages.losses.F_DIVERGENCE_LOSSES`; a light config,
+    torch-free, leaves the check to the real one the stage builds)."""
+    if divergence == "reverse_kl" or light:
+        return []
+    from stages.losses.preference import F_DIVERGENCE_LOSSES
+
+    others = [n for n in names if n not in F_DIVERGENCE_LOSSES]
+    if not others:
+        return []
+    return [("f_divergence_type", f"= {divergence!r}: applies to loss_type {', '.join(F_DIVERGENCE_LOSSES)} only; "
+             f"loss_type also names {others}: use reverse_kl with those, or drop them")]
+
+
 # The sampling settings of the online configs, flat as in TRL (`max_completion_length` or `max_new_tokens` is the
 # config's own field, named as TRL names it there). The old nested `generation` section maps onto them.
 SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                     "batch_size": "generation_prompts_per_call", "vllm_url": "vllm_server_base_url",
-                    "vllm_model": "vllm_model"}
+                    "vllm_model": "vllm_model", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "generation_kwargs": "generation_kwargs", "cache_implementation": "cache_implementation"}
 
 
 @dataclass
@@ -83,6 +119,10 @@ class SamplingFields:
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,
                        rule="must be >= 0")
+    min_p: float | None = param(None, help=MIN_P_HELP, check=lambda v: 0 <= v < 1, rule="must be in [0, 1) or null")
+    repetition_penalty: float = positive(1.0, REPETITION_PENALTY_HELP)
+    generation_kwargs: dict | None = param(None, help=GENERATION_KWARGS_HELP)
+    cache_implementation: str | None = param(None, help=CACHE_IMPLEMENTATION_HELP)
     generation_prompts_per_call: int = positive(64, "prompts per generate call")
     vllm_server_base_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server "
                                       "(generation_backend: vllm)")
@@ -93,7 +133,9 @@ class SamplingFields:
         from stages.trainers.generation_params import GenerationParams
 
         return GenerationParams(backend=self.generation_backend, max_new_tokens=getattr(self, self.MAX_TOKENS),
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                repetition_penalty=self.repetition_penalty, generation_kwargs=self.generation_kwargs,
+                                cache_implementation=self.cache_implementation,
                                 batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
                                 vllm_model=self.vllm_model)
 
@@ -116,3 +158,71 @@ def tis_warn_field() -> Any:
                     "float rounding, and E_mu[pi/mu] = 1 for any sampler covering the policy's support, so a larger "
                     "departure means the sampler truncates the distribution (top-p/top-k, raw instead of processed "
                     "log-probs) or the ratios are so heavy-tailed that the capped gradient is biased")
+
+
+# ---- how a trainer loads the model and the tokenizer (stages.trainers.inputs applies them)
+
+@dataclass
+class TokenizerFields:
+    """TRL's tokenizer fields of SFT, reward and DPO (`stages.trainers.inputs.configure_tokenizer`)."""
+
+    chat_template_path: str | None = param(
+        None, help="a Jinja chat template file (.jinja / .j2), or a tokenizer folder whose template to use, "
+        "set on the tokenizer before tokenising")
+    eos_token: str | None = param(None, help="end-of-sequence token (a token of the vocabulary) set on the "
+                                  "tokenizer and the model's generation config (null: the tokenizer's)")
+    pad_token: str | None = param(None, help="padding token (a token of the vocabulary; null: the tokenizer's, "
+                                  "else its EOS)")
+
+
+def _pad_multiple(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+
+
+def pad_to_multiple_of_field() -> Any:
+    return param(None, help="pad each batch's length up to a multiple of this (null: to its longest row; 'auto', "
+                 "TRL's default, pads only on AWS Neuron, so here as null)", check=_pad_multiple,
+                 rule="must be a positive integer, 'auto' or null")
+
+
+def pad_multiple(value: int | str | None) -> int | None:
+    """The multiple to pad to: 'auto' (TRL's setting for Neuron devices, which we do not target) is None."""
+    return None if value in (None, "auto") else int(value)
+
+
+def precompute_ref_batch_size_field() -> Any:
+    return param(None, help="rows per batch of the reference pass of precompute_ref_log_probs (null: "
+                 "per_device_train_batch_size for the training rows, per_device_eval_batch_size for evaluation rows)",
+                 check=lambda v: v >= 1, rule="must be >= 1 or null")
+
+
+def activation_offloading_field() -> Any:
+    return param(False, help="keep the activations saved for the backward pass in CPU memory instead of the GPU's "
+                 "(stages.trainers.offloading)")
+
+
+@dataclass
+class RefSyncFields:
+    """TR-DPO's reference syncing, TRL's names (DPO and KTO; `stages.trainers.ref_sync`)."""
+
+    sync_ref_model: bool = param(False, help="move the reference towards the policy every ref_model_sync_steps "
+                                 "steps (TR-DPO); needs a reference model: no PEFT, no precompute_ref_log_probs")
+    ref_model_mixup_alpha: float = param(0.6, help="α of the sync: reference <- α·policy + (1 - α)·reference",
+                                         check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
+    ref_model_sync_steps: int = positive(512, "optimizer steps between two reference syncs")
+
+    def ref_sync_problems(self) -> list[tuple[str, str]]:
+        if self.sync_ref_model and getattr(self, "precompute_ref_log_probs", False):
+            return [("sync_ref_model", "= true with precompute_ref_log_probs = true: precomputed reference log-probs "
+                     "cannot follow a moving reference; set precompute_ref_log_probs: false")]
+        return []
+
+
+def truncation_mode_field() -> Any:
+    return param("keep_start", help="which end of a row longer than max_length is kept: keep_start, TRL's only "
+                 "non-deprecated mode (keep_end is deprecated in TRL 1.16 and not taken here)")
+
+
+def disable_dropout_field() -> Any:
+    return param(True, help="turn dropout off in the model and the reference model (TRL's default), so the "
+                 "policy's and the reference's log-probs of the same text agree")

@@ -10,6 +10,7 @@ from stages.trainers.method_fields import (
     SamplingFields,
     beta_field,
     chunked_field,
+    disable_dropout_field,
     loss_type_field,
     objective_names,
     objectives_problems,
@@ -24,7 +25,13 @@ TrainingArguments = training_arguments()
 class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     MAX_TOKENS: ClassVar[str] = "max_new_tokens"
 
-    beta: float = beta_field()
+    beta: float | list[float] = beta_field(per_epoch=True)
+    reward_model_path: str | None = param(None, help="a reward model's folder that ranks the samples when "
+                                          "reward_funcs is not given to the trainer")
+    missing_eos_penalty: float | None = param(None, help="subtracted from the score of a completion that has no EOS "
+                                              "(cut at max_new_tokens), so shorter answers that end win (null: none)",
+                                              check=lambda v: v >= 0, rule="must be >= 0 or null")
+    disable_dropout: bool = disable_dropout_field()
     loss_type: str | list[str] = loss_type_field()
     loss_weights: list[float] | None = param(None, help="weights of the loss_type list (null: all 1.0)")
     max_new_tokens: int = positive(64, "generation budget per completion (tokens)")

@@ -4,7 +4,8 @@ Every optimizer step samples two completions per prompt from the current policy 
 seeded from the run seed, the step and the prompt), ranks them with the reward functions (TRL's
 `reward_funcs`; weights `reward_weights`), and trains on the pair with the same objectives as DPO
 (`stages.losses.preference_loss`) against the reference (a frozen copy, or the adapter-disabled base
-under PEFT). Ties and unscored pairs get no loss. The details: docs/trainers.md.
+under PEFT). `missing_eos_penalty` lowers the score of completions cut before EOS; `beta` may change
+per epoch (a list). Ties and unscored pairs get no loss. The details: docs/trainers.md.
 """
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import torch
 from transformers import Trainer
 
 from stages.basics import stable_seed
+from stages.generation.common import eos_token_ids
 from stages.losses import preference_loss, resolve_objective
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
+from stages.sharding import unwrap
 from stages.trainers.inputs import (
     apply_peft,
     check_dataset,
     default_args,
+    disable_dropout,
     load_model,
     load_processing_class,
     looks_like_rewards,
@@ -28,6 +32,7 @@ from stages.trainers.inputs import (
     refuse,
     renamed_kwarg,
 )
+from stages.trainers.method_fields import beta_for_epoch
 from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.online_generation import sample_online
 from stages.trainers.pair_batches import PairCollator, completion_token_counts, flush_metrics, sequence_logps
@@ -48,6 +53,14 @@ def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
         else:
             pairs.append((k, k + 1) if a > b else (k + 1, k))
     return pairs, dropped
+
+
+def penalise_missing_eos(scores: list[float | None], has_eos: list[bool], penalty: float | None
+                         ) -> list[float | None]:
+    """Each score minus `penalty` where its completion has no EOS (None scores and a None penalty: unchanged)."""
+    if penalty is None:
+        return scores
+    return [s if s is None or eos else s - penalty for s, eos in zip(scores, has_eos, strict=True)]
 
 
 def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int,
@@ -80,11 +93,15 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         if looks_like_rewards(ref_model):
             raise TypeError(f"OnlineDPOTrainer: ref_model = {ref_model!r} looks like reward functions; the order is "
                             "TRL's, OnlineDPOTrainer(model, ref_model, reward_funcs, ...): pass reward_funcs=...")
+        args = args or default_args(OnlineDPOConfig, model, "OnlineDPO")
+        if reward_funcs is not None and args.reward_model_path is not None:
+            raise ValueError(f"OnlineDPOTrainer: both reward_funcs and args.reward_model_path = "
+                             f"{args.reward_model_path!r} given; pass one (the folder may go in reward_funcs too)")
+        reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         if reward_funcs is None:
             raise ValueError("OnlineDPOTrainer: reward_funcs is None; online DPO ranks its two samples with reward "
                              "functions: pass reward_funcs= (a callable, a list, a built-in name such as "
-                             "'exact_match', or a reward model's folder)")
-        args = args or default_args(OnlineDPOConfig, model, "OnlineDPO")
+                             "'exact_match', or a reward model's folder), or set args.reward_model_path")
         rows = list(check_dataset(train_dataset, "train_dataset") or [])
         missing = [i for i, r in enumerate(rows) if "prompt" not in r]
         if not rows or missing:
@@ -94,6 +111,8 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         model = apply_peft(load_model(model, args), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
         self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs")
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
@@ -104,6 +123,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         self.ref_model = frozen_reference(self.model, ref_model)
         self.pair_collator = PairCollator(processing_class.pad_token_id)
+        self.eos_ids = set(eos_token_ids(processing_class, unwrap(self.model)))
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ (stages.trainers.reward_mean)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
@@ -130,6 +150,8 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
                              precision=trainer_precision(a))
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
+        scores = penalise_missing_eos(scores, [bool(self.eos_ids & set(ids)) for ids in gens.completion_ids],
+                                      a.missing_eos_penalty)
         pairs, dropped = rank_pairs(scores)
         self._metrics["pairs/dropped"].append(dropped)
         scored = [v for v in scores if v is not None]
@@ -146,6 +168,11 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
                                           a.max_length, weight=1.0 if c in kept else 0.0))
         return {k: v.to(a.device) for k, v in self.pair_collator(features).items()}
 
+    @property
+    def beta(self) -> float:
+        """β of the current epoch (`args.beta`, or its entry for this epoch when it is a list)."""
+        return beta_for_epoch(self.args.beta, self.state.epoch or 0.0)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = self.args.use_chunked_logprobs
         logps = sequence_logps(model, inputs, chunked=chunked, pairs=True)
@@ -154,12 +181,13 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         weight = inputs["weight"]  # (B,): 0 for a tied or unscored pair (kept so every rank runs backward)
         bco_delta = None
         if self.reward_mean is not None:  # bco_pair's running δ over the kept pairs' implicit rewards
-            rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.args.beta)
+            rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.beta)
             self.reward_mean.update(rewards[weight.repeat(2) > 0], self.accelerator.gather)
             bco_delta = self.reward_mean.value
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
-                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta,
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.beta,
                                       bco_delta=bco_delta)
+        stats["beta"] = torch.full_like(weight, self.beta)
         # mean x pairs = the sum over this micro-batch's kept pairs; x processes: DDP averages the gradients
         loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:

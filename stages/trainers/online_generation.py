@@ -35,7 +35,9 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     from stages.precision import cached_casts
 
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
-                              top_p=g.top_p, top_k=g.top_k, seed=seed)
+                              top_p=g.top_p, top_k=g.top_k, min_p=g.min_p or 0.0,
+                              repetition_penalty=g.repetition_penalty, generation_kwargs=g.generation_kwargs,
+                              cache_implementation=g.cache_implementation, seed=seed)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
     options: dict[str, Any] = backend_options(g, path)
     source = options.pop("model") if g.backend == "vllm" else model

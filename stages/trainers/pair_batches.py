@@ -66,16 +66,19 @@ def _with_prompt(row: dict) -> dict:
 
 @dataclass
 class PairCollator:
-    """Features -> one batch of 2B rows: chosen first, then rejected; right-padded."""
+    """Features -> one batch of 2B rows: chosen first, then rejected; right-padded (to a multiple of
+    `pad_to_multiple_of` when set)."""
 
     pad_token_id: int
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         ids = [torch.tensor(f[f"{s}_input_ids"]) for s in ("chosen", "rejected") for f in features]
         masks = [torch.tensor(f[f"{s}_completion_mask"]) for s in ("chosen", "rejected") for f in features]
-        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id),
-                 "attention_mask": pad([torch.ones_like(i) for i in ids]),
-                 "completion_mask": pad(masks)}
+        multiple = self.pad_to_multiple_of
+        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id, pad_to_multiple_of=multiple),
+                 "attention_mask": pad([torch.ones_like(i) for i in ids], pad_to_multiple_of=multiple),
+                 "completion_mask": pad(masks, pad_to_multiple_of=multiple)}
         for col in (*REF_COLUMNS, "weight"):
             if col in features[0]:
                 batch[col] = torch.tensor([f[col] for f in features], dtype=torch.float32)

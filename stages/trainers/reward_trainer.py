@@ -22,7 +22,17 @@ from stages.precision import use_fp32_cpu_attention
 from stages.reward_model import load_reward_model, pair_row, score_head, sequence_rewards, with_pad_token
 from stages.sharding import unwrap
 from stages.tensors import pad
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import (
+    apply_eos_to_model,
+    apply_peft,
+    disable_dropout,
+    load_model,
+    map_eval,
+    offline_inputs,
+    refuse,
+)
+from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import tokenized_dataset
 from stages.trainers.reward_config import RewardConfig  # noqa: F401 (the config of this trainer, re-exported)
 
@@ -82,11 +92,12 @@ class RewardCollator:
     """Features -> one batch of 2B right-padded rows (chosen first, then rejected) [+ margin (B,)]."""
 
     pad_token_id: int
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         ids = [torch.tensor(f[f"{s}_input_ids"]) for s in ("chosen", "rejected") for f in features]
-        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id),
-                 "attention_mask": pad([torch.ones_like(i) for i in ids])}
+        batch = {"input_ids": pad(ids, padding_value=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of),
+                 "attention_mask": pad([torch.ones_like(i) for i in ids], pad_to_multiple_of=self.pad_to_multiple_of)}
         if "margin" in features[0]:
             batch["margin"] = torch.tensor([f["margin"] for f in features], dtype=torch.float32)
         return batch
@@ -102,7 +113,7 @@ def _mean(values: list[float]) -> float:
 _REDUCE = {"reward_min": min, "reward_max": max}
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
@@ -116,6 +127,9 @@ class RewardTrainer(Trainer):
         model = load_model(model, args, quantization_config,
                            load=lambda path, **kwargs: load_reward_model(path, processing_class, **kwargs))
         model = apply_peft(model, peft_config, task_type="SEQ_CLS")  # PEFT then trains the whole score head
+        apply_eos_to_model(model, processing_class, args)
+        if args.disable_dropout:
+            disable_dropout(model)
 
         def prepare(rows):
             import datasets
@@ -133,7 +147,8 @@ class RewardTrainer(Trainer):
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or RewardCollator(
-            processing_class.pad_token_id), processing_class=processing_class, train_dataset=prepare(train_dataset),
+            processing_class.pad_token_id, pad_multiple(args.pad_to_multiple_of)), processing_class=processing_class,
+            train_dataset=prepare(train_dataset),
             eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}

@@ -1,9 +1,13 @@
 """Supervised fine-tuning: `SFTConfig` + `SFTTrainer` (a `transformers.Trainer`).
 
-Rows are prompt/completion (strings or chat messages) or plain text; they are tokenised
-with the chat template and a completion mask built from positions. With
-`completion_only_loss` the loss covers completion tokens only. The loss itself is
-`stages.losses.sft_loss` (from logits) or `sft_loss_from_logps`; this module only feeds it.
+Rows are conversations (a `messages` column, TRL's conversational language-modelling shape),
+prompt/completion (strings or chat messages), plain text, or anything a `formatting_func`
+turns into text; they are tokenised with the chat template and a completion mask built
+from positions. With `completion_only_loss` the loss covers completion tokens only (a
+`messages` row is all completion, as in TRL); with `assistant_only_loss`, every assistant
+turn of a conversation and nothing else. The loss itself is
+`stages.losses.sft_loss` (from logits) or `sft_loss_from_logps`, per token as `loss_type` names it
+(`stages.losses.SFT_LOSSES`); this module only feeds it.
 
 Memory: with `use_chunked_logprobs` (default) and a model whose output layer allows it
 (see `stages.logprobs`), the loss is computed from the final hidden states of
@@ -25,11 +29,13 @@ from stages.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, se
 from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.precision import use_fp32_cpu_attention
 from stages.sharding import unwrap
-from stages.trainers.inputs import apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.method_fields import pad_multiple
+from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(OffloadsActivations, Trainer):
     # compute_loss divides by the token count of the whole accumulated batch itself
     loss_is_scaled_for_ga = True
 
@@ -41,29 +47,34 @@ class SFTTrainer(Trainer):
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             SFTConfig, "SFT", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
+        apply_eos_to_model(model, processing_class, args)
         self.formatting_func = formatting_func
         args.remove_unused_columns = False  # the collator needs completion_mask / assistant_masks
         # Packed rows are kept apart by position_ids either way. Joining the whole batch into one row
         # only pays with flash-attention's varlen kernels; sdpa/eager would attend densely over B x L.
         attn = getattr(unwrap(model).config, "_attn_implementation", "") or ""
         data_collator = data_collator or CompletionCollator(
-            pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss,
+            pad_token_id=processing_class.pad_token_id, completion_only_loss=args.completion_only_loss is not False,
             assistant_only_loss=args.assistant_only_loss,
-            padding_free=args.packing and attn.startswith("flash_attention"), max_length=args.max_length)
+            padding_free=args.padding_free or (args.packing and attn.startswith("flash_attention")),
+            max_length=args.max_length, pad_to_multiple_of=pad_multiple(args.pad_to_multiple_of))
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class,
             train_dataset=self._prepare(train_dataset, processing_class, args, args.packing),
-            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(rows, processing_class, args, False)),
+            eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(
+                rows, processing_class, args, args.packing if args.eval_packing is None else args.eval_packing,
+                shuffle=False)),
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 
-    def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool):
+    def _prepare(self, rows, tokenizer, args: SFTConfig, pack: bool, *, shuffle: bool | None = None):
         """Rows -> tokenised Dataset (`Dataset.map` over args.dataset_num_proc processes, cached as Arrow files by
-        content: stages.data.tokenize.tokenized_dataset), packed if asked; IterableDatasets are tokenised lazily."""
+        content: stages.data.tokenize.tokenized_dataset), shuffled with the seed (`shuffle`, default
+        args.shuffle_dataset) and packed if asked; IterableDatasets are tokenised lazily."""
         import datasets
 
         if rows is None:
@@ -72,6 +83,8 @@ class SFTTrainer(Trainer):
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
         dataset = tokenized_dataset(rows, partial(_tokenize_checked, tokenize, args.max_length), marker="input_ids",
                                     tokenizer=tokenizer, num_proc=getattr(args, "dataset_num_proc", None))
+        if (args.shuffle_dataset if shuffle is None else shuffle) and isinstance(dataset, datasets.Dataset):
+            dataset = dataset.shuffle(seed=args.seed)
         if pack and not isinstance(dataset, datasets.IterableDataset):
             dataset = pack_dataset(dataset, args.max_length, args.packing_strategy)
         return dataset
@@ -84,12 +97,13 @@ class SFTTrainer(Trainer):
             select = targets != IGNORE_INDEX
             hidden, outputs = selected_hidden(model, inputs, select)
             logps = head_logprobs(hidden, head, targets[select])
-            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch)
+            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch, loss_type=self.args.loss_type)
             stats = {"num_tokens": select.sum(), "correct_tokens": (head_argmax(hidden.detach(), head)
                                                                     == targets[select]).sum()}
         else:
             outputs = model(**inputs, use_cache=False)
-            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch)
+            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch,
+                                   loss_type=self.args.loss_type)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages grads; the denominator is already global
         mode = "train" if model.training else "eval"
@@ -123,8 +137,9 @@ def _tokenize_checked(tokenize, max_length: int, rows: list[dict], *, start: int
 def check_targets(rows: list[dict[str, list[int]]], max_length: int, *, start: int = 0) -> None:
     """Every row must keep at least one loss token after truncation (else the prompt fills max_length).
     `start`: the index of the first of `rows` in the whole dataset, for the message."""
-    key = "assistant_masks" if rows and "assistant_masks" in rows[0] else "completion_mask"
-    empty = [i for i, r in enumerate(rows) if not any(r.get(key, [1]))]
+    keys = [k for k in ("assistant_masks", "completion_mask") if rows and k in rows[0]]
+    empty = [i for i, r in enumerate(rows) if keys and not any(all(m) for m in zip(*(r[k] for k in keys),
+                                                                                   strict=True))]
     if empty:
         raise ValueError(f"sft.max_length = {max_length} is shorter than the prompt of {len(empty)} row(s) "
                          f"(first: row {start + empty[0]}), which would leave nothing to learn; raise "

@@ -7,8 +7,8 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"KTOConfig.loss_type"); a "Class.name" we have with a narrower type than TRL's (OnlineDPOConfig.beta:
-a float, TRL also takes a list) is listed for the part we lack. Values: why, and what to do instead.
+"DPOConfig.ld_alpha"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
+lack. Values: why, and what to do instead.
 No TRL import here (torch-free).
 """
 from __future__ import annotations
@@ -21,31 +21,17 @@ TRL_VERSION = "1.16"
 
 _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'; GRPO: use_vllm "
          "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
-_SAMPLER = "the sampler (stages.generation) takes temperature, top_p and top_k only"
-_TR_DPO = "TR-DPO's reference syncing is not built (the reference stays the starting model)"
+_TR_DPO = "this trainer's reference stays the starting model (TR-DPO's syncing: DPOConfig and KTOConfig)"
 _NO_METRICS = "evaluation returns the loss and the method's metrics only, no predictions for compute_metrics"
 
 UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
-    "model_init_kwargs": "the configs do not declare it yet: load the model with from_pretrained(...) and pass it",
-    "trust_remote_code": "the configs do not declare it yet: pass a model and processing_class loaded with "
-                         "trust_remote_code enabled",
     "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
-    "chat_template_path": "set tokenizer.chat_template and pass the tokenizer as processing_class",
-    "eos_token": "set the tokenizer's eos_token and pass the tokenizer as processing_class",
-    "pad_token": "set tokenizer.pad_token and pass the tokenizer as processing_class (deprecated in TRL too)",
-    "pad_to_multiple_of": "batches are padded to their longest row",
-    "activation_offloading": "offloading activations to the CPU is not built",
-    "disable_dropout": "dropout stays as the model's config sets it (only PPOConfig has disable_dropout)",
-    "truncation_mode": "rows are always cut at the end (TRL's keep_start, its only non-deprecated mode)",
-    "shuffle_dataset": "the training rows are always shuffled",
-    "padding_free": "SFT batches go padding-free by themselves with packing and flash attention; DPO packs each pair "
-                    "on its shared prefix instead",
-    "sync_ref_model": _TR_DPO, "ref_model_mixup_alpha": _TR_DPO, "ref_model_sync_steps": _TR_DPO,
-    "min_p": _SAMPLER, "repetition_penalty": _SAMPLER, "generation_kwargs": _SAMPLER,
-    "cache_implementation": _SAMPLER,
+    "pad_to_multiple_of": "this trainer pads each batch to its longest row",
+    "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
+                              "padding)",
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
@@ -53,27 +39,14 @@ UNSUPPORTED: dict[str, str] = {
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
-    "SFTConfig.loss_type": "SFT's loss is the token-mean negative log-likelihood; TRL's 'dft' is not built",
     "SFTConfig.dataset_kwargs": "rows are always prepared; pass rows that already hold input_ids to skip it",
-    "SFTConfig.eval_packing": "evaluation rows are never packed",
     "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
     "RewardTrainer.compute_metrics": _NO_METRICS,
     "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "DPOConfig.precompute_ref_batch_size": "the reference pass of precompute_ref_log_probs uses "
-                                           "per_device_eval_batch_size",
     "DPOConfig.ld_alpha": "LD-DPO's length weighting is not built",
-    "DPOConfig.f_divergence_type": "f-DPO is not built (loss_type variants: stages.losses.DPO_LOSSES)",
-    "DPOConfig.f_alpha_divergence_coef": "f-DPO is not built (loss_type variants: stages.losses.DPO_LOSSES)",
     "DPOConfig.use_weighting": "WPO weighting is not built; a 'weight' column scales each pair's loss instead",
-    "DPOConfig.discopop_tau": "the DiscoPOP loss is not built (loss_type variants: stages.losses.DPO_LOSSES)",
     "DPOTrainer.compute_metrics": _NO_METRICS,
-    "KTOConfig.loss_type": "KTO's loss is 'kto' only; apo_zero_unpaired is not built",
-    "KTOConfig.precompute_ref_log_probs": "KTO runs the reference every step (DPOConfig has precompute_ref_log_probs)",
-    "KTOConfig.precompute_ref_batch_size": "KTO runs the reference every step",
     "KTOTrainer.compute_metrics": _NO_METRICS,
-    "OnlineDPOConfig.beta": "a list of β values, one per epoch, is not built; give one float",
-    "OnlineDPOConfig.reward_model_path": "give the reward model's folder in reward_funcs",
-    "OnlineDPOConfig.missing_eos_penalty": "not built for online DPO (PPOConfig has missing_eos_penalty)",
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
     "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,

@@ -210,3 +210,74 @@ def test_tools_positional_as_in_trl(tok):
     tok2 = tiny.build_tokenizer(384)
     tok2.chat_template = "{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}" + tiny.CHAT_TEMPLATE
     assert apply_chat_template({"prompt": [user("q")]}, tok2, [{"name": "calc"}]) == {"prompt": f"[calc]{U}q{E}{A}"}
+
+
+# ---- assistant_spans: assistant-only masks for templates without {% generation %} markers ----------
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    """The tiny tokenizer with ChatML's special tokens and template (no generation markers), EOS <|im_end|>."""
+    tok = tiny.build_tokenizer(384)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token, tok.chat_template = "<|im_end|>", CHATML
+    return tok
+
+
+CONVERSATIONS = [
+    [user("What is 2 + 3?"), bot("5")],
+    [{"role": "system", "content": "Be brief.\n ok"}, user("2+3"), bot(" It is\n5 .  "), user("and 4+4"), bot("8\n\n")],
+    [user("a"), bot("b"), bot("c")],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_assistant_spans_mask_what_generation_markers_mark(tok, conversation):
+    """The tiny template marks each assistant content + '<|end|>' with {% generation %}: masks from
+    assistant_spans (positions of the rendered prefixes) equal transformers' masks from the markers."""
+    from stages.data.templates import assistant_spans, has_generation_markers
+
+    assert has_generation_markers(tok.chat_template)
+    enc = tok.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    text, spans = assistant_spans(conversation, tok)
+    ours = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert ours["input_ids"] == list(enc["input_ids"])
+    assert [int(any(s <= a < e for s, e in spans)) for a, _ in ours["offset_mapping"]] == list(enc["assistant_masks"])
+
+
+def test_assistant_only_masks_on_chatml_token_by_token(chatml):
+    """ChatML has no generation markers. Each assistant turn's target tokens are its content and <|im_end|>;
+    the role header before it and the newline after <|im_end|> are not targets (TRL's ChatML training
+    templates mark the same tokens)."""
+    from stages.data.templates import has_generation_markers
+    from stages.data.tokenize import tokenize_sft
+
+    assert not has_generation_markers(chatml.chat_template)
+    conversation = [user("2+3"), bot("5"), user("4+4"), bot("8 ok")]
+    [row] = tokenize_sft(chatml, [{"messages": conversation}], assistant_only=True)
+    tokens = chatml.convert_ids_to_tokens(row["input_ids"])
+
+    def enc(text):
+        return chatml.convert_ids_to_tokens(chatml(text, add_special_tokens=False)["input_ids"])
+    expected = []
+    for message in conversation:
+        header = enc(f"<|im_start|>{message['role']}\n")
+        body = enc(message["content"]) + ["<|im_end|>"]
+        target = int(message["role"] == "assistant")
+        expected += [(t, 0) for t in header] + [(t, target) for t in body] + [(t, 0) for t in enc("\n")]
+    assert list(zip(tokens, row["assistant_masks"], strict=True)) == expected
+
+
+def test_assistant_spans_refuse_a_template_that_rewrites_earlier_turns():
+    from stages.data.templates import assistant_spans
+
+    tok = tiny.build_tokenizer(384)
+    # drops every assistant turn but the last: the first turn renders differently once more follows
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+                         "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="up to message 1 .*cannot be located by position"):
+        assistant_spans([user("a"), bot("b"), user("c"), bot("d")], tok)

@@ -206,3 +206,24 @@ def test_unknown_backend_and_bad_arguments(model, tok):
         generate(model, tok, PROMPTS, {"n": 1})
     with pytest.raises(ValueError, match="batch_size = 0"):
         generate(model, tok, PROMPTS, SamplingParams(), batch_size=0)
+
+
+def test_repetition_penalty_generation_kwargs_and_cache_are_generates_own(model, tok):
+    """Greedy with repetition_penalty, a generate argument through generation_kwargs and a cache implementation:
+    the tokens HF generate gives with the same arguments; the auto backend leaves them to HF generate (the
+    decoder steps aside), and a key SamplingParams owns is refused in generation_kwargs."""
+    s = SamplingParams(max_new_tokens=8, repetition_penalty=1.5, generation_kwargs={"no_repeat_ngram_size": 1},
+                       cache_implementation="dynamic")
+    gens = generate(model, tok, PROMPTS[:3], s, backend="auto")
+    assert gens.backend == "hf"
+    for prompt, completion in zip(PROMPTS[:3], gens.completion_ids):
+        ids = tok(render_prompt(tok, prompt), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.5,
+                                 no_repeat_ngram_size=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        expected = out[0, ids.shape[1]:].tolist()
+        assert completion == expected[:len(completion)] and len(set(completion)) == len(completion)
+    with pytest.raises(ValueError, match=r"generation_kwargs sets \['temperature'\]"):
+        SamplingParams(do_sample=True, generation_kwargs={"temperature": 0.5})
+    with pytest.raises(ValueError, match="generation backend = 'decoder' cannot run here: repetition_penalty"):
+        generate(model, tok, PROMPTS[:1], SamplingParams(repetition_penalty=1.2), backend="decoder")

@@ -88,3 +88,53 @@ def test_per_row_samples_follow_the_filtered_distribution(model, tok):
                          minlength=len(logits)).double() / s.n
     assert set(got.nonzero().flatten().tolist()) <= set(top.indices.tolist())  # top-k filtered
     assert 0.5 * (got - want.double()).abs().sum() < 0.05
+
+
+def _first_token_frequencies(model, tok, s: SamplingParams) -> torch.Tensor:
+    gens = generate(model, tok, [PROMPTS[0]], s)
+    assert gens.backend in ("hf", "decoder")
+    return torch.bincount(torch.tensor([c[0] for c in gens.completion_ids]), minlength=model.config.vocab_size
+                          ).double() / s.n
+
+
+def _first_logits(model, tok) -> tuple[torch.Tensor, list[int]]:
+    ids = tok(render_prompt(tok, PROMPTS[0]), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].double(), ids
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one(model, tok):
+    """The first tokens of 2000 samples vs the min-p distribution computed by hand: p (temperature 0.3) renormalised
+    over the tokens with p >= min_p · max p; total variation < 0.05."""
+    s = SamplingParams(max_new_tokens=1, do_sample=True, n=2000, temperature=0.3, min_p=0.2, seed=1)
+    logits, _ = _first_logits(model, tok)
+    probs = (logits / 0.3).softmax(-1)
+    keep = probs >= 0.2 * probs.max()
+    want = torch.where(keep, probs, 0.0)
+    want = want / want.sum()
+    got = _first_token_frequencies(model, tok, s)
+    assert 1 < keep.sum() < 50 and set(got.nonzero().flatten().tolist()) <= set(keep.nonzero().flatten().tolist())
+    assert 0.5 * (got - want).abs().sum() < 0.05
+
+
+def test_repetition_penalty_in_the_sampler_by_hand():
+    """Scores (2, 1, 0.5, -1, 0) with tokens 0 and 3 already in the row, θ = 2: CTRL's penalty gives
+    (1, 1, 0.5, -2, 0). Uniform 0 picks token 0, uniform 0.999 the last token; each logged log-prob is the
+    token's log-softmax under the penalised scores."""
+    from stages.generation.per_row_sampler import PerRowSampler
+
+    s = SamplingParams(max_new_tokens=1, do_sample=True, n=2, repetition_penalty=2.0)
+    sampler = PerRowSampler(torch.tensor([[0.0], [0.999]], dtype=torch.float64), start=2, s=s)
+    scores = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2)
+    out = sampler(torch.tensor([[0, 3]] * 2), scores)
+    assert out.argmax(-1).tolist() == [0, 4]
+    expected = torch.tensor([1.0, 1.0, 0.5, -2.0, 0.0], dtype=torch.float64).log_softmax(-1)
+    assert torch.allclose(sampler.logps[0], expected[[0, 4]])
+
+
+def test_repetition_penalty_reaches_the_per_row_sampler(model, tok):
+    """The same seeds with and without a strong penalty: other samples (the penalised distribution)."""
+    plain = SamplingParams(max_new_tokens=6, do_sample=True, n=4, seed=3)
+    penalised = SamplingParams(max_new_tokens=6, do_sample=True, n=4, seed=3, repetition_penalty=5.0)
+    a, b = generate(model, tok, PROMPTS, plain), generate(model, tok, PROMPTS, penalised)
+    assert a.completion_ids != b.completion_ids and b.backend == "hf"

@@ -321,3 +321,15 @@ def test_real_vllm_server(tiny_path):
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+
+
+def test_min_p_repetition_penalty_and_generation_kwargs_reach_the_request(tok):
+    sampling = SamplingParams(max_new_tokens=5, n=3, do_sample=True, min_p=0.1, repetition_penalty=1.3,
+                              generation_kwargs={"presence_penalty": 0.5}, seed=100)
+    with FakeVLLM("m", scripted(tok, 100)) as server:
+        generate("m", tok, PROMPTS[:1], sampling, backend="vllm", base_url=server.url)
+    body = server.requests[0][1]
+    assert (body["min_p"], body["repetition_penalty"], body["presence_penalty"]) == (0.1, 1.3, 0.5)
+    with pytest.raises(ValueError, match="cache_implementation = 'static' is HF generate's"):
+        generate("m", tok, PROMPTS[:1], SamplingParams(cache_implementation="static"), backend="vllm",
+                 base_url="http://127.0.0.1:9")

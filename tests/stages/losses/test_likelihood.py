@@ -32,3 +32,44 @@ def test_sft_loss_global_denominator_makes_accumulation_exact():
     total = (labels[:, 1:] != -100).sum()
     parts = sum(sft_loss(logits[i:i + 1], labels[i:i + 1], num_items_in_batch=total)[0] for i in range(2))
     assert torch.allclose(full, parts, atol=1e-6)
+
+
+def test_dft_weights_each_token_loss_by_its_probability():
+    """V = 2 and logits (0, log 3) at both positions: p(token 1) = 3/4, p(token 0) = 1/4. Targets 1 then 0:
+    nll per token log(4/3) and log 4; dft multiplies each by its (constant) probability:
+    (3/4·log(4/3) + 1/4·log 4) / 2."""
+    logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)], [0.0, 0.0]]])
+    labels = torch.tensor([[IGNORE_INDEX, 1, 0]])
+    nll, _ = sft_loss(logits, labels)
+    dft, stats = sft_loss(logits, labels, loss_type="dft")
+    assert math.isclose(nll.item(), (math.log(4 / 3) + math.log(4)) / 2, rel_tol=1e-6)
+    assert math.isclose(dft.item(), (0.75 * math.log(4 / 3) + 0.25 * math.log(4)) / 2, rel_tol=1e-6)
+    assert stats["num_tokens"].item() == 2
+
+
+def test_dft_gradient_holds_the_weight_constant():
+    """d/dlogp [-logp · stop_grad(p)] = -p: the gradient of each token's log-prob is its probability."""
+    from stages.losses import sft_loss_from_logps
+
+    logps = torch.log(torch.tensor([0.75, 0.25])).requires_grad_()
+    sft_loss_from_logps(logps, loss_type="dft").backward()
+    assert torch.allclose(logps.grad, torch.tensor([-0.75, -0.25]) / 2)
+
+
+def test_chunked_and_full_logits_dft_agree():
+    from stages.losses import sft_loss_from_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[-100, 1, 2, 3, 4], [-100, -100, -100, 5, 6]])
+    full, _ = sft_loss(logits, labels, loss_type="dft")
+    targets, select = labels[:, 1:], labels[:, 1:] != -100
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0][select]
+    assert torch.allclose(full, sft_loss_from_logps(logps, loss_type="dft"), atol=1e-6)
+
+
+def test_unknown_sft_loss_type_is_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="sft.loss_type = 'dpo': expected one of nll, dft"):
+        sft_loss(torch.zeros(1, 2, 3), torch.tensor([[0, 1]]), loss_type="dpo")

@@ -170,9 +170,49 @@ def test_apo_down():
     _check(losses, [1.0, 1.25])
 
 
+def test_discopop():
+    """τ = 1, so the mix m = σ(Δ): pair 0 m = 3/4, -log σ(Δ) = log(4/3), exp(-Δ) = 1/3:
+    (1/4)·log(4/3) + (3/4)·(1/3); pair 1 m = 1/4, -log σ(Δ) = log 4, exp(-Δ) = 3: (3/4)·log 4 + (1/4)·3."""
+    losses, _, _ = dpo_loss(*_batch(), beta=1.0, loss_type="discopop", discopop_tau=1.0)
+    _check(losses, [math.log(4 / 3) / 4 + 1 / 4, 0.75 * math.log(4) + 0.75])
+
+
+def test_discopop_at_a_small_temperature_is_logistic_below_zero_and_exponential_above():
+    """τ = 0.01: m = σ(100·Δ) ≈ 1 for pair 0 (exp(-log 3) = 1/3), ≈ 0 for pair 1 (-log σ(-log 3) = log 4)."""
+    losses, _, _ = dpo_loss(*_batch(), beta=1.0, loss_type="discopop", discopop_tau=0.01)
+    _check(losses, [1 / 3, math.log(4)])
+
+
+@pytest.mark.parametrize("divergence, alpha, loss_type, expected", [
+    # forward KL scores r as 1 - e^(-r): r_c = log 3 -> 2/3, r = 0 -> 0, so Δ = ±2/3; sigmoid: log(1 + e^(∓2/3))
+    ("forward_kl", 0.5, "sigmoid", [math.log(1 + math.exp(-2 / 3)), math.log(1 + math.exp(2 / 3))]),
+    # JS scores r as log 2 + log σ(r): log 3 -> log 2 + log(3/4) = log(3/2), 0 -> 0; Δ = ±log(3/2),
+    # σ(log 3/2) = 3/5: -log(3/5) = log(5/3) and -log(2/5) = log(5/2)
+    ("js_divergence", 0.5, "sigmoid", [math.log(5 / 3), math.log(5 / 2)]),
+    # α = 1/2 scores r as (e^(-r/2) - 1)/(-1/2) = 2(1 - e^(-r/2)): log 3 -> 2 - 2/√3, 0 -> 0;
+    # hinge relu(1 - Δ): 1 - (2 - 2/√3) = 2/√3 - 1 and 1 + 2 - 2/√3 = 3 - 2/√3
+    ("alpha_divergence", 0.5, "hinge", [2 / math.sqrt(3) - 1, 3 - 2 / math.sqrt(3)]),
+    # α = 1 is the reverse-KL limit: DPO's own sigmoid values
+    ("alpha_divergence", 1.0, "sigmoid", [math.log(4 / 3), math.log(4)]),
+])
+def test_f_divergence_scores_the_log_ratios(divergence, alpha, loss_type, expected):
+    losses, chosen_rewards, rejected_rewards = dpo_loss(*_batch(), beta=1.0, loss_type=loss_type,
+                                                        f_divergence_type=divergence, f_alpha_divergence_coef=alpha)
+    _check(losses, expected)
+    _check(chosen_rewards, [LOG3, 0.0])  # the implicit rewards stay β·r
+    _check(rejected_rewards, [0.0, LOG3])
+
+
+def test_f_divergence_refuses_variants_that_do_not_score_the_margin():
+    with pytest.raises(ValueError, match="f_divergence_type = 'forward_kl' applies to loss_type sigmoid, hinge"):
+        dpo_loss(*_batch(), beta=1.0, loss_type="apo_zero", f_divergence_type="forward_kl")
+    with pytest.raises(ValueError, match="f_divergence_type = 'kl' is not supported"):
+        dpo_loss(*_batch(), beta=1.0, f_divergence_type="kl")
+
+
 def test_every_registered_loss_has_a_test_above():
     assert set(DPO_LOSSES) == {"sigmoid", "hinge", "ipo", "robust", "kto_pair", "bco_pair", "sppo_hard",
-                               "nca_pair", "apo_zero", "apo_down"}
+                               "nca_pair", "apo_zero", "apo_down", "discopop"}
 
 
 def test_rewards_are_beta_times_logratio_and_detached():
@@ -292,3 +332,20 @@ def test_kto_bad_inputs():
         kto_loss(policy, ref, 0.0, torch.tensor([True, False, True]), beta=1.0)
     with pytest.raises(ValueError, match="beta = 0"):
         kto_loss(policy, ref, 0.0, labels, beta=0)
+
+
+def test_apo_zero_unpaired_ignores_the_reference_point():
+    """β = 1, r = log 3 on both rows: desirable 1 - σ(log 3) = 1/4, undesirable σ(log 3) = 3/4; the same with a
+    KL of 5 (kto would shift both by it). Weights 2 and 3 scale each side: 1/2 and 9/4."""
+    policy, ref, labels = _kto_inputs()
+    for kl in (0.0, 5.0):
+        _check(kto_loss(policy, ref, torch.tensor(kl), labels, beta=1.0, loss_type="apo_zero_unpaired"), [0.25, 0.75])
+    _check(kto_loss(policy, ref, 0.0, labels, beta=1.0, loss_type="apo_zero_unpaired", desirable_weight=2.0,
+                    undesirable_weight=3.0), [0.5, 2.25])
+
+
+def test_kto_loss_type_is_checked():
+    policy, ref, labels = _kto_inputs()
+    with pytest.raises(ValueError, match=r"loss_type = 'apo_zero' is not supported; choose one of "
+                                         r"\['apo_zero_unpaired', 'kto'\]"):
+        kto_loss(policy, ref, 0.0, labels, beta=1.0, loss_type="apo_zero")

@@ -81,7 +81,8 @@ def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
     before = reference.REFERENCE_FORWARDS
     trainer = DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
                          train_dataset=rows, eval_dataset=rows[:16])
-    assert reference.REFERENCE_FORWARDS - before == 5  # (64 train + 16 eval rows) / eval batch 16: one precompute pass
+    # one precompute pass, in TRL's batch sizes: 64 train rows / train batch 8 + 16 eval rows / eval batch 16
+    assert reference.REFERENCE_FORWARDS - before == 9
     start = reference.REFERENCE_FORWARDS
     assert trainer.evaluate()["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference
     trainer.train()
@@ -90,6 +91,14 @@ def test_precompute_runs_no_reference_forward_during_training(setup, tmp_path):
     live = DPOTrainer(_load(path), args=_args(tmp_path), processing_class=tok, train_dataset=rows)
     live.train()
     assert reference.REFERENCE_FORWARDS - start == 3  # the counter does see live reference passes
+
+
+def test_precompute_ref_batch_size_sets_the_reference_pass_batch(setup, tmp_path):
+    path, tok, rows = setup
+    before = reference.REFERENCE_FORWARDS
+    DPOTrainer(_load(path), args=_args(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=32),
+               processing_class=tok, train_dataset=rows, eval_dataset=rows[:16])
+    assert reference.REFERENCE_FORWARDS - before == 3  # 64 / 32 + 16 / 32 (one short batch)
 
 
 def test_combination_is_the_weighted_sum_of_its_parts(setup, tmp_path):
@@ -190,3 +199,21 @@ def test_precompute_with_lora_uses_the_adapter_disabled_base(setup, tmp_path):
     got = torch.tensor([trainer.train_dataset[c] for c in REF_COLUMNS]).T
     assert torch.allclose(got, reference_logps_table(_load(path), tok, rows[:8], max_length=1024), atol=1e-4)
     assert not torch.allclose(got, reference_logps_table(model, tok, rows[:8], max_length=1024), atol=1e-2)
+
+
+def test_sync_ref_model_moves_the_reference_and_needs_one(setup, tmp_path):
+    """TR-DPO on DPO: after ref_model_sync_steps steps the reference is no longer the starting weights (the KTO
+    test checks the mix exactly); with PEFT there is no reference copy to move, which is refused."""
+    from peft import LoraConfig
+
+    path, tok, rows = setup
+    trainer = DPOTrainer(_load(path), args=_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1),
+                         processing_class=tok, train_dataset=rows)
+    start = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    assert all(not torch.equal(p, start[n]) for n, p in trainer.ref_model.named_parameters())
+    with pytest.raises(ValueError, match="sync_ref_model = true, but this trainer keeps no reference model"):
+        DPOTrainer(_load(path), args=_args(tmp_path, sync_ref_model=True), processing_class=tok, train_dataset=rows,
+                   peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
+        _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)

@@ -106,3 +106,96 @@ def test_one_packed_forward_gives_the_same_loss_and_kl_as_separate_rows(setup, t
     assert packed_kl == pytest.approx(separate_kl, abs=1e-5)
     assert packed_loss.item() == pytest.approx(separate_loss.item(), abs=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-3) for a, b in zip(packed_grads, separate_grads, strict=True))
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_precomputed_reference_trains_exactly_as_the_live_one(setup, tmp_path):
+    """precompute_ref_log_probs: one reference pass before training stores each row's and its KL pair's reference
+    log-probs; training then runs no reference forward, keeps no reference model, and logs the same losses and
+    KL as with the reference run every step."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainers import reference_model
+
+    path, tok, rows = setup
+    runs = {}
+    for precompute in (False, True):
+        torch.manual_seed(0)
+        trainer = KTOTrainer(AutoModelForCausalLM.from_pretrained(path), processing_class=tok, train_dataset=rows,
+                             args=_args(tmp_path, max_steps=6, precompute_ref_log_probs=precompute,
+                                        precompute_ref_batch_size=64))
+        forwards = reference_model.REFERENCE_FORWARDS
+        trainer.train()
+        runs[precompute] = trainer, reference_model.REFERENCE_FORWARDS - forwards
+    live, precomputed = runs[False][0], runs[True][0]
+    assert runs[True][1] == 0 and runs[False][1] > 0
+    assert precomputed.ref_model is None
+    assert {"ref_logps", "ref_kl_logps"} <= set(precomputed.train_dataset.column_names)
+    assert _losses(precomputed) == pytest.approx(_losses(live), abs=1e-5)
+    kls = [[h["kl"] for h in t.state.log_history if "kl" in h] for t in (live, precomputed)]
+    assert kls[1] == pytest.approx(kls[0], abs=1e-5) and any(abs(k) > 1e-4 for k in kls[0][1:])
+
+
+def test_precomputed_reference_with_lora_is_the_base_model(setup, tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    trainer = KTOTrainer(AutoModelForCausalLM.from_pretrained(path), processing_class=tok, train_dataset=rows[:8],
+                         args=_args(tmp_path, max_steps=1, precompute_ref_log_probs=True),
+                         peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    base = AutoModelForCausalLM.from_pretrained(path)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    from stages.trainers.pair_batches import sequence_logps
+
+    with torch.no_grad():
+        expected = sequence_logps(base, {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask")})
+    assert batch["ref_logps"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_apo_zero_unpaired_trains_without_a_kl_estimate(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    trainer = KTOTrainer(AutoModelForCausalLM.from_pretrained(path), processing_class=tok, train_dataset=rows,
+                         args=_args(tmp_path, max_steps=10, loss_type="apo_zero_unpaired"))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # r = 0: desirable 1 - σ(0), undesirable σ(0)
+    assert logs[-1]["loss"] < logs[0]["loss"] and not any("kl" in h for h in logs)
+
+
+def test_sync_ref_model_mixes_the_reference_towards_the_policy(setup, tmp_path):
+    """TR-DPO: at every ref_model_sync_steps-th step the reference becomes α·policy + (1 - α)·reference; checked
+    against the weights saved at the step before the sync (3 steps, a sync after step 2 only)."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    path, tok, rows = setup
+    trainer = KTOTrainer(AutoModelForCausalLM.from_pretrained(path), processing_class=tok, train_dataset=rows,
+                         args=_args(tmp_path, max_steps=3, sync_ref_model=True, ref_model_sync_steps=2,
+                                    ref_model_mixup_alpha=0.25))
+    seen = {}
+
+    class Snapshot(TrainerCallback):  # runs after SyncReference (added first, by the trainer)
+        def on_step_end(self, args, state, control, **kwargs):
+            seen[state.global_step] = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+
+    start = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    policy_at = {}
+
+    class PolicyAt(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            policy_at[state.global_step + 1] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    trainer.add_callback(PolicyAt())
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert all(torch.equal(seen[1][n], start[n]) for n in start)  # step 1: no sync
+    for n in start:  # step 2: synced with the policy after its second update
+        assert torch.allclose(seen[2][n], 0.25 * policy_at[2][n] + 0.75 * start[n], atol=1e-6), n
+    assert all(torch.equal(seen[3][n], seen[2][n]) for n in start)
+    with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
+        _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)

@@ -47,14 +47,17 @@ def test_completion_tokens_are_the_assistant_answer(setup, tmp_path):
     assert tok.decode(completion) == answer + "<|end|>"
 
 
-def test_assistant_only_loss_trains_every_assistant_turn(setup, tmp_path):
-    _, rows = setup
+@pytest.mark.parametrize("completion_only, expected", [(True, "4<|end|>"), (False, "2<|end|>4<|end|>")])
+def test_assistant_only_loss_trains_the_assistant_turns(setup, tmp_path, completion_only, expected):
+    """As in TRL: assistant_masks mark every assistant turn; with completion_only_loss (the default) the collator
+    also masks the prompt, so a prompt/completion row trains its completion's assistant turns only."""
     turns = [{"prompt": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
                          {"role": "user", "content": "2+2"}], "completion": [{"role": "assistant", "content": "4"}]}]
-    trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True)
+    trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True, completion_only_loss=completion_only)
     row = trainer._prepare(turns, tok, trainer.args, False)[0]
-    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
-    assert tok.decode(targets) == "2<|end|>4<|end|>"
+    assert tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]) == "2<|end|>4<|end|>"
+    labels = trainer.data_collator([row])["labels"][0]
+    assert tok.decode(labels[labels != -100]) == expected
 
 
 def test_packing_trains_and_uses_fewer_rows(setup, tmp_path):
@@ -91,3 +94,79 @@ def test_config_warms_up_like_the_pipeline(tmp_path):
     assert args.get_warmup_steps(752) == 38  # ceil(0.05 * 752): the schedule ramps over the first 38 steps
     off = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", warmup_steps=0)
     assert off.get_warmup_steps(752) == 0
+
+
+def _messages_rows(rows):
+    """The built-in rows as TRL's conversational language-modelling rows (trl-lib/Capybara's shape)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"messages": [r["prompt"] + r["completion"] for r in rows]})
+
+
+def test_messages_rows_train_on_the_whole_conversation(setup, tmp_path):
+    """A Dataset with one `messages` column (TRL's SFT quickstart): each row is the whole conversation rendered
+    with the chat template, every token a target, as in TRL; the loss falls."""
+    path, rows = setup
+    data = _messages_rows(rows)
+    trainer, tok = _trainer((path, data), tmp_path)
+    row = trainer.train_dataset[0]
+    text = tok.apply_chat_template(data[0]["messages"], tokenize=False)
+    assert row["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert all(row["completion_mask"])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_messages_rows_with_assistant_only_loss_target_the_assistant_turns(setup, tmp_path):
+    path, rows = setup
+    trainer, tok = _trainer((path, _messages_rows(rows[:4])), tmp_path, assistant_only_loss=True)
+    row = trainer.train_dataset[0]
+    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
+    assert tok.decode(targets) == rows[0]["completion"][0]["content"] + "<|end|>"
+    labels = trainer.data_collator([row])["labels"][0]
+    assert (labels != -100).sum() == len(targets)
+
+
+def test_assistant_only_loss_refuses_rows_that_are_not_conversations(setup, tmp_path):
+    path, _ = setup
+    with pytest.raises(ValueError, match=r"assistant_only_loss = true, but row 0 .* is not a conversation"):
+        _trainer((path, [{"text": "plain text"}]), tmp_path, assistant_only_loss=True)
+
+
+def test_rows_of_no_known_shape_are_explained(setup, tmp_path):
+    path, _ = setup
+    with pytest.raises(ValueError, match=r"an SFT row has columns \['question'\]; expected 'messages'"):
+        _trainer((path, [{"question": "2+2"}]), tmp_path)
+
+
+def test_shuffle_dataset_eval_packing_and_truncation_mode(setup, tmp_path):
+    """shuffle_dataset reorders the prepared training rows by the seed (the same rows); eval rows are packed as the
+    training rows are unless eval_packing says otherwise; truncation_mode takes TRL's keep_start only."""
+    path, rows = setup
+    plain, _ = _trainer(setup, tmp_path)
+    shuffled, _ = _trainer(setup, tmp_path, shuffle_dataset=True)
+    ids = [tuple(r["input_ids"]) for r in plain.train_dataset]
+    moved = [tuple(r["input_ids"]) for r in shuffled.train_dataset]
+    assert moved != ids and sorted(moved) == sorted(ids)
+    for eval_packing, packed in ((None, True), (False, False), (True, True)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        args = SFTConfig(output_dir=str(tmp_path), packing=True, max_length=128, eval_packing=eval_packing,
+                         report_to="none", use_cpu=True, save_strategy="no")
+        trainer = SFTTrainer(AutoModelForCausalLM.from_pretrained(path), args, train_dataset=rows[:64],
+                             eval_dataset=rows[:64], processing_class=AutoTokenizer.from_pretrained(path))
+        assert (len(trainer.eval_dataset) < 64) == packed, eval_packing
+    with pytest.raises(ValueError, match=r"truncation_mode = 'keep_end': expected one of 'keep_start'"):
+        SFTConfig(output_dir=str(tmp_path), truncation_mode="keep_end")
+
+
+def test_completion_only_loss_none_is_trls_auto(setup, tmp_path):
+    """TRL's default None: prompt/completion rows train their completion only (rows without a prompt are all
+    completion anyway), as True does; False trains the prompt too."""
+    row_labels = {}
+    for value in (None, True, False):
+        trainer, _ = _trainer(setup, tmp_path, completion_only_loss=value)
+        labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+        row_labels[value] = (labels != -100).sum().item()
+    assert row_labels[None] == row_labels[True] < row_labels[False]

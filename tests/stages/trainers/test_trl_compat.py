@@ -263,17 +263,17 @@ def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default(
     assert unsupported_trl_fields(SFTConfig, {"use_liger_kernel": False}) == []
     [(key, message)] = unsupported_trl_fields(SFTConfig, {"use_liger_kernel": True})
     assert key == "use_liger_kernel" and "Liger kernels are not built" in message
-    assert unsupported_trl_fields("SFTConfig", ["use_liger_kernel", "eval_packing", "packing"]) == [
+    assert unsupported_trl_fields("SFTConfig", ["use_liger_kernel", "dataset_kwargs", "packing"]) == [
         ("use_liger_kernel", trl_compat.unsupported_message("SFTConfig.use_liger_kernel", "use_liger_kernel")),
-        ("eval_packing", trl_compat.unsupported_message("SFTConfig.eval_packing", "eval_packing"))]
+        ("dataset_kwargs", trl_compat.unsupported_message("SFTConfig.dataset_kwargs", "dataset_kwargs"))]
 
 
 def test_a_field_of_our_own_is_never_refused():
-    """PPOConfig declares disable_dropout itself; the bare entry for TRL's other configs does not touch it."""
-    from stages.trainers.ppo_trainer import PPOConfig
+    """SFTConfig declares pad_to_multiple_of itself; the bare entry, there for GRPOConfig, does not touch it."""
+    from stages.trainers.sft_config import SFTConfig
 
-    assert unsupported_trl_fields(PPOConfig, {"disable_dropout": False}) == []
-    assert unsupported_trl_fields("DPOConfig", {"disable_dropout": True})[0][0] == "disable_dropout"
+    assert unsupported_trl_fields(SFTConfig, {"pad_to_multiple_of": 8}) == []
+    assert unsupported_trl_fields("GRPOConfig", {"pad_to_multiple_of": 8})[0][0] == "pad_to_multiple_of"
 
 
 @pytest.mark.parametrize("annotation, expected", [
