@@ -239,7 +239,11 @@ class TrainingStage:
 PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed": "run.seed",
                  "use_cpu": "run.device", "bf16": "<section>.mixed_precision", "fp16": "<section>.mixed_precision",
                  "disable_tqdm": "(progress is logged with an ETA)", "save_strategy": "<section>.save_steps",
-                 "logging_nan_inf_filter": "(the NaN/Inf guard needs every value)"}
+                 "logging_nan_inf_filter": "(the NaN/Inf guard needs every value)",
+                 # the stages load the model themselves, from the model section
+                 "model_init_kwargs": "model.dtype and model.trust_remote_code",
+                 "trust_remote_code": "model.trust_remote_code",
+                 "reward_model_path": "<section>.reward_functions (reward_model: stage reward's model)"}
 # The defaults every training section starts from where they differ from TrainingArguments' (the pipeline saves
 # and logs more often, keeps 2 checkpoints, warms up, and reports to run.report_to: stages/trackers.py).
 STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,

@@ -111,7 +111,7 @@ def pipeline_key_problems(raw: dict[str, Any]) -> list[str]:
     default (they would be ignored); a resolved params file (a launched stage's) lists them at their defaults."""
     return [f"{dotted}.{key} = {node[key]!r}: set by the pipeline from {where.replace('<section>', dotted)}; remove it "
             "here" for dotted, node, cls in _sections(raw) for key, where in PIPELINE_KEYS.items()
-            if key in node and node[key] != cls.__dataclass_fields__[key].default]
+            if key in node and key in cls.__dataclass_fields__ and node[key] != cls.__dataclass_fields__[key].default]
 
 
 def parse_overrides(overrides: list[str] | dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

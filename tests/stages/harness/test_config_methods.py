@@ -134,6 +134,13 @@ def test_every_training_arguments_key_is_reachable_from_params_yaml():
 def test_a_key_the_pipeline_sets_is_refused_with_where_to_set_it():
     with pytest.raises(ValueError, match=r"sft.seed = 3: set by the pipeline from run.seed"):
         load_params(ROOT / "params.yaml", {"sft.seed": 3})
+    # TRL's model-loading fields: the stages load the model from the model section, so they would go unused
+    with pytest.raises(ValueError, match=r"policy.dpo.trust_remote_code = True: set by the pipeline from "
+                                         r"model.trust_remote_code"):
+        load_params(ROOT / "params.yaml", {"policy.dpo.trust_remote_code": True})
+    with pytest.raises(ValueError, match=r"sft.model_init_kwargs = \{'dtype': 'bfloat16'\}: set by the pipeline from "
+                                         r"model.dtype"):
+        load_params(ROOT / "params.yaml", {"sft.model_init_kwargs": {"dtype": "bfloat16"}})
 
 
 def test_params_validation_imports_no_torch():
