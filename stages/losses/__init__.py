@@ -2,10 +2,12 @@
 
 Each training method's loss lives here so it can be tested with five-element tensors; the
 trainers in `stages.trainers` only gather the inputs and call these. One module per family:
-`likelihood` (SFT), `preference` (DPO variants, KTO, named objectives), `rl` (KL, GRPO, PPO), `bradley_terry`
-(reward models); `numerics` holds what they share.
+`likelihood` (SFT), `preference` (DPO variants, KTO, named objectives), `rl` (KL, GRPO, PPO), `rloo`
+(RLOO), `distillation` (on-policy distillation), `bradley_terry` (reward models); `numerics` holds
+what they share.
 """
 from stages.losses.bradley_terry import reward_loss
+from stages.losses.distillation import distillation_loss, generalized_jsd
 from stages.losses.likelihood import IGNORE_INDEX, sft_loss, sft_loss_from_logps
 from stages.losses.preference import (
     DPO_LOSSES,
@@ -33,9 +35,10 @@ from stages.losses.rl import (
     ppo_loss,
     truncated_importance_weights,
 )
+from stages.losses.rloo import rloo_advantages, rloo_loss
 
 __all__ = ["DPO_LOSSES", "GRPO_AGGREGATIONS", "GRPO_REWARD_SCALES", "IGNORE_INDEX", "KL_ESTIMATORS", "OBJECTIVES",
-           "check_objective_output", "dpo_loss", "explained_variance", "gae", "grpo_advantages", "grpo_loss", "kl_k1",
-           "kl_k3", "kto_loss", "masked_whiten", "objective_problems", "per_token_rewards", "ppo_loss",
-           "preference_loss", "resolve_objective", "reward_loss", "sft_loss", "sft_loss_from_logps", "sft_objective",
-           "truncated_importance_weights"]
+           "check_objective_output", "distillation_loss", "dpo_loss", "explained_variance", "gae", "generalized_jsd",
+           "grpo_advantages", "grpo_loss", "kl_k1", "kl_k3", "kto_loss", "masked_whiten", "objective_problems",
+           "per_token_rewards", "ppo_loss", "preference_loss", "resolve_objective", "reward_loss", "rloo_advantages",
+           "rloo_loss", "sft_loss", "sft_loss_from_logps", "sft_objective", "truncated_importance_weights"]
