@@ -1,0 +1,137 @@
+"""REINFORCE leave-one-out: `RLOOTrainer` (a `transformers.Trainer`; config: `rloo_config.py`).
+
+Every optimizer step samples `num_generations` completions per prompt from the policy, scores them
+with the reward functions, and trains on `stages.losses.rloo_loss` with the advantages of
+`stages.losses.rloo_advantages`: each completion's reward minus the mean reward of the prompt's
+other completions. With `beta` > 0 the KL to the reference is part of the reward (beta x the
+completion's summed log-ratio π_old / π_ref), not of the loss; the importance ratio is one per
+sequence. The step's mechanics (sampling every micro-batch of the step at its start, reuse for
+`num_iterations` updates, scoring, timing and checkpointed rollouts) are GRPOTrainer's; this class
+replaces what RLOO does differently: the rollout batch's advantages and the loss.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from stages.basics import stable_seed
+from stages.losses import rloo_advantages, rloo_loss
+from stages.precision import trainer_precision
+from stages.sharding import unwrap
+from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_token_logps
+from stages.trainers.inputs import default_args, refuse
+from stages.trainers.online_extras import (
+    PromptBatchSampler,
+    ReferenceSync,
+    completion_sample,
+    disable_dropout,
+    log_completion_sample,
+    pad_to_multiple,
+)
+from stages.trainers.online_generation import sample_online
+from stages.trainers.reference_model import reference_model
+from stages.trainers.rloo_config import RLOOConfig
+
+
+class RLOOTrainer(GRPOTrainer):
+    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, *, data_collator=None):
+        refuse("RLOOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes)
+        if reward_funcs is None:
+            raise ValueError("RLOOTrainer: reward_funcs is None; RLOO needs at least one reward function (a callable, "
+                             "a list, a built-in name such as 'exact_match', or a reward model's folder)")
+        args = args or default_args(RLOOConfig, model, "RLOO")
+        if not isinstance(args, RLOOConfig):
+            raise TypeError(f"args is a {type(args).__name__}: RLOOTrainer takes an RLOOConfig")
+        super().__init__(model, reward_funcs, args, train_dataset, processing_class=processing_class,
+                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+                         peft_config=peft_config, data_collator=data_collator)
+        if args.disable_dropout:
+            disable_dropout(self.model)
+        if args.sync_ref_model:
+            if self.ref_model is None:
+                raise ValueError("RLOOConfig.sync_ref_model = True with a PEFT model: its reference is the base with "
+                                 "the adapter off, which has nothing to sync; set sync_ref_model: false")
+            self.add_callback(ReferenceSync(self.ref_model, unwrap(self.model), alpha=args.ref_model_mixup_alpha,
+                                            steps=args.ref_model_sync_steps))
+
+    def get_train_dataloader(self) -> DataLoader:
+        a = self.args
+        sampler = PromptBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations,
+                                     group=a.gradient_accumulation_steps * a.world_size, repeats=a.num_iterations,
+                                     seed=a.seed, shuffle=a.shuffle_dataset)
+        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
+                                                   collate_fn=self.data_collator))
+
+    @torch.no_grad()
+    def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Generate and score one micro-batch; its leave-one-out advantages (and old log-probs when reused)."""
+        from stages.generation.common import eos_token_ids
+
+        a, tok = self.args, self.processing_class
+        policy = self.accelerator.unwrap_model(self.model)
+        prompts = [r["prompt"] for r in rows]
+        start = time.perf_counter()
+        gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
+                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+        self._tick("generation_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        eos = eos_token_ids(tok, policy)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        batch = completion_tensors([gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids,
+                                   eos_token_id=eos, pad_token_id=pad_id)
+        batch = {k: v.to(a.device) for k, v in pad_to_multiple(batch, a.pad_to_multiple_of, pad_id).items()}
+        prompts = [prompts[i] for i in gens.prompt_index]
+        totals, per_function = self.score(prompts, gens.completions, gens.reward_columns(rows), batch)
+        self._tick("scoring_s", time.perf_counter() - start)
+
+        start = time.perf_counter()
+        valid = torch.tensor([t is not None for t in totals], device=a.device)
+        rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
+        temperature, chunked, mask = a.sampling.temperature, a.use_chunked_logprobs, batch["completion_mask"]
+        old = None
+        if a.num_iterations > 1 or a.beta > 0:  # the ratio's denominator on reuse; the KL's policy side
+            old, _ = per_token_logps(self.model, batch, temperature=temperature, chunked=chunked)
+        if a.num_iterations > 1:
+            batch["old_logps"] = old
+        kl = None
+        if a.beta > 0:
+            with reference_model(self.model, self.ref_model, precision=trainer_precision(a)) as ref:
+                ref_logps, _ = per_token_logps(ref, batch, temperature=temperature, chunked=chunked)
+            kl = ((old - ref_logps) * mask).sum(dim=1)
+            self._metrics["kl"].append((kl.sum() / mask.sum().clamp(min=1)).item())
+        batch["advantages"] = rloo_advantages(rewards, a.num_generations, valid=valid, kl=kl, beta=a.beta,
+                                              reward_clip_range=a.reward_clip_range,
+                                              normalize=a.normalize_advantages).float()
+        loss_mask = mask * valid[:, None]
+        if a.mask_truncated_completions:
+            loss_mask = loss_mask * ~batch["truncated"][:, None]
+        batch["loss_mask"] = loss_mask
+        self._tick("training_s", time.perf_counter() - start)
+        self._log_generation(rewards, valid, per_function, batch)
+        if a.log_completions and self.state.global_step % max(int(a.logging_steps), 1) == 0:
+            log_completion_sample(completion_sample(prompts, gens.completions, totals,
+                                                    limit=a.num_completions_to_print,
+                                                    unique_prompts=a.log_unique_prompts), self.state.global_step)
+        return batch
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        a = self.args
+        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
+                                         chunked=a.use_chunked_logprobs, entropy=True)
+        mask = inputs["loss_mask"]
+        loss, metrics = rloo_loss(logps, inputs.get("old_logps"), inputs["advantages"], mask,
+                                  epsilon_low=a.epsilon, epsilon_high=a.epsilon_high)
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, device=loss.device).detach().float()
+            self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+
+__all__ = ["RLOOConfig", "RLOOTrainer"]
