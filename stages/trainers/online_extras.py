@@ -70,6 +70,35 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int | str | None, 
     return out
 
 
+def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) -> list:
+    """Prompts for the sampler: with chat_template_kwargs, each conversational prompt (a message list) rendered here
+    with the chat template, its generation prompt and those keyword arguments (a string prompt is left as it is);
+    without, the prompts unchanged (the sampler applies the template's defaults)."""
+    if not chat_template_kwargs:
+        return list(prompts)
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+            if isinstance(p, list) else p for p in prompts]
+
+
+def wait_for_vllm_server(base_url: str, timeout: float) -> None:
+    """Poll `base_url`/models until the server answers, at most `timeout` seconds (vllm_server_timeout)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=min(5.0, timeout)):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            last = getattr(e, "reason", e)
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"vllm_server_timeout = {timeout}: the vLLM server at {base_url} did not answer "
+                                  f"in time ({last}); start `vllm serve <model>` or raise vllm_server_timeout")
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.05)))
+
+
 def completion_sample(prompts: list, completions: list[str], rewards: list[float | None], *, limit: int | None,
                       unique_prompts: bool) -> list[dict]:
     """The rows log_completions prints: one per completion (or per prompt with unique_prompts), at most `limit`."""

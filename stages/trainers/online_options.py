@@ -37,6 +37,10 @@ class OnlineOptions:
     vllm_server_host: str = param("0.0.0.0", help="host of the vLLM server, when vllm_server_base_url is not set")
     vllm_server_port: int = param(8000, help="port of the vLLM server, when vllm_server_base_url is not set",
                                   check=lambda v: 0 < v < 65536, rule="must be a TCP port (1-65535)")
+    vllm_server_timeout: float = param(240.0, help="seconds to wait for the vLLM server to answer before training "
+                                       "starts (use_vllm)", check=lambda v: v > 0, rule="must be > 0")
+    chat_template_kwargs: dict[str, Any] | None = param(None, help="keyword arguments of the chat template when "
+                                                        "conversational prompts are rendered (e.g. enable_thinking)")
     log_completions: bool = param(False, help="log a sample of (prompt, completion, reward) every logging_steps")
     num_completions_to_print: int | None = param(None, help="rows of that sample (null: all of the step's)",
                                                  check=lambda v: v >= 1, rule="must be >= 1 or null")

@@ -30,6 +30,8 @@ from stages.trainers.online_extras import (
     disable_dropout,
     log_completion_sample,
     pad_to_multiple,
+    render_prompts,
+    wait_for_vllm_server,
 )
 from stages.trainers.online_generation import sample_online
 from stages.trainers.reference_model import reference_model
@@ -52,6 +54,8 @@ class RLOOTrainer(GRPOTrainer):
                          peft_config=peft_config, data_collator=data_collator)
         if args.disable_dropout:
             disable_dropout(self.model)
+        if args.use_vllm:
+            wait_for_vllm_server(args.sampling.vllm_url, args.vllm_server_timeout)
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("RLOOConfig.sync_ref_model = True with a PEFT model: its reference is the base with "
@@ -76,7 +80,8 @@ class RLOOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, prompts, a.sampling, n=a.num_generations,
+        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
+                             n=a.num_generations,
                              seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
