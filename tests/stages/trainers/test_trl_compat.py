@@ -25,10 +25,11 @@ from stages.trainers.trl_compat import UNSUPPORTED, inherited_from_transformers,
 
 METHODS = [  # (ours, TRL's module)
     ("SFT", "trl"), ("Reward", "trl"), ("DPO", "trl"), ("KTO", "trl"),
-    ("OnlineDPO", "trl.experimental.online_dpo"), ("GRPO", "trl"),
+    ("OnlineDPO", "trl.experimental.online_dpo"), ("GRPO", "trl"), ("RLOO", "trl"), ("Distillation", "trl"),
 ]
 OUR_MODULES = {"SFT": "sft_trainer", "Reward": "reward_trainer", "DPO": "dpo_trainer", "KTO": "kto_trainer",
-               "OnlineDPO": "online_dpo_trainer", "GRPO": "grpo_trainer"}
+               "OnlineDPO": "online_dpo_trainer", "GRPO": "grpo_trainer", "RLOO": "rloo_trainer",
+               "Distillation": "distillation_trainer"}
 
 # Names the lead's config change (issue 32, item 1) adds under TRL's names: allowed missing until then,
 # and an error once present (delete the entry at merge).
