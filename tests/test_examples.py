@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_trl_quickstart_trains_every_trainer(tmp_path):
-    """TRL's SFT, DPO, GRPO, KTO and reward snippets with the import changed: 2 steps each, a finite loss,
-    and the trainable weights changed (all of them; with LoRA, at least every adapter's B matrix, which
+    """TRL's SFT, DPO, GRPO, KTO, reward, RLOO and distillation snippets with the import changed: 2 steps each, a
+    finite loss, and the trainable weights changed (all of them; with LoRA, at least every adapter's B matrix, which
     starts at zero and is the first to move)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_quickstart.py"), "--out", str(tmp_path)],
@@ -23,7 +23,7 @@ def test_trl_quickstart_trains_every_trainer(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     runs = {r["trainer"]: r for r in map(json.loads, (line for line in res.stdout.splitlines()
                                                       if line.startswith('{"trainer"')))}
-    assert list(runs) == ["SFT", "DPO", "GRPO", "KTO", "Reward"]
+    assert list(runs) == ["SFT", "DPO", "GRPO", "KTO", "Reward", "RLOO", "Distillation"]
     assert runs["SFT"]["peft"] and runs["DPO"]["peft"]
     for run in runs.values():
         assert run["finite"], run
