@@ -8,10 +8,10 @@ Per seed (`run.seed`), through our Python API, in one process:
 
 - data: our `preprocess` stage on the built-in arithmetic task (params.yaml, `--set` overrides), which also builds
   `builtin:tiny`;
-- student: our `SFTTrainer` on preprocess's demonstrations (params.yaml's `sft` settings, `--sft-steps` optimizer
-  steps): it learns the format and the sums but copies the demonstrators' dropped carries;
-- teacher: that student trained further with our `GRPOTrainer` and an exact-match reward (params.yaml's
-  `policy.grpo`, `--grpo-steps` steps): better at the same skill, with the same tokenizer;
+- student: our `SFTTrainer` on preprocess's demonstrations, stopped early (params.yaml's `sft` settings,
+  `--sft-steps` optimizer steps): it has the format and some of the sums;
+- teacher: the same SFT run to `--teacher-sft-steps` steps, then our `GRPOTrainer` with an exact-match reward
+  (params.yaml's `policy.grpo`, `--grpo-steps` steps): better at the same skill, with the same tokenizer;
 - distilled: the student trained with our `DistillationTrainer` (reverse KL, beta 1) towards the teacher on the
   prompts of preprocess (`--distill-steps` steps of `--distill-batch` prompts, one sampled completion each,
   learning rate `--distill-lr`, params.yaml's `policy.grpo` sampling temperature and completion length).
@@ -70,16 +70,23 @@ def run_seed(seed: int, out: Path, overrides: dict, a) -> dict:
     rec: dict = {"seed": seed}
     start = time.perf_counter()
 
-    torch.manual_seed(seed)
-    trainer, tok, _, _ = efficacy.sft("ours", p, base, data, out / "work-sft", "fp32", a.sft_steps)
+    def trained_sft(steps: int, folder: Path):
+        torch.manual_seed(seed)
+        trainer, tok, _, _ = efficacy.sft("ours", p, base, data, out / f"work-{folder.name}", "fp32", steps)
+        trainer.save_model(str(folder))
+        tok.save_pretrained(str(folder))
+        return trainer, tok
+
     student = out / "student"
-    trainer.save_model(str(student))
-    tok.save_pretrained(str(student))
+    trainer, tok = trained_sft(a.sft_steps, student)
     rec["student"] = efficacy.accuracy(trainer.model, tok, eval_rows, p)
     del trainer
 
+    trainer, tok = trained_sft(a.teacher_sft_steps, out / "teacher-sft")
+    del trainer
     torch.manual_seed(seed)
-    trainer, tok, _, _ = efficacy.grpo("ours", p, str(student), data, out / "work-grpo", "fp32", a.grpo_steps)
+    trainer, tok, _, _ = efficacy.grpo("ours", p, str(out / "teacher-sft"), data, out / "work-grpo", "fp32",
+                                       a.grpo_steps)
     teacher = out / "teacher"
     trainer.save_model(str(teacher))
     tok.save_pretrained(str(teacher))
@@ -108,8 +115,8 @@ def line(r: dict) -> str:
             f"{r['divergence_last']:.3f} | {r['wall_s']:.0f} | {r['load']:.2f} |")
 
 
-HEADER = ("| seed | student (SFT) | teacher (SFT + GRPO) | distilled student | gap closed | divergence first -> last "
-          "log | wall s | load (1 min) |\n|---|---:|---:|---:|---:|---|---:|---:|")
+HEADER = ("| seed | student (short SFT) | teacher (SFT + GRPO) | distilled student | gap closed | divergence "
+          "first -> last log | wall s | load (1 min) |\n|---|---:|---:|---:|---:|---|---:|---:|")
 
 
 def summary(records: list[dict]) -> str:
@@ -119,14 +126,15 @@ def summary(records: list[dict]) -> str:
 
     closed = [c for c in map(gap_closed, records) if c is not None]
     m, s = mean_sd(closed) if closed else (float("nan"), float("nan"))
-    return ("| student (SFT) | teacher (SFT + GRPO) | distilled student | gap closed |\n|---:|---:|---:|---:|\n"
+    return ("| student (short SFT) | teacher (SFT + GRPO) | distilled student | gap closed |\n|---:|---:|---:|---:|\n"
             f"| {fmt('student')} | {fmt('teacher')} | {fmt('distilled')} | {m:.0%} ± {s:.0%} |")
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
-    ap.add_argument("--sft-steps", type=int, default=150, help="the student's SFT optimizer steps")
+    ap.add_argument("--sft-steps", type=int, default=100, help="the student's SFT optimizer steps")
+    ap.add_argument("--teacher-sft-steps", type=int, default=360, help="the teacher's SFT optimizer steps")
     ap.add_argument("--grpo-steps", type=int, default=60, help="the teacher's GRPO optimizer steps (from the student)")
     ap.add_argument("--distill-steps", type=int, default=60, help="distillation optimizer steps")
     ap.add_argument("--distill-batch", type=int, default=32, help="prompts per distillation step")
@@ -138,7 +146,7 @@ def parse(argv=None):
     a = ap.parse_args(argv)
     if a.tiny:
         a.seeds, a.set = a.seeds[:1], tiny_overrides() + a.set
-        a.sft_steps = a.grpo_steps = a.distill_steps = 2
+        a.sft_steps = a.teacher_sft_steps = a.grpo_steps = a.distill_steps = 2
         a.distill_batch, a.eval_samples = 4, 4
     return a
 
@@ -156,9 +164,9 @@ def main(argv=None) -> int:
     if problems:
         raise SystemExit("\n".join(problems))
     out = Path(a.output_dir) if a.output_dir else Path(tempfile.mkdtemp(prefix="distillation-"))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, 1-min load {host_load():.2f}; sft "
-          f"{a.sft_steps} steps, grpo {a.grpo_steps}, distillation {a.distill_steps} x {a.distill_batch} prompts "
-          f"(lr {a.distill_lr})", flush=True)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, 1-min load {host_load():.2f}; student sft "
+          f"{a.sft_steps} steps; teacher sft {a.teacher_sft_steps}, grpo {a.grpo_steps}; distillation "
+          f"{a.distill_steps} x {a.distill_batch} prompts (lr {a.distill_lr})", flush=True)
     print(HEADER, flush=True)
     records = []
     try:

@@ -27,6 +27,10 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 = off.
         num_beams: beam search when > 1; returns the ``n`` best beams (``n <= num_beams``).
+        min_p: drop tokens less likely than min_p x the most likely one's probability; 0 = off.
+        repetition_penalty: logits of tokens already in the row (prompt or generated) divided by it when
+            positive, multiplied when negative (CTRL's penalty, as HF applies it); 1 = off.
+        cache_implementation: HF ``generate``'s ``cache_implementation`` (backend "hf" only); None = HF's default.
         seed: the call's seed; each prompt's completions are sampled from ``prompt_seed(seed, its
             token ids)``, so a prompt gets the same samples whatever else is in the call.
     """
@@ -39,9 +43,18 @@ class SamplingParams:
     top_k: int = 0
     num_beams: int = 1
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    cache_implementation: str | None = None
 
     def __post_init__(self):
         problems = []
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            problems.append(f"SamplingParams.min_p = {self.min_p!r}: must be in [0, 1] (0 = off; 0.05 drops tokens "
+                            "under 5% of the most likely one's probability)")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
+            problems.append(f"SamplingParams.repetition_penalty = {self.repetition_penalty!r}: must be > 0 "
+                            "(1.0 = off; above 1 discourages repeating tokens)")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"SamplingParams.max_new_tokens = {self.max_new_tokens!r}: must be an int >= 1 "
                             "(the most tokens generated per completion)")

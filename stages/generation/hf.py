@@ -109,6 +109,9 @@ def why_not_decoder(model, s: SamplingParams, capacity: int, kwargs: dict, *, ch
 
     if s.num_beams > 1:
         return f"beam search (num_beams = {s.num_beams}): the decoder decodes greedily or samples"
+    if s.cache_implementation is not None:
+        return (f"cache_implementation = {s.cache_implementation!r} is an option of HF generate; the decoder keeps "
+                "its own cache")
     if "synced_gpus" in kwargs:
         return "a model sharded across ranks generates in lockstep (synced_gpus), which only generate does"
     return why_not(model, capacity) if check_model else None
@@ -146,6 +149,12 @@ def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int, per_row: bo
               num_return_sequences=1 if per_row else s.n, use_cache=True, eos_token_id=eos, pad_token_id=pad_id)
     if s.do_sample and not per_row:
         kw.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k)
+        if s.min_p > 0:
+            kw["min_p"] = float(s.min_p)
+    if s.repetition_penalty != 1.0 and not per_row:  # per row: `PerRowSampler` applies it
+        kw["repetition_penalty"] = float(s.repetition_penalty)
+    if s.cache_implementation is not None:
+        kw["cache_implementation"] = s.cache_implementation
     return kw
 
 

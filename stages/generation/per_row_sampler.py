@@ -17,6 +17,7 @@ import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -28,7 +29,8 @@ from stages.generation.common import SamplingParams, prompt_seed
 def per_row_sampler(prompt_ids: list[list[int]], s: SamplingParams, start: int, device) -> LogitsProcessorList:
     """The `logits_processor` of one batch of prompts whose rows are expanded n times (prompt-major);
     its only element is the `PerRowSampler` (read its `logps` after `generate`)."""
-    return LogitsProcessorList([PerRowSampler(row_uniforms(prompt_ids, s).to(device), start, s)])
+    rows = [ids for ids in prompt_ids for _ in range(s.n)]
+    return LogitsProcessorList([PerRowSampler(row_uniforms(prompt_ids, s).to(device), start, s, row_prompts=rows)])
 
 
 def row_uniforms(prompt_ids: list[list[int]], s: SamplingParams) -> torch.Tensor:
@@ -45,15 +47,19 @@ class PerRowSampler(LogitsProcessor):
     """Sample every row from its own uniforms; return logits that leave only the sampled token.
 
     uniforms: (B, max_new_tokens) from `row_uniforms`; start: the input width, so the token being
-    generated is number input_ids.shape[1] - start. Temperature, top-k and top-p are HF's own
-    warpers, applied in HF's order; the sample is the first token whose cumulative probability
-    (float64) exceeds u · total. After the call, `logps` holds one (B,) float64 tensor per generated
-    token: log-probability of the sampled token under the filtered distribution.
+    generated is number input_ids.shape[1] - start. The repetition penalty (over each row's prompt, `row_prompts`,
+    and its own samples so far, tracked here so the decoder, which passes no input_ids, gets it too), then
+    temperature, top-k, top-p and min-p, HF's own warpers, in HF's order; the sample is the first token whose
+    cumulative probability (float64) exceeds u · total. After the call, `logps` holds one (B,) float64 tensor per
+    generated token: log-probability of the sampled token under the filtered distribution.
     """
 
-    def __init__(self, uniforms: torch.Tensor, start: int, s: SamplingParams):
+    def __init__(self, uniforms: torch.Tensor, start: int, s: SamplingParams,
+                 row_prompts: list[list[int]] | None = None):
         self.uniforms, self.start = uniforms, start
         self.logps: list[torch.Tensor] = []
+        self.penalty, self.row_prompts = s.repetition_penalty, row_prompts
+        self.seen: torch.Tensor | None = None  # (B, V) bool: tokens each row holds so far (repetition_penalty)
         self.warpers = LogitsProcessorList()
         if s.temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(float(s.temperature)))
@@ -61,6 +67,8 @@ class PerRowSampler(LogitsProcessor):
             self.warpers.append(TopKLogitsWarper(s.top_k))
         if s.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(float(s.top_p)))
+        if s.min_p > 0:
+            self.warpers.append(MinPLogitsWarper(float(s.min_p)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         token = self.sample(input_ids.shape[1] - self.start, scores, input_ids)
@@ -69,11 +77,26 @@ class PerRowSampler(LogitsProcessor):
     def sample(self, step: int, scores: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's (B, 1) token number `step` from its (B, V) logits (what `stages.generation.decoder`
         calls directly); its log-prob is appended to `logps`."""
-        logits = self.warpers(input_ids, scores.float())
+        logits = self.warpers(input_ids, self.penalised(scores.float()))
         cdf = logits.double().softmax(-1).cumsum(-1)
         total = cdf[:, -1:]
         u = self.uniforms[:, step, None] * total
         last = (cdf < total).sum(-1, keepdim=True)  # the last token of non-zero probability (u·total rounding to it)
         token = torch.minimum(torch.searchsorted(cdf, u, right=True), last)
         self.logps.append(logits.double().log_softmax(-1).gather(1, token).squeeze(1))
+        if self.seen is not None:
+            self.seen.scatter_(1, token, True)
         return token
+
+    def penalised(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` with the repetition penalty applied to the tokens each row already holds (unchanged at 1.0)."""
+        if self.penalty == 1.0:
+            return scores
+        if self.seen is None:
+            if self.row_prompts is None:
+                raise ValueError("repetition_penalty needs the rows' prompt ids (per_row_sampler passes them)")
+            self.seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            for r, ids in enumerate(self.row_prompts):
+                self.seen[r, torch.tensor(ids, dtype=torch.long, device=scores.device)] = True
+        penalised = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)
+        return torch.where(self.seen, penalised, scores)

@@ -143,6 +143,10 @@ def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos:
         "spaces_between_special_tokens": False,
         "return_token_ids": True,
     }
+    if s.do_sample and s.min_p > 0:
+        body["min_p"] = float(s.min_p)
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = float(s.repetition_penalty)
     if s.num_beams > 1:
         body["use_beam_search"] = True
     elif s.do_sample:

@@ -152,7 +152,8 @@ class DistillationTrainer(Trainer):
         student = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(student, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=1,
-                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a),
+                             **a.decoding)
         eos = eos_token_ids(tok, student)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         batch = completion_tensors([gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids,

@@ -20,9 +20,11 @@ from typing import Any
 from stages.trainers.generation_params import GENERATION_BACKENDS, GenerationParams, backend_options  # noqa: F401 (re-exported)
 
 
-def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):
+def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no",
+                  **decoding: Any):
     """`n` sampled completions per prompt from `model` (unwrapped from DDP) with settings `g`: `Generations`.
 
+    decoding: further `stages.generation.SamplingParams` fields (min_p, repetition_penalty, cache_implementation).
     precision: the autocast `model`'s forward already runs under (the trainer's, "no", "bf16", "fp16"):
     the whole call becomes one autocast region, so the weights are cast once, not at every decode step
     (`stages.precision.cached_casts`; the same casts, so the same samples).
@@ -35,7 +37,7 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     from stages.precision import cached_casts
 
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
-                              top_p=g.top_p, top_k=g.top_k, seed=seed)
+                              top_p=g.top_p, top_k=g.top_k, seed=seed, **decoding)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
     options: dict[str, Any] = backend_options(g, path)
     source = options.pop("model") if g.backend == "vllm" else model

@@ -39,6 +39,14 @@ class OnlineOptions:
                                   check=lambda v: 0 < v < 65536, rule="must be a TCP port (1-65535)")
     vllm_server_timeout: float = param(240.0, help="seconds to wait for the vLLM server to answer before training "
                                        "starts (use_vllm)", check=lambda v: v > 0, rule="must be > 0")
+    min_p: float | None = param(None, help="drop tokens less likely than min_p x the most likely one's probability "
+                                "when sampling (null or 0: off)", check=lambda v: 0 <= v <= 1,
+                                rule="must be in [0, 1] or null")
+    repetition_penalty: float = param(1.0, help="divide the logits of tokens already in the prompt or completion by "
+                                      "this (multiply when negative); 1.0: off", check=lambda v: v > 0,
+                                      rule="must be > 0")
+    cache_implementation: str | None = param(None, help="HF generate's cache_implementation (e.g. static); needs "
+                                             "generation_backend: hf")
     chat_template_kwargs: dict[str, Any] | None = param(None, help="keyword arguments of the chat template when "
                                                         "conversational prompts are rendered (e.g. enable_thinking)")
     log_completions: bool = param(False, help="log a sample of (prompt, completion, reward) every logging_steps")
@@ -52,10 +60,20 @@ class OnlineOptions:
             problems.append(("vllm_mode", f"= {self.vllm_mode!r} with use_vllm: the colocated vLLM engine (a GPU "
                              "engine inside the trainer) is not built; start `vllm serve` and set vllm_mode: server"))
         backend = getattr(self, "generation_backend", "auto")
+        if self.cache_implementation is not None and (backend != "hf" or self.use_vllm):
+            problems.append(("cache_implementation", f"= {self.cache_implementation!r} is an option of HF generate, "
+                             f"but generation_backend = {backend!r}{' with use_vllm' if self.use_vllm else ''}; set "
+                             "generation_backend: hf"))
         if self.use_vllm and backend not in ("auto", "vllm"):
             problems.append(("use_vllm", f"= True but generation_backend = {backend!r}: pick one (use_vllm is "
                              "generation_backend: vllm)"))
         return problems
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        """The SamplingParams fields beyond GenerationParams' (`stages.trainers.online_generation.sample_online`)."""
+        return {"min_p": self.min_p or 0.0, "repetition_penalty": self.repetition_penalty,
+                "cache_implementation": self.cache_implementation}
 
     @property
     def sampling(self):

@@ -82,7 +82,8 @@ class RLOOTrainer(GRPOTrainer):
         start = time.perf_counter()
         gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
                              n=a.num_generations,
-                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a),
+                             **a.decoding)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()

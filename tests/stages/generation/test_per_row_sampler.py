@@ -5,7 +5,9 @@ The rank half of "alone, in a batch of 8, on rank 1 of 2" is in tests/distribute
 """
 import hashlib
 import inspect
+import math
 
+import pytest
 import torch
 
 from stages.basics import stable_seed
@@ -88,3 +90,46 @@ def test_per_row_samples_follow_the_filtered_distribution(model, tok):
                          minlength=len(logits)).double() / s.n
     assert set(got.nonzero().flatten().tolist()) <= set(top.indices.tolist())  # top-k filtered
     assert 0.5 * (got - want.double()).abs().sum() < 0.05
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_held_tokens():
+    """Row prompt [0, 2], penalty 2: token 0's logit 2.0 -> 1.0, token 2's -1.0 -> -2.0, token 1 untouched; after
+    token 1 is sampled it is held too (the decoder passes no input_ids, so the sampler tracks the rows itself)."""
+    from stages.generation.per_row_sampler import PerRowSampler
+
+    s = SamplingParams(max_new_tokens=2, do_sample=True, repetition_penalty=2.0)
+    sampler = PerRowSampler(torch.tensor([[0.6, 0.5]], dtype=torch.float64), 0, s, row_prompts=[[0, 2]])
+    scores = torch.tensor([[2.0, 1.0, -1.0]])
+    assert sampler.penalised(scores).tolist() == [[1.0, 1.0, -2.0]]
+    token = sampler.sample(0, scores)  # softmax(1, 1, -2) = (0.488, 0.488, 0.024): u = 0.6 falls on token 1
+    assert token.tolist() == [[1]]
+    assert sampler.penalised(scores).tolist() == [[1.0, 0.5, -2.0]]
+
+
+def test_min_p_drops_tokens_under_its_share_of_the_top_probability():
+    """Probabilities (0.6, 0.3, 0.1): min_p 0.4 keeps tokens >= 0.24 (0 and 1); u = 0.99 then picks token 1, where
+    without min_p it picks token 2."""
+    from stages.generation.per_row_sampler import PerRowSampler
+
+    scores = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    u = torch.tensor([[0.99]], dtype=torch.float64)
+    plain = PerRowSampler(u, 0, SamplingParams(max_new_tokens=1, do_sample=True))
+    filtered = PerRowSampler(u, 0, SamplingParams(max_new_tokens=1, do_sample=True, min_p=0.4))
+    assert plain.sample(0, scores).tolist() == [[2]] and filtered.sample(0, scores).tolist() == [[1]]
+    assert filtered.logps[0].item() == pytest.approx(math.log(0.3 / 0.9), abs=1e-6)
+
+
+def test_decoder_and_hf_sample_alike_with_min_p_and_repetition_penalty(model, tok):
+    s = SamplingParams(max_new_tokens=10, do_sample=True, n=2, temperature=0.9, min_p=0.05, repetition_penalty=1.3,
+                       seed=4)
+    hf = generate(model, tok, PROMPTS[:3], s, backend="hf").completion_ids
+    assert generate(model, tok, PROMPTS[:3], s, backend="decoder").completion_ids == hf
+    assert generate(model, tok, PROMPTS[:3], SamplingParams(**{**s.__dict__, "repetition_penalty": 1.0}),
+                    backend="hf").completion_ids != hf  # the penalty changed what was sampled
+
+
+def test_bad_sampling_values_are_named():
+    with pytest.raises(ValueError, match="min_p = 1.5"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty = 0"):
+        SamplingParams(repetition_penalty=0)

@@ -321,3 +321,13 @@ def test_real_vllm_server(tiny_path):
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+
+
+def test_min_p_and_repetition_penalty_reach_the_request():
+    from stages.generation.vllm import request_body
+
+    s = SamplingParams(max_new_tokens=4, n=2, do_sample=True, min_p=0.1, repetition_penalty=1.2)
+    body = request_body("m", [5, 6], s, [1], seed=3)
+    assert (body["min_p"], body["repetition_penalty"]) == (0.1, 1.2)
+    plain = request_body("m", [5, 6], SamplingParams(max_new_tokens=4, n=2, do_sample=True), [1], seed=3)
+    assert "min_p" not in plain and "repetition_penalty" not in plain
