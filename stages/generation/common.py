@@ -5,7 +5,7 @@ ran in this process (`record_backend`, `take_backends`: the stage runner writes 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class SamplingParams:
         repetition_penalty: logits of tokens already in the row (prompt or generated) divided by it when
             positive, multiplied when negative (CTRL's penalty, as HF applies it); 1 = off.
         cache_implementation: HF ``generate``'s ``cache_implementation`` (backend "hf" only); None = HF's default.
+        extra: further keyword arguments of HF ``generate`` (backend "hf": e.g. ``suppress_tokens``, applied
+            before the per-row sampler) or fields of vLLM's request (backend "vllm").
         seed: the call's seed; each prompt's completions are sampled from ``prompt_seed(seed, its
             token ids)``, so a prompt gets the same samples whatever else is in the call.
     """
@@ -46,6 +48,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     cache_implementation: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         problems = []

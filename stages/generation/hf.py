@@ -155,7 +155,7 @@ def _generate_kwargs(s: SamplingParams, eos: list[int], pad_id: int, per_row: bo
         kw["repetition_penalty"] = float(s.repetition_penalty)
     if s.cache_implementation is not None:
         kw["cache_implementation"] = s.cache_implementation
-    return kw
+    return {**kw, **s.extra}
 
 
 def _cuda_devices() -> list[int]:

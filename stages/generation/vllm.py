@@ -147,6 +147,7 @@ def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos:
         body["min_p"] = float(s.min_p)
     if s.repetition_penalty != 1.0:
         body["repetition_penalty"] = float(s.repetition_penalty)
+    body.update(s.extra)
     if s.num_beams > 1:
         body["use_beam_search"] = True
     elif s.do_sample:

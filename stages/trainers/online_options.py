@@ -14,6 +14,10 @@ from typing import Any, Literal
 from stages.fields import param
 
 DEFAULT_VLLM_URL = "http://127.0.0.1:8000/v1"  # SamplingFields' default for vllm_server_base_url
+# generation_kwargs keys that override a field of ours, as in TRL ("they will override them"): key -> our field
+OVERRIDES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "cache_implementation": "cache_implementation",
+             "max_new_tokens": "max_completion_length"}
 
 
 @dataclass
@@ -47,6 +51,10 @@ class OnlineOptions:
                                       rule="must be > 0")
     cache_implementation: str | None = param(None, help="HF generate's cache_implementation (e.g. static); needs "
                                              "generation_backend: hf")
+    generation_kwargs: dict[str, Any] | None = param(
+        None, help="further keyword arguments of HF generate (generation_backend: hf; e.g. suppress_tokens) or "
+        "fields of the vLLM request; temperature, top_p, top_k, min_p, repetition_penalty, cache_implementation "
+        "and max_new_tokens override those settings")
     chat_template_kwargs: dict[str, Any] | None = param(None, help="keyword arguments of the chat template when "
                                                         "conversational prompts are rendered (e.g. enable_thinking)")
     log_completions: bool = param(False, help="log a sample of (prompt, completion, reward) every logging_steps")
@@ -60,6 +68,11 @@ class OnlineOptions:
             problems.append(("vllm_mode", f"= {self.vllm_mode!r} with use_vllm: the colocated vLLM engine (a GPU "
                              "engine inside the trainer) is not built; start `vllm serve` and set vllm_mode: server"))
         backend = getattr(self, "generation_backend", "auto")
+        extra = sorted(set(self.generation_kwargs or {}) - set(OVERRIDES))
+        if extra and backend not in ("hf", "vllm") and not self.use_vllm:
+            problems.append(("generation_kwargs", f"= {self.generation_kwargs}: {extra} are options of HF generate "
+                             f"(or of a vLLM server), but generation_backend = {backend!r}; set generation_backend: "
+                             "hf"))
         if self.cache_implementation is not None and (backend != "hf" or self.use_vllm):
             problems.append(("cache_implementation", f"= {self.cache_implementation!r} is an option of HF generate, "
                              f"but generation_backend = {backend!r}{' with use_vllm' if self.use_vllm else ''}; set "
@@ -69,16 +82,25 @@ class OnlineOptions:
                              "generation_backend: vllm)"))
         return problems
 
+    def _setting(self, name: str) -> Any:
+        """A sampling setting, as generation_kwargs overrides it."""
+        given = self.generation_kwargs or {}
+        key = next((k for k, v in OVERRIDES.items() if v == name and k in given), None)
+        return given[key] if key is not None else getattr(self, name)
+
     @property
     def decoding(self) -> dict[str, Any]:
         """The SamplingParams fields beyond GenerationParams' (`stages.trainers.online_generation.sample_online`)."""
-        return {"min_p": self.min_p or 0.0, "repetition_penalty": self.repetition_penalty,
-                "cache_implementation": self.cache_implementation}
+        extra = {k: v for k, v in (self.generation_kwargs or {}).items() if k not in OVERRIDES}
+        return {"min_p": self._setting("min_p") or 0.0, "repetition_penalty": self._setting("repetition_penalty"),
+                "cache_implementation": self._setting("cache_implementation"), "extra": extra}
 
     @property
     def sampling(self):
         """SamplingFields' GenerationParams, with TRL's use_vllm and host/port applied."""
         g = super().sampling  # type: ignore[misc]
+        g = dataclasses.replace(g, temperature=self._setting("temperature"), top_p=self._setting("top_p"),
+                                top_k=self._setting("top_k"), max_new_tokens=self._setting("max_completion_length"))
         if not self.use_vllm:
             return g
         url = g.vllm_url

@@ -30,6 +30,8 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
     num_generations: int = param(2, help="completions per prompt (the group each leaves one out of)",
                                  check=lambda v: v >= 2, rule="must be >= 2 (the baseline is the other completions' "
                                  "mean reward)")
+    num_generations_eval: int | None = param(None, help="completions per prompt when evaluating on eval_dataset (null: "
+                                             "num_generations)", check=lambda v: v >= 1, rule="must be >= 1 or null")
     max_completion_length: int = positive(32, "generation budget per completion (tokens)")
     beta: float = non_negative(0.05, "KL strength: beta x the completion's summed log-ratio to the reference is "
                                "subtracted from its reward (0: no reference model)")

@@ -16,13 +16,14 @@ import time
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import Trainer
 
 from stages.basics import stable_seed
 from stages.losses import rloo_advantages, rloo_loss
 from stages.precision import trainer_precision
 from stages.sharding import unwrap
 from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_token_logps
-from stages.trainers.inputs import default_args, refuse
+from stages.trainers.inputs import check_dataset, default_args, refuse
 from stages.trainers.online_extras import (
     PromptBatchSampler,
     ReferenceSync,
@@ -42,7 +43,7 @@ class RLOOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, data_collator=None):
-        refuse("RLOOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes)
+        refuse("RLOOTrainer", reward_processing_classes=reward_processing_classes)
         if reward_funcs is None:
             raise ValueError("RLOOTrainer: reward_funcs is None; RLOO needs at least one reward function (a callable, "
                              "a list, a built-in name such as 'exact_match', or a reward model's folder)")
@@ -52,6 +53,10 @@ class RLOOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, train_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
                          peft_config=peft_config, data_collator=data_collator)
+        self.eval_rows = None if eval_dataset is None else list(check_dataset(eval_dataset, "eval_dataset"))
+        if self.eval_rows is not None and not all("prompt" in r for r in self.eval_rows):
+            raise ValueError("eval_dataset: RLOO evaluates on rows with a 'prompt' column (and the columns its reward "
+                             "functions read); some rows lack it")
         if args.disable_dropout:
             disable_dropout(self.model)
         if args.use_vllm:
@@ -138,6 +143,38 @@ class RLOOTrainer(GRPOTrainer):
             value = torch.as_tensor(value, device=loss.device).detach().float()
             self._metrics[key].append(self.accelerator.gather_for_metrics(value).mean().item())
         return (loss, {"logps": logps}) if return_outputs else loss
+
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The policy's mean reward on the eval prompts: num_generations_eval (else num_generations) sampled
+        completions per prompt, seeded from the run seed and the step, scored by the reward functions."""
+        rows = list(check_dataset(eval_dataset, "eval_dataset")) if eval_dataset is not None else self.eval_rows
+        if not rows:
+            raise ValueError("RLOOTrainer.evaluate: no eval_dataset (pass one to the trainer or to evaluate)")
+        a, tok = self.args, self.processing_class
+        n = a.num_generations_eval or a.num_generations
+        policy = self.accelerator.unwrap_model(self.model)
+        totals: list[float | None] = []
+        functions: dict[str, list[float]] = {}
+        size = max(a.per_device_eval_batch_size, 1)
+        for start in range(0, len(rows), size):
+            chunk = rows[start:start + size]
+            prompts = [r["prompt"] for r in chunk]
+            gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=n,
+                                 seed=stable_seed(a.seed, self.state.global_step, 1),  # not a training draw
+                                 precision=trainer_precision(a), **a.decoding)
+            scores, per_function = self.reward_functions([prompts[i] for i in gens.prompt_index], gens.completions,
+                                                         **gens.reward_columns(chunk))
+            totals += scores
+            for name, values in per_function.items():
+                functions.setdefault(name, []).extend(v for v in values if v is not None)
+        scored = [t for t in totals if t is not None]
+        metrics = {f"{metric_key_prefix}_reward": sum(scored) / len(scored) if scored else math.nan,
+                   f"{metric_key_prefix}_frac_reward_none": 1 - len(scored) / max(len(totals), 1)}
+        metrics.update({f"{metric_key_prefix}_rewards/{k}/mean": sum(v) / len(v) for k, v in functions.items() if v})
+        Trainer.log(self, metrics)  # GRPOTrainer.log would flush the training window's metrics into this entry
+        return metrics
 
 
 __all__ = ["RLOOConfig", "RLOOTrainer"]

@@ -116,7 +116,6 @@ UNSUPPORTED: dict[str, str] = {
     "GRPOTrainer.tools": "tool calling is not built",
     "GRPOTrainer.rollout_func": "rollouts are the trainer's own (stages.generation)",
     "GRPOTrainer.environment_factory": "environments (multi-turn agents) are not built",
-    "RLOOConfig.num_generations_eval": "RLOO has no evaluation loop here",
     "RLOOConfig.generation_batch_size": "one generation per optimizer step (all its micro-batches), reused "
                                         "num_iterations times",
     "RLOOConfig.steps_per_generation": "one generation per optimizer step (all its micro-batches), reused "
@@ -125,7 +124,6 @@ UNSUPPORTED: dict[str, str] = {
     "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
                                                           "vllm",
     "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
-    "RLOOTrainer.eval_dataset": "RLOO has no evaluation loop here; evaluate the saved model",
     "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
     "DistillationTrainer.eval_dataset": "distillation has no evaluation loop here; evaluate the saved model",
     "DistillationTrainer.tools": "tool calling is not built",

@@ -107,3 +107,39 @@ def test_config_errors_name_the_key(tmp_path):
 def test_use_vllm_server_builds_the_url_from_host_and_port(tmp_path):
     g = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2", vllm_server_port=8123).sampling
     assert (g.backend, g.vllm_url) == ("vllm", "http://10.0.0.2:8123/v1")
+
+
+def test_evaluate_reports_the_mean_reward_of_num_generations_eval_samples(setup, tmp_path):
+    path, rows = setup
+    trainer = RLOOTrainer(path, low_ids, _args(tmp_path, num_generations_eval=3, per_device_eval_batch_size=3),
+                          train_dataset=rows, eval_dataset=rows[:4])
+    calls = []
+    scorer = trainer.reward_functions
+
+    def counting(prompts, completions, **columns):
+        calls.append(len(completions))
+        return scorer(prompts, completions, **columns)
+
+    trainer.reward_functions = counting
+    metrics = trainer.evaluate()
+    assert calls == [9, 3]  # 4 prompts in batches of 3, 3 completions each
+    assert 0 < metrics["eval_reward"] < 1 and metrics["eval_rewards/low_ids/mean"] == metrics["eval_reward"]
+    assert metrics["eval_frac_reward_none"] == 0
+
+
+def test_generation_kwargs_reach_hf_generate_and_override_our_settings(setup, tmp_path):
+    """TRL's generation_kwargs: suppress_tokens (an HF generate option, applied before our per-row sampler) keeps
+    every sampled id below 192, so the low_ids reward is 1 everywhere; temperature in it overrides ours."""
+    path, rows = setup
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    kwargs = {"suppress_tokens": list(range(192, vocab)), "temperature": 0.5}
+    args = _args(tmp_path, generation_backend="hf", generation_kwargs=kwargs)
+    assert args.sampling.temperature == 0.5 and args.decoding["extra"] == {"suppress_tokens": kwargs["suppress_tokens"]}
+    trainer = RLOOTrainer(path, low_ids, args, train_dataset=rows)
+    batch = trainer.make_batch(rows[:2])
+    ids = batch["input_ids"][:, -batch["completion_mask"].shape[1]:][batch["completion_mask"].bool()]
+    assert ids.numel() > 0 and int(ids.max()) < 192
+    with pytest.raises(ValueError, match="generation_kwargs"):
+        _args(tmp_path, generation_kwargs={"suppress_tokens": [5]})  # generation_backend auto: maybe the decoder
