@@ -42,8 +42,6 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, *, valid: torch
         raise ValueError(f"rewards has {rewards.numel()} entries, not divisible by num_generations = "
                          f"{num_generations}: expected B·G, G completions for each prompt")
     _check_shapes(rewards.shape, "rewards", valid=valid, kl=kl)
-    if beta != 0 and kl is None:
-        raise ValueError(f"beta = {beta} but kl is None: pass each completion's summed log-ratio to the reference")
     r = _upcast(rewards)
     ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool()
     r = torch.where(ok, r, 0)  # NaN placeholders must not leak through 0 * NaN
@@ -51,6 +49,8 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, *, valid: torch
         low, high = reward_clip_range
         r = r.clamp(min=low, max=high)
     if beta != 0:
+        if kl is None:
+            raise ValueError(f"beta = {beta} but kl is None: pass each completion's summed log-ratio to the reference")
         r = r - beta * _upcast(kl)
     grouped, ok_g = r.view(-1, num_generations), ok.view(-1, num_generations)
     count = ok_g.sum(dim=1, keepdim=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,9 @@ def check_teacher(student: nn.Module, teacher: nn.Module, tokenizer, teacher_sou
 
 
 class DistillationTrainer(Trainer):
+    args: DistillationConfig  # the config this trainer is built with (TrainingArguments to transformers)
+    processing_class: Any  # a tokenizer (transformers types it as any processor)
+    train_dataset: Any  # the prompt rows, a list
     loss_is_scaled_for_ga = False  # a mean over the micro-batch's completion tokens; Trainer divides by the steps
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
@@ -125,7 +129,8 @@ class DistillationTrainer(Trainer):
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         use_fp32_cpu_attention(teacher)
-        super().__init__(model=model, args=args, data_collator=data_collator or rows_collator,
+        collate: Any = data_collator or rows_collator  # prompt rows pass through; sampled in training_step
+        super().__init__(model=model, args=args, data_collator=collate,
                          processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
                          optimizers=optimizers)
         self.teacher_model = teacher.eval().requires_grad_(False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -39,7 +40,15 @@ from stages.trainers.reference_model import reference_model
 from stages.trainers.rloo_config import RLOOConfig
 
 
+def clip_range(value: list[float] | None) -> tuple[float, float] | None:
+    """reward_clip_range as (min, max) (params.yaml gives it as a list)."""
+    return None if value is None else (float(value[0]), float(value[1]))
+
+
 class RLOOTrainer(GRPOTrainer):
+    args: RLOOConfig  # the config this trainer is built with (TrainingArguments to transformers)
+    processing_class: Any  # a tokenizer (transformers types it as any processor)
+    train_dataset: Any  # the prompt rows, a list
     def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, data_collator=None):
@@ -58,7 +67,7 @@ class RLOOTrainer(GRPOTrainer):
             raise ValueError("eval_dataset: RLOO evaluates on rows with a 'prompt' column (and the columns its reward "
                              "functions read); some rows lack it")
         if args.disable_dropout:
-            disable_dropout(self.model)
+            disable_dropout(unwrap(self.model))
         if args.use_vllm:
             wait_for_vllm_server(args.sampling.vllm_url, args.vllm_server_timeout)
         if args.sync_ref_model:
@@ -105,11 +114,10 @@ class RLOOTrainer(GRPOTrainer):
         valid = torch.tensor([t is not None for t in totals], device=a.device)
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
         temperature, chunked, mask = a.sampling.temperature, a.use_chunked_logprobs, batch["completion_mask"]
-        old = None
         if a.num_iterations > 1 or a.beta > 0:  # the ratio's denominator on reuse; the KL's policy side
             old, _ = per_token_logps(self.model, batch, temperature=temperature, chunked=chunked)
-        if a.num_iterations > 1:
-            batch["old_logps"] = old
+            if a.num_iterations > 1:
+                batch["old_logps"] = old
         kl = None
         if a.beta > 0:
             with reference_model(self.model, self.ref_model, precision=trainer_precision(a)) as ref:
@@ -117,7 +125,7 @@ class RLOOTrainer(GRPOTrainer):
             kl = ((old - ref_logps) * mask).sum(dim=1)
             self._metrics["kl"].append((kl.sum() / mask.sum().clamp(min=1)).item())
         batch["advantages"] = rloo_advantages(rewards, a.num_generations, valid=valid, kl=kl, beta=a.beta,
-                                              reward_clip_range=a.reward_clip_range,
+                                              reward_clip_range=clip_range(a.reward_clip_range),
                                               normalize=a.normalize_advantages).float()
         loss_mask = mask * valid[:, None]
         if a.mask_truncated_completions:
@@ -164,6 +172,7 @@ class RLOOTrainer(GRPOTrainer):
             gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=n,
                                  seed=stable_seed(a.seed, self.state.global_step, 1),  # not a training draw
                                  precision=trainer_precision(a), **a.decoding)
+            assert self.reward_functions is not None  # RLOO always has reward functions (checked in __init__)
             scores, per_function = self.reward_functions([prompts[i] for i in gens.prompt_index], gens.completions,
                                                          **gens.reward_columns(chunk))
             totals += scores
