@@ -8,10 +8,10 @@ Per seed (`run.seed`), through our Python API, in one process:
 
 - data: our `preprocess` stage on the built-in arithmetic task (params.yaml, `--set` overrides), which also builds
   `builtin:tiny`;
-- student: our `SFTTrainer` on preprocess's demonstrations, stopped early (params.yaml's `sft` settings,
-  `--sft-steps` optimizer steps): it has the format and some of the sums;
-- teacher: the same SFT run to `--teacher-sft-steps` steps, then our `GRPOTrainer` with an exact-match reward
-  (params.yaml's `policy.grpo`, `--grpo-steps` steps): better at the same skill, with the same tokenizer;
+- student: our `SFTTrainer` on preprocess's demonstrations (params.yaml's `sft` settings), saved at step
+  `--sft-steps` of a `--teacher-sft-steps` run: it has the format and some of the sums;
+- teacher: that SFT run to its end, then our `GRPOTrainer` with an exact-match reward (params.yaml's
+  `policy.grpo`, `--grpo-steps` steps): better at the same skill, with the same tokenizer;
 - distilled: the student trained with our `DistillationTrainer` (reverse KL, beta 1) towards the teacher on the
   prompts of preprocess (`--distill-steps` steps of `--distill-batch` prompts, one sampled completion each,
   learning rate `--distill-lr`, params.yaml's `policy.grpo` sampling temperature and completion length).
@@ -55,7 +55,32 @@ def distill(p, student: str, teacher: str, prompts: list[dict], work: Path, *, s
     return trainer
 
 
+def sft_with_student(p, base: str, data: Path, work: Path, steps: int, student_step: int, student: Path):
+    """Our SFTTrainer for `steps` steps (params.yaml's `sft`), the model saved to `student` at `student_step` on the
+    way: one run gives both the student and the teacher's starting point. The trainer after train()."""
+    from transformers import TrainerCallback
+
+    from benchmarks import efficacy
+    from stages.trainers import SFTTrainer
+
+    model, tok = efficacy.load(base, p)
+
+    class SaveStudent(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == student_step:
+                model.save_pretrained(str(student))
+                tok.save_pretrained(str(student))
+
+    cfg = efficacy.our_config(p, p.sft, work, "sft", "fp32", steps)
+    trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=efficacy.rows_of(data, "sft_train"),
+                         callbacks=[SaveStudent()])
+    trainer.train()
+    return trainer
+
+
 def run_seed(seed: int, out: Path, overrides: dict, a) -> dict:
+    """Student, teacher and distilled student of one seed, and their held-out accuracies. Models already in `out`
+    (an earlier run with the same --output-dir) are reused."""
     import torch
 
     from benchmarks import efficacy
@@ -63,43 +88,39 @@ def run_seed(seed: int, out: Path, overrides: dict, a) -> dict:
     from stages.harness.model_paths import resolve_model
 
     p = efficacy.seed_params(out, seed, overrides)
-    runner.run_stage("preprocess", p)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if not (out / "preprocess" / "prompts.jsonl").exists():
+        runner.run_stage("preprocess", p)
     data, base = out / "preprocess", resolve_model(p.model, p.run.output_dir)
     eval_rows = efficacy.rows_of(data, "eval")[: a.eval_samples if a.eval_samples > 0 else None]
     prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in efficacy.rows_of(data, "prompts")]
-    rec: dict = {"seed": seed}
-    start = time.perf_counter()
+    student, teacher_sft, teacher = out / "student", out / "teacher-sft", out / "teacher"
 
-    def trained_sft(steps: int, folder: Path):
+    if not (teacher_sft / "config.json").exists():
         torch.manual_seed(seed)
-        trainer, tok, _, _ = efficacy.sft("ours", p, base, data, out / f"work-{folder.name}", "fp32", steps)
-        trainer.save_model(str(folder))
-        tok.save_pretrained(str(folder))
-        return trainer, tok
-
-    student = out / "student"
-    trainer, tok = trained_sft(a.sft_steps, student)
-    rec["student"] = efficacy.accuracy(trainer.model, tok, eval_rows, p)
-    del trainer
-
-    trainer, tok = trained_sft(a.teacher_sft_steps, out / "teacher-sft")
-    del trainer
-    torch.manual_seed(seed)
-    trainer, tok, _, _ = efficacy.grpo("ours", p, str(out / "teacher-sft"), data, out / "work-grpo", "fp32",
-                                       a.grpo_steps)
-    teacher = out / "teacher"
-    trainer.save_model(str(teacher))
-    tok.save_pretrained(str(teacher))
-    rec["teacher"] = efficacy.accuracy(trainer.model, tok, eval_rows, p)
-    del trainer
+        trainer = sft_with_student(p, base, data, out / "work-sft", a.teacher_sft_steps, a.sft_steps, student)
+        trainer.save_model(str(teacher_sft))
+        trainer.processing_class.save_pretrained(str(teacher_sft))
+        del trainer
+    if not (teacher / "config.json").exists():
+        torch.manual_seed(seed)
+        trainer, tok, _, _ = efficacy.grpo("ours", p, str(teacher_sft), data, out / "work-grpo", "fp32",
+                                           a.grpo_steps)
+        trainer.save_model(str(teacher))
+        tok.save_pretrained(str(teacher))
+        del trainer
 
     torch.manual_seed(seed)
     trainer = distill(p, str(student), str(teacher), prompts, out / "work-distill", steps=a.distill_steps,
                       batch=a.distill_batch, lr=a.distill_lr)
+    rec: dict = {"seed": seed}
+    for name, folder in (("student", student), ("teacher", teacher)):
+        model, tok = efficacy.load(str(folder), p)
+        rec[name] = efficacy.accuracy(model, tok, eval_rows, p)
     rec["distilled"] = efficacy.accuracy(trainer.model, trainer.processing_class, eval_rows, p)
     divergences = [h["divergence"] for h in trainer.state.log_history if "divergence" in h]
     rec["divergence_first"], rec["divergence_last"] = (divergences[0], divergences[-1]) if divergences else (0, 0)
-    rec["wall_s"], rec["load"] = time.perf_counter() - start, host_load()
+    rec["wall_s"], rec["cpu_s"], rec["load"] = time.perf_counter() - wall, time.process_time() - cpu, host_load()
     return rec
 
 
@@ -112,11 +133,11 @@ def line(r: dict) -> str:
     closed = gap_closed(r)
     return (f"| {r['seed']} | {r['student']:.1%} | {r['teacher']:.1%} | {r['distilled']:.1%} | "
             f"{'n/a' if closed is None else f'{closed:.0%}'} | {r['divergence_first']:.3f} -> "
-            f"{r['divergence_last']:.3f} | {r['wall_s']:.0f} | {r['load']:.2f} |")
+            f"{r['divergence_last']:.3f} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['load']:.2f} |")
 
 
 HEADER = ("| seed | student (short SFT) | teacher (SFT + GRPO) | distilled student | gap closed | divergence "
-          "first -> last log | wall s | load (1 min) |\n|---|---:|---:|---:|---:|---|---:|---:|")
+          "first -> last log | wall s | CPU s | load (1 min) |\n|---|---:|---:|---:|---:|---|---:|---:|---:|")
 
 
 def summary(records: list[dict]) -> str:
@@ -133,15 +154,16 @@ def summary(records: list[dict]) -> str:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
-    ap.add_argument("--sft-steps", type=int, default=100, help="the student's SFT optimizer steps")
+    ap.add_argument("--sft-steps", type=int, default=150, help="the SFT step the student is saved at")
     ap.add_argument("--teacher-sft-steps", type=int, default=360, help="the teacher's SFT optimizer steps")
     ap.add_argument("--grpo-steps", type=int, default=60, help="the teacher's GRPO optimizer steps (from the student)")
     ap.add_argument("--distill-steps", type=int, default=60, help="distillation optimizer steps")
     ap.add_argument("--distill-batch", type=int, default=32, help="prompts per distillation step")
-    ap.add_argument("--distill-lr", type=float, default=3e-4, help="distillation learning rate")
+    ap.add_argument("--distill-lr", type=float, default=1e-3, help="distillation learning rate")
     ap.add_argument("--eval-samples", type=int, default=-1, help="first N eval prompts (default: all 300)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
-    ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
+    ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards; a folder "
+                    "of an earlier run: its student and teacher are reused (distillation settings only change)")
     ap.add_argument("--tiny", action="store_true", help="the tiny model and data, 1 seed, 2 steps each, 4 eval prompts")
     a = ap.parse_args(argv)
     if a.tiny:
