@@ -4,6 +4,12 @@
     python -m benchmarks efficacy --methods grpo --seeds 1 --grpo-steps 50
     python -m benchmarks efficacy --write efficacy.md               # also the tables as markdown
     python -m benchmarks efficacy --tiny                            # a smoke run (seconds)
+    python -m benchmarks efficacy --params configs/smollm2.yaml --methods grpo dpo --seeds 0 1 2   # the real model
+
+`--params FILE` reads the settings (model, data, every section) from FILE instead of params.yaml, as
+`align run --params FILE` does. Where a section has `lora.enabled`, both sides train LoRA adapters with the
+same `peft_config` (r, alpha, dropout, target modules from that section); our SFT model is then merged
+(`merge_and_unload`) before it is saved as the common start of DPO and GRPO.
 
 Per seed (`run.seed`), in one process, each side timed alone (never two trainings at once):
 
@@ -117,6 +123,22 @@ def common_args(p, section, work: Path, name: str, precision: str, steps: int | 
     return {k: getattr(cfg, k) for k in SHARED}
 
 
+def peft_config(section):
+    """The LoraConfig both sides get (TRL's `peft_config=` argument), from the section's `lora`, or None."""
+    lora = section.lora
+    if not lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    targets = lora.target_modules
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                      target_modules="all-linear" if targets == ["all-linear"] else list(targets))
+
+
+def loss_types(section) -> list[str]:
+    return list(section.loss_type) if isinstance(section.loss_type, (list, tuple)) else [section.loss_type]
+
+
 def load(path: str, p):
     from stages.models import load_causal_lm, load_tokenizer
 
@@ -154,14 +176,14 @@ def sft(side: str, p, base: str, data: Path, work: Path, precision: str, steps: 
             from stages.trainers.sft_trainer import SFTTrainer
 
             cfg = our_config(p, s, work, "sft", precision, steps)
-            trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows)
+            trainer = SFTTrainer(model, cfg, processing_class=tok, train_dataset=rows, peft_config=peft_config(s))
         else:
             import datasets
             import trl
 
             cfg = trl.SFTConfig(**args, max_length=s.max_length, completion_only_loss=s.completion_only_loss,
                                 packing=False, padding_free=False, dataset_num_proc=None)
-            trainer = trl.SFTTrainer(model=model, args=cfg, processing_class=tok,
+            trainer = trl.SFTTrainer(model=model, args=cfg, processing_class=tok, peft_config=peft_config(s),
                                      train_dataset=datasets.Dataset.from_list(rows))
         result = trainer.train()
     return trainer, tok, clock, result
@@ -182,15 +204,16 @@ def dpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps:
 
             cfg = our_config(p, d, work, "policy.dpo", precision, steps)
             assert cfg.precompute_ref_log_probs, "both sides precompute the reference log-probs"
-            trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs)
+            trainer = DPOTrainer(model, args=cfg, processing_class=tok, train_dataset=pairs, peft_config=peft_config(d))
         else:
             import datasets
             import trl
 
-            cfg = trl.DPOConfig(**args, beta=d.beta, loss_type=[d.loss_type], label_smoothing=d.label_smoothing,
+            cfg = trl.DPOConfig(**args, beta=d.beta, loss_type=loss_types(d), loss_weights=d.loss_weights,
+                                label_smoothing=d.label_smoothing,
                                 max_length=d.max_length, precompute_ref_log_probs=True,
                                 precompute_ref_batch_size=args["per_device_eval_batch_size"], dataset_num_proc=None)
-            trainer = trl.DPOTrainer(model=model, args=cfg, processing_class=tok,
+            trainer = trl.DPOTrainer(model=model, args=cfg, processing_class=tok, peft_config=peft_config(d),
                                      train_dataset=datasets.Dataset.from_list(pairs))
         result = trainer.train()
     return trainer, tok, clock, result
@@ -210,7 +233,7 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
 
             cfg = our_config(p, g, work, "policy.grpo", precision, steps)
             trainer = GRPOTrainer(model, [final_number_reward(tok)], args=cfg, processing_class=tok,
-                                  train_dataset=prompts)
+                                  train_dataset=prompts, peft_config=peft_config(g))
         else:
             import datasets
             import trl
@@ -223,7 +246,7 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
                                  log_completions=False)
             assert cfg.generation_batch_size == cfg.per_device_train_batch_size  # one generation per step, as ours
             trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward(tok)], args=cfg, processing_class=tok,
-                                      train_dataset=datasets.Dataset.from_list(prompts))
+                                      train_dataset=datasets.Dataset.from_list(prompts), peft_config=peft_config(g))
         result = trainer.train()
     return trainer, tok, clock, result
 
@@ -234,20 +257,22 @@ RUNNERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
 # --------------------------------------------------------------------------- the benchmark
 
 
-def seed_params(out: Path, seed: int, overrides: dict[str, Any]):
+def seed_params(out: Path, seed: int, overrides: dict[str, Any], params_file: Path | None = None):
     from stages.harness.params_loader import load_params
 
-    return load_params(ROOT / "params.yaml", {**overrides, "run.output_dir": str(out), "run.seed": seed})
+    return load_params(params_file or ROOT / "params.yaml", {**overrides, "run.output_dir": str(out),
+                                                             "run.seed": seed})
 
 
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
-             eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess") -> list[dict[str, Any]]:
+             eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess",
+             params_file: Path | None = None) -> list[dict[str, Any]]:
     import torch
 
     from stages.harness import runner
     from stages.harness.model_paths import resolve_model
 
-    p = seed_params(out, seed, overrides)
+    p = seed_params(out, seed, overrides, params_file)
     runner.run_stage("preprocess", p)
     data, base = out / "preprocess", resolve_model(p.model, p.run.output_dir)
     eval_rows = rows_of(data, "eval")[: eval_samples if eval_samples > 0 else None]
@@ -270,7 +295,9 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
                                                           work, precision, steps[method])
             acc = accuracy(trainer.model, tok, eval_rows, p)
             if method == "sft" and side == "ours":
-                trainer.save_model(str(sft_model))
+                model = trainer.model
+                model = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+                model.save_pretrained(str(sft_model))
                 tok.save_pretrained(str(sft_model))
             rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
                    "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
@@ -325,6 +352,8 @@ def parse(argv=None):
     ap.add_argument("--dpo-pairs", choices=("preprocess", "score"), default="preprocess",
                     help="preprocess: preprocess's preference pairs, from our direct SFT model; score: the pipeline's "
                          "sft -> reward -> score stages of the seed (run first), from that sft stage's model")
+    ap.add_argument("--params", type=Path, default=None, metavar="FILE",
+                    help="the params file (default: params.yaml), e.g. configs/smollm2.yaml for the real model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="params.yaml override")
     ap.add_argument("--output-dir", default=None, help="default: a temporary folder, removed afterwards")
     ap.add_argument("--write", metavar="FILE", default=None, help="also write the tables to FILE (markdown)")
@@ -377,7 +406,7 @@ def run(argv=None) -> list[dict[str, Any]]:
         raise SystemExit("\n".join(problems))
     steps = {m: getattr(a, f"{m}_steps") for m in METHODS}
     if a.steps_scale is not None:
-        p0 = seed_params(Path(tempfile.gettempdir()), a.seeds[0], overrides)
+        p0 = seed_params(Path(tempfile.gettempdir()), a.seeds[0], overrides, a.params)
         steps = {m: steps[m] or max(1, round(a.steps_scale * default_steps(p0, m))) for m in METHODS}
     out = Path(a.output_dir) if a.output_dir else Path(tempfile.mkdtemp(prefix="efficacy-"))
     cmd = "python -m benchmarks efficacy " + " ".join(argv if argv is not None else sys.argv[2:])
@@ -400,7 +429,7 @@ def run(argv=None) -> list[dict[str, Any]]:
     try:
         for seed in a.seeds:
             records += run_seed(seed, a.methods, out / f"seed-{seed}", overrides, steps, a.eval_samples,
-                                a.precision, report, a.dpo_pairs)
+                                a.precision, report, a.dpo_pairs, a.params)
     finally:
         if not a.output_dir:
             shutil.rmtree(out, ignore_errors=True)

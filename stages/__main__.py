@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # status opens no data file or model folder (preflight): it reads the manifests only
         params = load_params(args.params, args.overrides, preflight=args.stage != "status",
                              rows=args.stage == "preprocess" and args.shard is None)
-        if args.stage in ("sft", "reward", "policy"):  # what transformers refuses, before the model is built
+        if args.stage in STAGES and STAGES[args.stage].trains:  # what transformers refuses, before the model
             from stages.harness.preflight import trainer_config_problems
 
             if problems := trainer_config_problems(params):

@@ -126,19 +126,47 @@ def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def pack_pairs(model, batch: dict[str, torch.Tensor]) -> PackedPairs | None:
     """`batch` (2B padded pair rows) packed for `model`, or None when the padded rows should be used."""
-    if attention_implementation(model) not in MASKED_ATTENTION or sharding_engine(model):
+    if not packable(model):
         return None
     packed = layout(batch["input_ids"], batch["attention_mask"])
-    if packed is None or packed.tokens > (1 - MIN_SAVING) * batch["input_ids"].numel():
-        return None
-    window = getattr(getattr(unwrap_wrappers(model), "config", None), "sliding_window", None)
-    if window is not None and packed.position_ids.max() >= window:
+    if not worth_it(model, packed, batch["input_ids"]):
         return None
     return packed if verified(model, batch) else None
 
 
+def packable(model) -> bool:
+    """Whether `model` can run packed rows at all: a 4D-mask attention and unsharded parameters."""
+    return attention_implementation(model) in MASKED_ATTENTION and not sharding_engine(model)
+
+
+def worth_it(model, packed: PackedPairs | None, padded_ids: torch.Tensor) -> bool:
+    """Whether `packed` saves at least MIN_SAVING of the padded tokens and fits the model's sliding window."""
+    if packed is None or packed.tokens > (1 - MIN_SAVING) * padded_ids.numel():
+        return False
+    window = getattr(getattr(unwrap_wrappers(model), "config", None), "sliding_window", None)
+    return window is None or packed.position_ids.max() < window
+
+
 def verified(model, batch: dict[str, torch.Tensor]) -> bool:
-    """Whether `model` computes the same final hidden states packed as padded (checked once per model)."""
+    """Whether `model` computes the same final hidden states packed as padded (checked once per model, on the
+    first CHECK_PAIRS pairs of `batch`)."""
+    inner = unwrap_wrappers(model)
+    if inner in _checked:
+        return _checked[inner]
+    b = batch["input_ids"].shape[0] // 2
+    n = min(CHECK_PAIRS, b)
+    keep = torch.cat([torch.arange(n), b + torch.arange(n)]).to(batch["input_ids"].device)
+    ids, attn = batch["input_ids"][keep], batch["attention_mask"][keep]
+    width = int(attn.sum(-1).max())
+    ids, attn = ids[:, :width], attn[:, :width]
+    packed = layout(ids, attn)
+    assert packed is not None  # a slice of a layout that packed
+    return same_as_padded(model, {"input_ids": ids, "attention_mask": attn}, packed)
+
+
+def same_as_padded(model, padded: dict[str, torch.Tensor], packed: PackedPairs) -> bool:
+    """Whether `model`'s final hidden states of the `padded` rows equal those of `packed`, unpacked, at every
+    attended position (eval mode, no gradients); remembered per model, and logged by name when not."""
     from stages.logprobs import final_hidden, final_norm
 
     inner = unwrap_wrappers(model)
@@ -147,30 +175,23 @@ def verified(model, batch: dict[str, torch.Tensor]) -> bool:
     if final_norm(inner) is None:
         _checked[inner] = False
         return False
-    b = batch["input_ids"].shape[0] // 2
-    n = min(CHECK_PAIRS, b)
-    keep = torch.cat([torch.arange(n), b + torch.arange(n)]).to(batch["input_ids"].device)
-    ids, attn = batch["input_ids"][keep], batch["attention_mask"][keep]
-    width = int(attn.sum(-1).max())
-    ids, attn = ids[:, :width], attn[:, :width]
-    packed = layout(ids, attn)
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
-            padded, _ = final_hidden(inner, {"input_ids": ids, "attention_mask": attn, "use_cache": False})
+            expected, _ = final_hidden(inner, {**padded, "use_cache": False})
             hidden, _ = final_hidden(inner, {**packed.inputs(inner), "use_cache": False})
     finally:
         inner.train(was_training)
-    valid = attn.bool()
-    expected, got = padded[valid].float(), packed.unpack(hidden)[valid].float()
+    valid = padded["attention_mask"].bool()
+    expected, got = expected[valid].float(), packed.unpack(hidden)[valid].float()
     # per position, the error relative to the hidden state's norm: rounding stays far below TOLERANCE; a token
     # given the wrong context (an ignored mask or position id) is off by the order of the norm itself
     diff = float(((expected - got).norm(dim=-1) / expected.norm(dim=-1).clamp(min=1e-6)).max())
     ok = diff <= TOLERANCE
     if not ok:
-        log.warning("pair packing is off for %s: its packed forward differs from the padded one by %.3g of a hidden state's norm (it "
-                    "ignores position_ids or 4D attention masks); chosen and rejected run as separate rows",
-                    type(inner).__name__, diff)
+        log.warning("packing is off for %s: its packed forward differs from the padded one by %.3g of a hidden "
+                    "state's norm (it ignores position_ids or 4D attention masks); rows that share a prefix run "
+                    "as separate rows", type(inner).__name__, diff)
     _checked[inner] = ok
     return ok

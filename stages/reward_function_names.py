@@ -16,3 +16,8 @@ BUILTIN_REWARD_CALLABLES = {
 REWARD_BUILTINS = tuple(BUILTIN_REWARD_CALLABLES)
 # the built-ins that need a trained reward model
 REWARD_MODEL_REWARDS = tuple(n for n, f in BUILTIN_REWARD_CALLABLES.items() if f == "RewardModelReward")
+# The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
+# The reward model squashed, σ(r) in (0, 1), at weight 0.5: a right answer scores at least 1, a wrong one under
+# 0.5 (score.min_score), whatever scale the reward model learnt (stages.reward_functions.RewardModelReward).
+VERIFIED_FIRST = ("exact_match", "reward_model_prob")
+VERIFIED_FIRST_WEIGHTS = (1.0, 0.5)

@@ -72,10 +72,7 @@ def resolve(section_value: str | list[str] | None, run_value: str | list[str] | 
 def sections(params) -> dict[str, tuple[str, Any]]:
     """{training stage: (its params key, its section)} of the stages this run trains: sft, reward and the
     policy's method section (policy.<method>; none with policy.method none)."""
-    out = {"sft": ("sft", params.sft), "reward": ("reward", params.reward)}
-    if params.policy.method != "none":
-        out["policy"] = (f"policy.{params.policy.method}", params.policy.trained)
-    return out
+    return params.training_sections()
 
 
 def stage_trackers(params, stage: str) -> list[str]:

@@ -222,19 +222,19 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
                                              "set data.eval_source to prompts with reference completions"))
     if not shape.has_preference:
         problems += _reward_model_without_pairs(params, shape)
-        pol = params.policy
-        if pol.method in ("dpo", "kto") and pol.data == "preprocess" and not (
-                pol.method == "kto" and "unpaired" in shape.destinations):
+        pol, method = params.policy, _method(params)
+        if method is not None and method.data in ("pairs", "unpaired") and pol.data == "preprocess" and not (
+                method.data == "unpaired" and "unpaired" in shape.destinations):
             fix = (f"set {_online_fix(params)} (GRPO learns from the rule reward on every sample), "
                    "or --set policy.data=score (pairs sampled from the SFT model and scored: with rule rewards "
                    "alone, only where its samples differ)" if shape.prompts_derivable else
                    "set --set policy.method=none (text rows give no prompts to sample pairs from)")
             problems.append(("policy.data", f"= preprocess, but the data has no preference rows for policy.method "
                                             f"= {pol.method}: {fix}, or give data.preference"))
-        if pol.method == "grpo" and pol.grpo.reward_head == "shared":
-            problems.append(("policy.grpo.reward_head", "= shared trains a reward head on preference pairs, but the "
-                                                        "data has none: set --set policy.grpo.reward_head=separate "
-                                                        "or give data.preference"))
+        if method is not None and getattr(pol.trained, "reward_head", None) == "shared":
+            key = f"{method.section}.reward_head"
+            problems.append((key, f"= shared trains a reward head on preference pairs, but the data has none: set "
+                                  f"--set {key}=separate or give data.preference"))
     if not shape.prompts_derivable:
         if params.score.enabled and params.score.source == "generate":
             also = (" --set policy.method=none (policy.method = "
@@ -245,7 +245,7 @@ def needs(params, shape: DataShape) -> list[tuple[str, str]]:
             problems.append(("data.eval_source", "= null, but the data has text rows only: they hold no prompt to "
                                                  "hold out for evaluation (the eval split is carved from prompted "
                                                  "rows); set data.eval_source to held-out prompt/completion rows"))
-        if params.policy.method in ("online_dpo", "grpo", "ppo"):
+        if _method(params) is not None and _method(params).samples:
             problems.append(("policy.method", f"= {params.policy.method} samples from prompts, but the data has "
                                               "none (text rows only): give data.prompts, or set "
                                               "--set policy.method=none"))
@@ -264,8 +264,15 @@ def _online_fix(params) -> str:
     return fix
 
 
+def _method(params):
+    """The stages.methods record of `policy.method` (None for none); read through params, so that the data checks
+    (and preprocess's code) do not depend on the list of methods."""
+    return params.policy.record
+
+
 def _reads_score_pairs(params) -> bool:
-    return params.policy.method in ("dpo", "kto") and params.policy.data == "score"
+    method = _method(params)
+    return method is not None and method.data in ("pairs", "unpaired") and params.policy.data == "score"
 
 
 def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str]]:
@@ -281,8 +288,8 @@ def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str
     if params.score.enabled:
         lists.append(("score.reward_functions", params.score.reward_functions, params.score.reward_weights))
     method = params.policy.method
-    if method in ("online_dpo", "grpo", "ppo"):
-        s = getattr(params.policy, method)
+    if _method(params) is not None and _method(params).samples:
+        s = params.policy.trained
         lists.append((f"policy.{method}.reward_functions", s.reward_functions, s.reward_weights))
     problems = []
     for key, names, weights in lists:

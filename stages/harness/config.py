@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
-from stages.reward_function_names import REWARD_BUILTINS  # noqa: F401 (re-exported)
+from stages.methods import METHODS, Method, policy_methods
+from stages.reward_function_names import REWARD_BUILTINS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: F401
 from stages.trainers.arguments import as_declared, light_module
 from stages.trainers.generation_params import GenerationParams
 
@@ -166,13 +167,6 @@ class LoraParams:
         return []
 
 
-# The verifiable reward decides and the reward model breaks ties: score's default, and online DPO's and PPO's.
-# The reward model squashed, σ(r) in (0, 1), at weight 0.5: a right answer scores at least 1, a wrong one under
-# 0.5 (score.min_score), whatever scale the reward model learnt (stages.reward_functions.RewardModelReward).
-VERIFIED_FIRST = ("exact_match", "reward_model_prob")
-VERIFIED_FIRST_WEIGHTS = (1.0, 0.5)
-
-
 def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
     """Config-time checks of a reward_functions / reward_weights pair (imports happen in the stage)."""
     problems = []
@@ -258,10 +252,13 @@ STAGE_HELP = {"report_to": "trackers of this stage: tensorboard, mlflow, dvclive
 
 def section(config: str, *extra: type, **defaults: Any) -> type:
     """A training section: the light `config` ("module:Class", the trainer config itself), the pipeline's
-    `extra` keys, and the pipeline's `defaults` for keys the config declares (STAGE_DEFAULTS first)."""
+    `extra` keys, and the pipeline's `defaults` for keys the config or `extra` declare (STAGE_DEFAULTS first).
+
+    Built at runtime (`make_dataclass`) because a section is the config plus the pipeline's keys and defaults,
+    and the config is declared once, in its own module; `TYPE_CHECKING` below spells the result out."""
     module, _, name = config.partition(":")
     base = getattr(light_module(module), name)
-    declared = base.__dataclass_fields__
+    declared = {**base.__dataclass_fields__, **{k: f for e in extra for k, f in e.__dataclass_fields__.items()}}
     fields = []
     for key, value in {**STAGE_DEFAULTS, **defaults}.items():
         f = declared[key]
@@ -313,9 +310,9 @@ def _reward_functions(*default: str) -> Any:
 
 
 @dataclass
-class VerifiedFirst:
-    """The reward functions an online method builds by name; the verifiable reward decides, the reward model breaks
-    ties (their weights: the config's reward_weights)."""
+class RewardKeys:
+    """The reward functions a method that samples builds by name (the trainer's reward_funcs; their weights: the
+    config's reward_weights). Default: the verifiable reward decides, the reward model breaks ties."""
 
     reward_functions: list[str] = _reward_functions(*VERIFIED_FIRST)
 
@@ -323,68 +320,78 @@ class VerifiedFirst:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
-@dataclass
-class ExactMatch(VerifiedFirst):
-    reward_functions: list[str] = _reward_functions("exact_match")
+# The pipeline's keys a section adds to its config, beyond TrainingStage's: by stage, and for the methods that
+# sample and score completions (the reward functions they build by name).
+STAGE_KEYS: dict[str, tuple[type, ...]] = {"sft": (SFTStage,), "reward": (RewardStage,)}
 
 
-# The pipeline's defaults that differ from the configs' (chosen on the built-in task's dev split, docs/methods.md).
-if TYPE_CHECKING:  # what section() builds at runtime, spelled out for the type checker (its bases, in its order)
-    from stages.trainers.dpo_config import DPOConfig
-    from stages.trainers.grpo_config import GRPOConfig
-    from stages.trainers.kto_config import KTOConfig
-    from stages.trainers.online_dpo_config import OnlineDPOConfig
-    from stages.trainers.ppo_config import PPOConfig
+def method_section(method: Method) -> type:
+    """The params section of a method of stages.methods: its config, the pipeline's keys, the pipeline's defaults."""
+    extra = STAGE_KEYS.get(method.name, ()) + ((RewardKeys,) if method.samples else ())
+    return section(method.config, *extra, **method.defaults)
+
+
+if TYPE_CHECKING:  # what method_section() builds at runtime, spelled out for the type checker
     from stages.trainers.reward_config import RewardConfig
     from stages.trainers.sft_config import SFTConfig
 
     class SFTSection(SFTStage, TrainingStage, SFTConfig): ...
     class RewardSection(RewardStage, TrainingStage, RewardConfig): ...
-    class DPOSection(TrainingStage, DPOConfig): ...
-    class KTOSection(TrainingStage, KTOConfig): ...
-    class OnlineDPOSection(VerifiedFirst, TrainingStage, OnlineDPOConfig): ...
-    class GRPOSection(ExactMatch, TrainingStage, GRPOConfig): ...
-    class PPOSection(VerifiedFirst, TrainingStage, PPOConfig): ...
+    TRAINING_SECTIONS: dict[str, Any]
 else:
-    SFTSection = section("stages.trainers.sft_config:SFTConfig", SFTStage, learning_rate=3e-3, num_train_epochs=3.0)
-    RewardSection = section("stages.trainers.reward_config:RewardConfig", RewardStage, learning_rate=6e-4,
-                            num_train_epochs=8.0, per_device_train_batch_size=8)
-    DPOSection = section("stages.trainers.dpo_config:DPOConfig", learning_rate=5e-5)
-    KTOSection = section("stages.trainers.kto_config:KTOConfig", learning_rate=5e-5)
-    OnlineDPOSection = section("stages.trainers.online_dpo_config:OnlineDPOConfig", VerifiedFirst,
-                               learning_rate=1e-4, reward_weights=list(VERIFIED_FIRST_WEIGHTS))
-    GRPOSection = section("stages.trainers.grpo_config:GRPOConfig", ExactMatch, learning_rate=3e-4,
-                          per_device_train_batch_size=128, max_steps=150)
-    PPOSection = section("stages.trainers.ppo_config:PPOConfig", VerifiedFirst, learning_rate=3e-5,
-                         reward_weights=list(VERIFIED_FIRST_WEIGHTS))
+    TRAINING_SECTIONS = {m.section: method_section(m) for m in METHODS.values()}
+    SFTSection, RewardSection = TRAINING_SECTIONS["sft"], TRAINING_SECTIONS["reward"]
 
-TRAINING_SECTIONS = {"sft": SFTSection, "reward": RewardSection, "policy.dpo": DPOSection, "policy.kto": KTOSection,
-                     "policy.online_dpo": OnlineDPOSection, "policy.grpo": GRPOSection, "policy.ppo": PPOSection}
-
-POLICY_METHODS = ("dpo", "kto", "online_dpo", "grpo", "ppo", "none")
+POLICY_METHODS = policy_methods()
 
 
 @dataclass
-class PolicyParams:
+class PolicyKeys:
     """Policy optimisation after SFT: one method, each with its own section (its trainer config)."""
 
-    method: Literal["dpo", "kto", "online_dpo", "grpo", "ppo", "none"] = param(
-        "dpo", help="dpo | kto | online_dpo | grpo | ppo | none (evaluate then reports base and SFT only)")
+    method: str = param("dpo", help="the method")  # its choices: PolicyParams, from stages.methods
     data: Literal["score", "preprocess"] = param("score", help="dpo/kto pairs: score (sampled from SFT and "
                                                  "scored) or preprocess (the preference data of data.source)")
     num_prompts: int = param(-1, help="online methods: train on at most N prompts (-1: all)",
                              check=lambda v: v == -1 or v > 0, rule="must be -1 or > 0")
-    dpo: DPOSection = param(default_factory=DPOSection, help="policy.method: dpo (stages.trainers.DPOConfig)")
-    kto: KTOSection = param(default_factory=KTOSection, help="policy.method: kto (stages.trainers.KTOConfig)")
-    online_dpo: OnlineDPOSection = param(default_factory=OnlineDPOSection, help="policy.method: online_dpo "
-                                         "(stages.trainers.OnlineDPOConfig)")
-    grpo: GRPOSection = param(default_factory=GRPOSection, help="policy.method: grpo (stages.trainers.GRPOConfig)")
-    ppo: PPOSection = param(default_factory=PPOSection, help="policy.method: ppo (stages.trainers.PPOConfig)")
 
     @property
-    def trained(self):
+    def trained(self) -> Any:
         """The section of the chosen method (None for method none)."""
         return None if self.method == "none" else getattr(self, self.method)
+
+    @property
+    def record(self) -> Method | None:
+        """The stages.methods record of the chosen method (None for method none): what it trains on, its kind."""
+        return METHODS.get(self.method)
+
+
+def policy_params() -> type:
+    """`policy`: PolicyKeys, `method` choosing among stages.methods' policy methods, and one section per method.
+    Built at runtime so that a record in stages.methods is the one edit that adds a method's section."""
+    methods = [m for m in METHODS.values() if m.policy]
+    method = dataclasses.field(default="dpo", metadata={**PolicyKeys.__dataclass_fields__["method"].metadata, "help": (
+        " | ".join(POLICY_METHODS) + " (evaluate then reports base and SFT only)")})
+    sections = [(m.name, TRAINING_SECTIONS[m.section], param(default_factory=TRAINING_SECTIONS[m.section],
+                help=f"policy.method: {m.name} ({_exported(m.config)})")) for m in methods]
+    cls = dataclasses.make_dataclass("PolicyParams", [("method", Literal[POLICY_METHODS], method), *sections],
+                                     bases=(PolicyKeys,))
+    cls.__module__ = __name__
+    cls.__doc__ = PolicyKeys.__doc__
+    return cls
+
+
+def _exported(ref: str) -> str:
+    """"stages.trainers.dpo_config:DPOConfig" -> "stages.trainers.DPOConfig" (stages.trainers exports it)."""
+    module, _, name = ref.partition(":")
+    return f"stages.trainers.{name}" if module.startswith("stages.trainers.") else f"{module}.{name}"
+
+
+if TYPE_CHECKING:
+    class PolicyParams(PolicyKeys):
+        def __getattr__(self, name: str) -> Any: ...  # policy.<method>: the sections of stages.methods
+else:
+    PolicyParams = policy_params()
 
 
 EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "length")
@@ -586,7 +593,9 @@ class Params:
         from stages.trackers import problems as tracker_problems
 
         problems = tracker_problems(self)  # a tracker that is not installed: the pip command
-        if self.policy.method in ("dpo", "kto") and self.policy.data == "score" and not self.score.enabled:
+        method = self.policy.record
+        if method is not None and method.data in ("pairs", "unpaired") and (
+                self.policy.data == "score" and not self.score.enabled):
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
         m, trained = self.merge, self.policy.trained
@@ -596,6 +605,15 @@ class Params:
                              f"(the {'policy' if self.policy.method != 'none' else 'sft'} stage's adapter if it "
                              "trains one, then merge.adapters); give one per adapter or null for all 1.0"))
         return problems
+
+    def training_sections(self) -> dict[str, tuple[str, Any]]:
+        """{training stage: (its dotted params section, the section)} of the stages this run trains: sft, reward
+        (the stages of stages.methods' records of those kinds), and policy with its method's section (absent with
+        policy.method none)."""
+        out = {m.name: (m.section, getattr(self, m.name)) for m in METHODS.values() if not m.policy}
+        if self.policy.method != "none":
+            out["policy"] = (f"policy.{self.policy.method}", self.policy.trained)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

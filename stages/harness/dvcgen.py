@@ -19,10 +19,9 @@ from pathlib import Path
 import yaml
 
 from stages.harness.config import Params
-from stages.harness.registry import STAGES
+from stages.harness.registry import STAGES, TRAINING_STAGES
 from stages.metrics.report import headline_paths
 
-TRAINING_STAGES = tuple(s.name for s in STAGES.values() if s.trains)  # each writes a loss curve
 OUTPUT_DIR = "artifacts"  # dvc.yaml describes the default run.output_dir
 
 

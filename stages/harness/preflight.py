@@ -45,12 +45,9 @@ def trainer_config_problems(p) -> list[str]:
 
     from stages.trainers.arguments import real_kwargs
 
-    sections = {"sft": p.sft, "reward": p.reward}
-    if p.policy.trained is not None:
-        sections[f"policy.{p.policy.method}"] = p.policy.trained
     problems = []
     with tempfile.TemporaryDirectory() as scratch:
-        for dotted, s in sections.items():
+        for dotted, s in p.training_sections().values():
             module, _, name = s.CONFIG.partition(":")
             config_cls = getattr(importlib.import_module(module), name)
             kwargs = {**real_kwargs(s, config_cls), "output_dir": scratch, "use_cpu": True, "report_to": "none",

@@ -8,7 +8,8 @@ the closure of the project modules its entry module imports (`StageSpec.code`, s
 `stages.harness.imports`), and that closure is what its fingerprint hashes and `dvc.yaml` depends on.
 
 Adding a stage: its module under `stages/pipeline/` (with `run(ctx)`), one entry here, and
-its params section (stages/harness/config.py and params.yaml) if it has new params.
+its params section (stages/harness/config.py and params.yaml) if it has new params (docs/architecture.md,
+"How to add a stage"). The stages that train are those with `training_rows` (TRAINING_STAGES).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 from stages.harness import imports
 from stages.harness.artifacts import CODE_ROOT
 from stages.harness.config import POLICY_METHODS
+from stages.methods import METHODS
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class StageSpec:
     # dotted params keys naming the user's files or folders the stage reads (data files, a local model): their
     # content is part of the fingerprint, so editing a data file in place makes the stage stale
     inputs: tuple[str, ...] = ()
+    # project modules the stage imports by name ("module:Class" references: stages.methods' trainers), hashed
+    # with its code like the modules it imports
+    loads: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -48,9 +53,14 @@ class StageSpec:
         return self.training_rows is not None
 
     def code(self, root: Path = CODE_ROOT) -> tuple[str, ...]:
-        """The files (relative to `root`) the stage runs: the import closure of its entry module and of
-        RUN_WITH."""
-        return tuple(sorted({f for m in (self.module, *RUN_WITH) for f in imports.closure(m, root)}))
+        """The files (relative to `root`) the stage runs: the import closure of its entry module, of the modules it
+        `loads` from this project (a method's trainer in a package of your own is your code, like a reward
+        function's module) and of RUN_WITH."""
+        return tuple(sorted({f for m in self.runs() for f in imports.closure(m, root)}))
+
+    def runs(self) -> tuple[str, ...]:
+        """The modules whose import closures are the stage's code (see `code`)."""
+        return (self.module, *(m for m in self.loads if m.split(".")[0] in imports.LIBRARY), *RUN_WITH)
 
 
 # What stages.harness.runner runs every stage with that shapes its outputs (the seeds drawn before it starts); the
@@ -113,6 +123,7 @@ STAGES: dict[str, StageSpec] = {
             upstream=("preprocess", "sft", "reward", "score", "reference"),
             params=(*MODEL_LOADING, "policy", "run.seed", "run.report_to"),
             training_rows="stages.pipeline.policy:training_rows",
+            loads=tuple(m.trainer.partition(":")[0] for m in METHODS.values() if m.policy),
         ),
         StageSpec(
             name="merge",
@@ -145,6 +156,7 @@ ON_REQUEST: dict[str, StageSpec] = {
     ),
 }
 ALL_STAGES: dict[str, StageSpec] = {**STAGES, **ON_REQUEST}
+TRAINING_STAGES = tuple(s.name for s in STAGES.values() if s.trains)  # each writes a loss curve
 
 
 def get_stage(name: str) -> StageSpec:

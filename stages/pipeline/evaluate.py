@@ -309,7 +309,7 @@ def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs]) -> lis
 def loss_histories(ctx) -> dict[str, list[dict]]:
     """log_history.json of every upstream training stage that wrote one."""
     out = {}
-    for stage in ("sft", "reward", "policy"):
+    for stage in ctx.inputs:  # the training stages among them write one
         path = ctx.inputs.get(stage, Path("/nonexistent")) / "log_history.json"
         if path.is_file():
             out[stage] = json.loads(path.read_text())

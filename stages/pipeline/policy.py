@@ -1,26 +1,25 @@
-"""Stage `policy`: optimise the SFT model with one method (`policy.method`).
+"""Stage `policy`: optimise the SFT model with one method (`policy.method`, or none to skip).
 
-    dpo         offline pairs (score's sampled-and-scored pairs, or preprocess's preference data),
-                reference log-probs from stage `reference` when precomputed
-    kto         unpaired desirable/undesirable rows (preprocess's unpaired data, or the pairs split)
-    online_dpo  two completions per prompt sampled during training, ranked by the reward functions
-    grpo        groups of completions per prompt, group-relative advantages from the reward functions
-    ppo         rollouts scored by the reward model/functions, a value head, GAE and clipped updates
-    none        skip (evaluate then reports base and SFT only)
-
+The methods are the policy records of `stages.methods` (docs/methods.md describes each). A record's kind
+says what the method trains on (`method_rows`): offline pairs (score's sampled-and-scored pairs, or
+preprocess's preference data; reference log-probs from stage `reference` when precomputed), unpaired rows
+(preprocess's unpaired data, or the pairs split), or prompts it samples from during training with the
+section's reward functions (online and RL methods). Its trainer is called as TRL's (`build_trainer`).
 Every method starts from the SFT model, which is also the frozen reference (or, with
-`policy.lora`, the same weights with the adapter disabled). Checkpoints and crash-resume as
+`policy.<method>.lora`, the same weights with the adapter disabled). Checkpoints and crash-resume as
 in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
 
     python -m stages policy [--set policy.dpo.beta=0.2] [--set policy.method=grpo]
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import importlib
+from typing import Any
 
+from stages.data import read_jsonl
+from stages.methods import METHODS, Method
 from stages.models import load_tokenizer, pick_device
-from stages.pipeline import training
+from stages.pipeline import reference, training
 from stages.pipeline.prompts import preference_pairs, prompt_rows, reward_model_path, unpaired_rows
 from stages.reward_functions import build_reward_functions
 
@@ -31,15 +30,15 @@ def run(ctx) -> dict[str, Any]:
     if pol.method == "none":
         ctx.log.info("policy: method none, no policy optimisation; evaluate reports base and SFT only")
         return {"method": "none"}
+    method = METHODS[pol.method]
     device = pick_device(p.run.device)
     start = str(ctx.inputs["sft"] / "model")
     tokenizer = load_tokenizer(start, trust_remote_code=p.model.trust_remote_code)
-    setup = METHODS[pol.method]
-    rows, extra = setup.data(ctx)  # data, reward functions and the trainer config checked before any model loads
+    rows, rewards = method_rows(ctx, method)  # data, reward functions and the trainer config checked before any model
     config = training.trainer_config(ctx, s, device=device, section=section)
     model, trainable, total = training.load_trainable_model(start, p, s, device=device, section=section)
     logger, callbacks = training.callbacks(ctx, s.report_to)
-    trainer = setup.trainer(ctx, model, tokenizer, config, rows, extra, callbacks)
+    trainer = build_trainer(ctx, method, model, tokenizer, config, rows, rewards, callbacks)
     ctx.log.info("policy: %s on %d rows from %s, %d/%d trainable parameters", pol.method, len(rows), start,
                  trainable, total)
     result, resume = training.train(trainer, ctx)
@@ -61,103 +60,54 @@ def run(ctx) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- data per method
-
-
-def dpo_data(ctx):
+def method_rows(ctx, method: Method) -> tuple[list[dict], list | None]:
+    """(rows, reward functions or None) of what `method` trains on (Method.data); everything is checked here,
+    before a model is loaded."""
     pol = ctx.params.policy
-    if pol.dpo.precompute_ref_log_probs and not pol.dpo.reference_free:
-        from stages.data import read_jsonl
-
-        rows = read_jsonl(ctx.inputs["reference"] / "pairs.jsonl")  # pairs with the reference log-probs
-        ctx.log.info("policy: reference log-probs of %d pairs from stage reference (no reference forward)",
-                     len(rows))
-        return rows, None
-    return preference_pairs(ctx, pol.data)[1], None
-
-
-def kto_data(ctx):
-    return unpaired_rows(ctx, ctx.params.policy.data), None
-
-
-def online_data(section: str):
-    def data(ctx):
-        p = ctx.params
-        s = getattr(p.policy, section)
-        rewards = build_reward_functions(s.reward_functions, key=f"policy.{section}.reward_functions",
-                                         reward_model_path=reward_model_path(ctx), device=pick_device(p.run.device))
-        return prompt_rows(ctx, p.policy.num_prompts), rewards.functions  # the trainer applies reward_weights
-    return data
+    if method.data == "pairs":
+        if reference.needed(pol) is None:  # stage reference computed the pairs with their reference log-probs
+            rows = read_jsonl(ctx.inputs["reference"] / "pairs.jsonl")
+            ctx.log.info("policy: reference log-probs of %d pairs from stage reference (no reference forward)",
+                         len(rows))
+            return rows, None
+        return preference_pairs(ctx, pol.data)[1], None
+    if method.data == "unpaired":
+        return unpaired_rows(ctx, pol.data), None
+    s, device = pol.trained, pick_device(ctx.params.run.device)
+    rewards = build_reward_functions(s.reward_functions, key=f"{method.section}.reward_functions",
+                                     reward_model_path=reward_model_path(ctx), device=device)
+    return prompt_rows(ctx, pol.num_prompts), rewards.functions  # the trainer applies reward_weights
 
 
-# --------------------------------------------------------------------------- trainer per method
-
-
-def dpo_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
-    from stages.trainers.dpo_trainer import DPOTrainer
-
-    return DPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
-
-
-def kto_trainer(ctx, model, tokenizer, config, rows, _, callbacks):
-    from stages.trainers.kto_trainer import KTOTrainer
-
-    return KTOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, callbacks=callbacks)
-
-
-def online_dpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.online_dpo_trainer import OnlineDPOTrainer
-
-    return OnlineDPOTrainer(model, reward_funcs=rewards, args=config, processing_class=tokenizer, train_dataset=rows,
-                            callbacks=callbacks)
-
-
-def grpo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.grpo_trainer import GRPOTrainer
-
-    preference = None
-    if config.reward_head == "shared":
-        preference = preference_pairs(ctx, "preprocess", key="policy.grpo.reward_head")[1]
-    return GRPOTrainer(model, rewards, args=config, processing_class=tokenizer,
-                       train_dataset=rows, preference_dataset=preference, callbacks=callbacks)
-
-
-def ppo_trainer(ctx, model, tokenizer, config, rows, rewards, callbacks):
-    from stages.trainers.ppo_trainer import PPOTrainer
-
-    return PPOTrainer(model, args=config, processing_class=tokenizer, train_dataset=rows, reward_funcs=rewards,
-                      callbacks=callbacks)
-
-
-class Method(NamedTuple):
-    data: Callable  # ctx -> (rows, reward functions or None); checks everything before a model is loaded
-    trainer: Callable  # (ctx, model, tokenizer, trainer config, rows, rewards, callbacks) -> Trainer
-
-
-METHODS = {
-    "dpo": Method(dpo_data, dpo_trainer),
-    "kto": Method(kto_data, kto_trainer),
-    "online_dpo": Method(online_data("online_dpo"), online_dpo_trainer),
-    "grpo": Method(online_data("grpo"), grpo_trainer),
-    "ppo": Method(online_data("ppo"), ppo_trainer),
-}
+def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, callbacks):
+    """The method's trainer (Method.trainer), called as TRL's: the reward functions of a method that samples as
+    `reward_funcs`; a config asking for a shared reward head (GRPO's reward_head) also gets preference pairs."""
+    module, _, name = method.trainer.partition(":")
+    trainer_cls = getattr(importlib.import_module(module), name)
+    kwargs: dict[str, Any] = {"args": config, "processing_class": tokenizer, "train_dataset": rows,
+                              "callbacks": callbacks}
+    if rewards is not None:
+        kwargs["reward_funcs"] = rewards
+    if getattr(config, "reward_head", None) == "shared":
+        kwargs["preference_dataset"] = preference_pairs(ctx, "preprocess", key=f"{method.section}.reward_head")[1]
+    return trainer_cls(model, **kwargs)
 
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
     """The rows (pairs, unpaired rows or prompts) `policy.method` trains on and one device's share of a step
     (`StageSpec.training_rows`, for the checks of `stages.harness.launch`); None before they are counted upstream."""
-    p, method = params.policy, params.policy.method
+    p, method = params.policy, METHODS[params.policy.method]
     counted = manifests["preprocess"].get("metrics", {}).get("rows", {})
     per_device, unit = p.trained.per_device_train_batch_size, "rows"
-    if method in ("grpo", "online_dpo", "ppo"):
+    if method.data == "prompts":
         n, what = counted.get("prompts"), "prompts"
         if isinstance(n, int) and p.num_prompts > 0:
             n = min(n, p.num_prompts)
-        if method == "grpo":  # the batch counts completions, num_generations per prompt
-            per_device, unit = max(per_device // p.grpo.num_generations, 1), "prompts"
+        if getattr(p.trained, "num_generations", None):  # the batch counts completions, num_generations per prompt
+            per_device, unit = max(per_device // p.trained.num_generations, 1), "prompts"
     else:
         n = manifests["score"].get("metrics", {}).get("pairs") if p.data == "score" else counted.get(
-            "preference" if method == "dpo" else "unpaired")
-        what = "pairs" if method == "dpo" else "rows"
+            "preference" if method.data == "pairs" else "unpaired")
+        what = "pairs" if method.data == "pairs" else "rows"
     return None if not isinstance(n, int) else {"rows": n, "what": what, "per_device": per_device, "unit": unit,
-                                                "batch_key": f"policy.{method}.per_device_train_batch_size"}
+                                                "batch_key": f"{method.section}.per_device_train_batch_size"}

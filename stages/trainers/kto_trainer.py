@@ -86,26 +86,35 @@ def check_labels(labels: list[bool], desirable_weight: float, undesirable_weight
 @dataclass
 class KTOCollator:
     """Features -> B matched rows (prompt i + completion i) and, under KL_PREFIX, B mismatched rows
-    (prompt i + its `kl_completion_ids`) for the KL estimate; right-padded; `desirable`: (B,) bool."""
+    (prompt i + its `kl_completion_ids`) for the KL estimate; all 2B right-padded to one width, so that
+    `_pairs` can stack them as the pairs (matched, mismatched) that share prompt i; `desirable`: (B,) bool."""
 
     pad_token_id: int
     max_length: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        matched = [(f["prompt_ids"], f["completion_ids"]) for f in features]
-        shifted = [(f["prompt_ids"], f["kl_completion_ids"]) for f in features]
+        pairs = [(f["prompt_ids"], f["completion_ids"]) for f in features]
+        pairs += [(f["prompt_ids"], f["kl_completion_ids"]) for f in features]
+        ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
+        mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
+        both = {"input_ids": pad(ids, padding_value=self.pad_token_id),
+                "attention_mask": pad([torch.ones_like(i) for i in ids]), "completion_mask": pad(mask)}
+        b = len(features)
         batch = {"desirable": torch.tensor([f["label"] for f in features])}
-        for prefix, pairs in (("", matched), (KL_PREFIX, shifted)):
-            ids = [torch.tensor(p + c)[:self.max_length] for p, c in pairs]
-            mask = [torch.tensor([0] * len(p) + [1] * len(c))[:self.max_length] for p, c in pairs]
-            batch.update({f"{prefix}input_ids": pad(ids, padding_value=self.pad_token_id),
-                          f"{prefix}attention_mask": pad([torch.ones_like(i) for i in ids]),
-                          f"{prefix}completion_mask": pad(mask)})
+        for prefix, rows in (("", slice(0, b)), (KL_PREFIX, slice(b, 2 * b))):
+            batch.update({f"{prefix}{k}": v[rows] for k, v in both.items()})
         return batch
 
 
 def _part(batch: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "completion_mask")}
+
+
+def _pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The 2B rows matched then mismatched: pairs that share each prompt, in `PairCollator`'s layout, which
+    `sequence_logps(pairs=True)` runs as B rows packed on the prompt (`stages.pair_packing`)."""
+    matched, mismatched = _part(batch, ""), _part(batch, KL_PREFIX)
+    return {k: torch.cat([matched[k], mismatched[k]]) for k in matched}
 
 
 class KTOTrainer(Trainer):
@@ -142,35 +151,46 @@ class KTOTrainer(Trainer):
     def kl_estimate(self, model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Mean log-ratio policy / reference of the mismatched rows of `batches` on every process: a scalar."""
         chunked = self.args.use_chunked_logprobs
-        total = torch.zeros((), device=self.args.device)
-        rows = torch.zeros((), device=self.args.device)
+        ratios = []
         with self.compute_loss_context_manager():
             for batch in batches:
                 mismatched = _part(batch, KL_PREFIX)
                 kl_logps = sequence_logps(model, mismatched, chunked=chunked)
                 with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                    kl_logps = kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked)
-                total, rows = total + kl_logps.sum(), rows + kl_logps.numel()
+                    ratios.append(kl_logps - reference_sequence_logps(ref, mismatched, chunked=chunked))
+        return self._mean_over_processes(torch.cat(ratios))
+
+    def _mean_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        total, rows = values.sum(), torch.tensor(float(values.numel()), device=values.device)
         if self.accelerator.num_processes > 1:
             total, rows = self.accelerator.reduce(total, "sum"), self.accelerator.reduce(rows, "sum")
         return total / rows.clamp(min=1)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The optimizer step's micro-batches, each with the step's one KL estimate ("kl") attached."""
+        """The optimizer step's micro-batches; with more than one, each carries the step's one KL estimate
+        ("kl"), computed here first. A step of one micro-batch gets it from the forwards of its loss instead
+        (`compute_loss`): the same rows, the same value, no extra forward."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if batches:
+        if len(batches) > 1:
             kl = self.kl_estimate(self.model, batches)
             batches = [{**b, "kl": kl} for b in batches]
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        chunked = self.args.use_chunked_logprobs
-        matched = _part(inputs, "")
-        logps = sequence_logps(model, matched, chunked=chunked)
-        with torch.no_grad():
-            with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-                ref_logps = reference_sequence_logps(ref, matched, chunked=chunked)
-            kl = inputs["kl"] if "kl" in inputs else self.kl_estimate(model, [inputs])  # training: the step's
+        chunked, precision = self.args.use_chunked_logprobs, trainer_precision(self.args)
+        if "kl" in inputs:  # the step's KL came with the micro-batch: the matched rows alone
+            rows = _part(inputs, "")
+            logps = sequence_logps(model, rows, chunked=chunked)
+            with torch.no_grad(), reference_model(model, self.ref_model, precision=precision) as ref:
+                ref_logps = reference_sequence_logps(ref, rows, chunked=chunked)
+            kl = inputs["kl"]
+        else:  # matched and mismatched rows share their prompt: one packed forward per model gives both
+            rows, b = _pairs(inputs), inputs["desirable"].shape[0]
+            both = sequence_logps(model, rows, chunked=chunked, pairs=True)
+            with torch.no_grad(), reference_model(model, self.ref_model, precision=precision) as ref:
+                ref_both = reference_sequence_logps(ref, rows, chunked=chunked, pairs=True)
+            logps, ref_logps = both[:b], ref_both[:b]
+            kl = self._mean_over_processes(both[b:].detach() - ref_both[b:])
         desirable = inputs["desirable"]
         losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta,
                           desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)

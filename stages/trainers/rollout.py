@@ -15,6 +15,8 @@ never from `ids != pad_token_id` (the pad id is often the EOS id).
 completion tokens (B, C), optionally their entropies and, for a model with a value head
 (`stages.trainers.value_head`), the values V(s_t) of the states before each completion token.
 Position t's log-prob and value both come from the hidden state at column P + t - 1.
+The completions of one prompt run as one row packed on that prompt where the model allows
+(`stages.group_packing`), with the same log-probs.
 `sampler_logps` lays the sampler's own log-probs (`Generations.logprobs`) out the same way, for
 the off-policy correction.
 """
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from stages.group_packing import pack_groups
 from stages.kernels import entropy_from_logits, selective_log_softmax
 from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
 from stages.sharding import unwrap
@@ -97,7 +100,9 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
         logits, hidden, values = model(**inputs, return_logits=head is None)
     else:
         extra = {"logits_to_keep": 1} if head is not None else {}
-        hidden, out = final_hidden(model, inputs, **extra)
+        packed = pack_groups(model, batch, width) if head is not None else None  # completions of one prompt
+        hidden, out = final_hidden(model, {**packed.inputs(model), "use_cache": False} if packed else inputs, **extra)
+        hidden = packed.unpack(hidden) if packed else hidden
         logits, values = out.logits, None
     window = slice(start, start + width)
     targets = input_ids[:, start + 1:]

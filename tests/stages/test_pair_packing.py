@@ -128,7 +128,7 @@ def test_a_model_that_ignores_the_packed_mask_keeps_the_padded_rows(tmp_path, ca
                                                                            num_preference=4), 128))
     with caplog.at_level(logging.WARNING, logger=pair_packing.__name__):
         assert pack_pairs(model, batch) is None
-    assert "pair packing is off for LlamaForCausalLM" in caplog.text
+    assert "packing is off for LlamaForCausalLM" in caplog.text
     assert pack_pairs(model, batch) is None  # remembered: checked once per model
 
 

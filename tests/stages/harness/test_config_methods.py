@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, TrainingStage
+from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, PolicyParams, TrainingStage
 from stages.harness.params_loader import load_params
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT
@@ -52,8 +52,8 @@ def test_the_section_is_the_trainer_config(dotted):
         if name in RESTATED and hasattr(pipeline_section, "reward_functions"):
             continue
         assert getattr(pipeline_section, name) == getattr(config, name), name
-    restated = set(section_cls.__dict__.get("__annotations__", {})) - TRAINING_ARGUMENT_NAMES
-    assert restated <= RESTATED, restated  # the pipeline's defaults are for TrainingArguments keys only
+    restated = set(section_cls.__dict__.get("__annotations__", {})) - TRAINING_ARGUMENT_NAMES - pipeline
+    assert restated <= RESTATED, restated  # the pipeline's defaults are for TrainingArguments and its own keys
 
 
 def test_pipeline_defaults_are_training_arguments_keys():
@@ -203,6 +203,8 @@ def test_the_type_checkers_sections_have_the_runtime_bases():
     declared = {node.name: [base.id for base in node.bases]
                 for block in tree.body if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
                 for node in block.body if isinstance(node, ast.ClassDef)}
-    assert set(declared) == {cls.__name__ for cls in TRAINING_SECTIONS.values()}
-    for cls in TRAINING_SECTIONS.values():
-        assert declared[cls.__name__] == [base.__name__ for base in cls.__bases__], cls.__name__
+    runtime = {cls.__name__: cls for cls in (*TRAINING_SECTIONS.values(), PolicyParams)}
+    # the stages' sections; the policy methods' sections are reached through PolicyParams.__getattr__ (Any)
+    assert set(declared) == {"SFTSection", "RewardSection", "PolicyParams"}
+    for name, bases in declared.items():
+        assert bases == [base.__name__ for base in runtime[name].__bases__], name

@@ -145,7 +145,7 @@ def test_every_stage_reads_only_the_params_it_declares(recorded):
 
 def test_every_stage_imports_only_modules_of_its_closure(recorded):
     for name, (_, modules) in recorded.items():
-        closure = set(imports.closure_modules(STAGES[name].module))
+        closure = {m for entry in STAGES[name].runs() for m in imports.closure_modules(entry)}
         assert modules <= closure, f"{name} imported {sorted(modules - closure)}, outside its static closure"
     assert {"stages.metrics", "stages.metrics.report"} <= recorded["evaluate"][1]  # lazy imports are recorded
 

@@ -20,16 +20,12 @@ import typing
 
 import pytest
 
+from stages.methods import METHODS as REGISTRY
 from stages.trainers import trl_compat
 from stages.trainers.trl_compat import UNSUPPORTED, inherited_from_transformers, unsupported_trl_fields
 
-METHODS = [  # (ours, TRL's module)
-    ("SFT", "trl"), ("Reward", "trl"), ("DPO", "trl"), ("KTO", "trl"),
-    ("OnlineDPO", "trl.experimental.online_dpo"), ("GRPO", "trl"), ("RLOO", "trl"), ("Distillation", "trl"),
-]
-OUR_MODULES = {"SFT": "sft_trainer", "Reward": "reward_trainer", "DPO": "dpo_trainer", "KTO": "kto_trainer",
-               "OnlineDPO": "online_dpo_trainer", "GRPO": "grpo_trainer", "RLOO": "rloo_trainer",
-               "Distillation": "distillation_trainer"}
+# (our classes' prefix, e.g. "OnlineDPO", its record) of every method with a TRL counterpart (stages.methods)
+METHODS = [(m.trainer.rpartition(":")[2].removesuffix("Trainer"), m) for m in REGISTRY.values() if m.trl]
 
 # Names the lead's config change (issue 32, item 1) adds under TRL's names: allowed missing until then,
 # and an error once present (delete the entry at merge).
@@ -129,14 +125,19 @@ def pairs():
     import importlib
 
     out = []
-    for method, trl_module in METHODS:
-        theirs_module = importlib.import_module(trl_module)
-        ours_module = importlib.import_module(f"stages.trainers.{OUR_MODULES[method]}")
+    def load(ref: str):
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    for method, record in METHODS:
+        theirs_module = importlib.import_module(record.trl.partition(":")[0])
         config, trainer = f"{method}Config", f"{method}Trainer"
+        our_config, our_trainer = load(record.config), load(record.trainer)
+        assert (our_config.__name__, our_trainer.__name__) == (config, trainer)
         out.append(("Config", config, dataclass_types(getattr(theirs_module, config)),
-                    dataclass_types(getattr(ours_module, config)), getattr(ours_module, config)))
+                    dataclass_types(our_config), our_config))
         out.append(("Trainer", trainer, signature_types(getattr(theirs_module, trainer).__init__),
-                    signature_types(getattr(ours_module, trainer).__init__), getattr(ours_module, trainer)))
+                    signature_types(our_trainer.__init__), our_trainer))
     return out
 
 
