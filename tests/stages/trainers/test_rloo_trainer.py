@@ -143,3 +143,28 @@ def test_generation_kwargs_reach_hf_generate_and_override_our_settings(setup, tm
     assert ids.numel() > 0 and int(ids.max()) < 192
     with pytest.raises(ValueError, match="generation_kwargs"):
         _args(tmp_path, generation_kwargs={"suppress_tokens": [5]})  # generation_backend auto: maybe the decoder
+
+
+def _first_step_grads(path, rows, tmp_path, accumulation: int) -> dict[str, torch.Tensor]:
+    """The gradient before the first optimizer step on two prompts, as 2 micro-batches of 1 prompt or 1 of 2."""
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    grab = Grab()
+    args = _args(tmp_path / str(accumulation), max_steps=1, per_device_train_batch_size=2 * G // accumulation,
+                 gradient_accumulation_steps=accumulation, beta=0.1)
+    RLOOTrainer(path, low_ids, args, train_dataset=rows[:2], callbacks=[grab]).train()
+    return grab.grads
+
+
+def test_accumulation_gives_the_one_batch_gradient(setup, tmp_path):
+    """Batch 2 prompts x accumulation 1 = batch 1 prompt x accumulation 2: samples are seeded per prompt, the
+    leave-one-out advantages are per group, and the loss is a mean over completions."""
+    path, rows = setup
+    one, two = _first_step_grads(path, rows, tmp_path, 1), _first_step_grads(path, rows, tmp_path, 2)
+    scale = max(g.abs().max().item() for g in one.values())
+    assert scale > 0
+    assert all(torch.allclose(two[n], g, atol=1e-5 * scale, rtol=1e-4) for n, g in one.items())
