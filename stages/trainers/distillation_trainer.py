@@ -100,7 +100,7 @@ class DistillationTrainer(Trainer):
     args: DistillationConfig  # the config this trainer is built with (TrainingArguments to transformers)
     processing_class: Any  # a tokenizer (transformers types it as any processor)
     train_dataset: Any  # the prompt rows, a list
-    loss_is_scaled_for_ga = False  # a mean over the micro-batch's completion tokens; Trainer divides by the steps
+    loss_is_scaled_for_ga = True  # a sum over the micro-batch's positions / the whole step's (see compute_loss)
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
@@ -143,9 +143,22 @@ class DistillationTrainer(Trainer):
         return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
                                                    collate_fn=self.data_collator))
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The optimizer step's micro-batches of prompts -> rollout batches (the student samples them all with the
+        same weights), and their completion positions summed over micro-batches and processes: the loss's
+        denominator, so the accumulated loss is the step's mean over positions, as TRL's."""
+        rows, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [self.make_batch(r) for r in rows]
+        if not batches:
+            return batches, None
+        local = sum((b["completion_mask"].sum() for b in batches), torch.zeros((), device=self.args.device)).float()
+        return batches, self.accelerator.reduce(local, reduction="sum").clamp(min=1)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if isinstance(inputs, list):  # prompt rows: sample the student's completions first
+        if isinstance(inputs, list):  # prompt rows (called outside the Trainer loop): this micro-batch alone
             inputs = self.make_batch(inputs)
+        if num_items_in_batch is None:
+            num_items_in_batch = inputs["completion_mask"].sum().float().clamp(min=1) * self.accelerator.num_processes
         return super().training_step(model, inputs, num_items_in_batch)
 
     @torch.no_grad()
@@ -180,7 +193,9 @@ class DistillationTrainer(Trainer):
         teacher_model = self.teacher_model.to(self.args.device)
         with torch.no_grad(), autocast_forward(teacher_model, trainer_precision(a)) as teacher_model:
             teacher = completion_logits(teacher_model, inputs)
-        loss, metrics = distillation_loss(student, teacher, beta=a.beta, temperature=a.sampling.temperature)
+        loss, metrics = distillation_loss(student, teacher, beta=a.beta, temperature=a.sampling.temperature,
+                                          num_items_in_batch=num_items_in_batch)
+        loss = loss * self.accelerator.num_processes  # DDP averages the ranks' gradients; the step wants their sum
         for key, value in metrics.items():
             self._metrics[key].append(self.accelerator.gather_for_metrics(value.detach().float()).mean().item())
         return (loss, {"logits": student}) if return_outputs else loss

@@ -63,3 +63,30 @@ def test_no_teacher_and_bad_beta_are_named(setup, tmp_path):
         DistillationTrainer(student, args=_args(tmp_path), train_dataset=rows)
     with pytest.raises(ValueError, match=r"beta"):
         _args(tmp_path, beta=1.5)
+
+
+def _first_step_grads(student, teacher, rows, tmp_path, accumulation: int) -> dict[str, torch.Tensor]:
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    grab = Grab()
+    args = _args(tmp_path / str(accumulation), max_steps=1, per_device_train_batch_size=4 // accumulation,
+                 gradient_accumulation_steps=accumulation)
+    trainer = DistillationTrainer(student, teacher, args=args, train_dataset=rows[:4], callbacks=[grab])
+    trainer.train()
+    return grab.grads
+
+
+def test_accumulation_gives_the_one_batch_gradient(setup, tmp_path):
+    """4 prompts as 1 micro-batch or 2 of 2: the same gradient, because each micro-batch's loss divides by the whole
+    step's completion positions (a per-micro-batch mean, not divided again by the accumulation steps, would double
+    it; the untrained student fills every completion, so the counts are equal here)."""
+    student, teacher, rows = setup
+    one = _first_step_grads(student, teacher, rows, tmp_path, 1)
+    two = _first_step_grads(student, teacher, rows, tmp_path, 2)
+    scale = max(g.abs().max().item() for g in one.values())
+    assert scale > 0
+    assert all(torch.allclose(two[n], g, atol=1e-5 * scale, rtol=1e-4) for n, g in one.items())
