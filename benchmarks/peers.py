@@ -28,6 +28,9 @@ The setup (the same on both sides):
 - GRPO and online DPO: sampling at temperature 1, top-p 1, top-k 0, 32 new tokens; GRPO loss
   "grpo", beta 0 (no reference, both defaults), epsilon 0.2, one iteration, group-scaled rewards;
   the reward is the same Python function on both sides (1 when the answer ends the completion);
+- RLOO: GRPO's setup (8 completions = 2 prompts x 4 generations, beta 0, epsilon 0.2, one iteration) with
+  leave-one-out advantages; distillation: 8 prompts x 1 sampled completion, the teacher a second copy of the
+  same model (a live forward every step), beta 1 (reverse KL), 32 new tokens;
 - precision: fp32, and bf16 autocast (`bf16=True`); `gradient_checkpointing=False` on both sides
   (TRL's configs default to bf16 and checkpointing even on CPU).
 
@@ -38,8 +41,8 @@ other setting stays. PPO runs on our side only: TRL 1.16 has no PPO trainer.
 Compute efficiency: this CPU's matmul peak (the best of a few large square `torch.matmul`s, per precision,
 1 and 2 threads) and each side's useful FLOP/s as a share of the 1-thread peak. Useful work per trained token is
 6 x the matmul parameters (forward and backward; the lm-head counts, an embedding lookup does not), plus 2 x for
-each extra forward over the same tokens: generating them (GRPO, online DPO, PPO: prefill and decode cover each
-trained token once) and a live reference model (DPO, KTO, online DPO).
+each extra forward over the same tokens: generating them (GRPO, RLOO, online DPO, distillation, PPO: prefill and
+decode cover each trained token once), a live reference model (DPO, KTO, online DPO) and distillation's teacher.
 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
@@ -72,10 +75,11 @@ from benchmarks.common import has_trl, host_load, skip
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-TRAINERS = ("sft", "dpo", "kto", "grpo", "online_dpo", "ppo", "reward")
+TRAINERS = ("sft", "dpo", "kto", "grpo", "rloo", "online_dpo", "distillation", "ppo", "reward")
 # forwards per trained token beyond the training forward + backward (each 2 x matmul params FLOPs): generation,
 # a live reference model
-EXTRA_FORWARDS = {"sft": 0, "reward": 0, "dpo": 1, "kto": 1, "grpo": 1, "online_dpo": 2, "ppo": 2}
+EXTRA_FORWARDS = {"sft": 0, "reward": 0, "dpo": 1, "kto": 1, "grpo": 1, "rloo": 1, "online_dpo": 2, "distillation": 2,
+                  "ppo": 2}
 SIZES = {"default": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768, vocab_size=1024),
          "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, vocab_size=384)}
 BATCH, MAX_LENGTH, PACKED_LENGTH, NEW_TOKENS, GENERATIONS, LR = 8, 64, 128, 32, 4, 1e-5
@@ -297,6 +301,20 @@ def ours(name: str, model_dir: Path, tokenizer, rows, steps: int, precision: str
                          generation_prompts_per_call=64)
         return GRPOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
                            train_dataset=rows["prompts"])
+    if name == "rloo":
+        from stages.trainers.rloo_trainer import RLOOConfig, RLOOTrainer
+
+        cfg = RLOOConfig(**a, num_generations=GENERATIONS, beta=0.0, epsilon=0.2, num_iterations=1,
+                         max_completion_length=NEW_TOKENS, temperature=1.0, generation_prompts_per_call=64)
+        return RLOOTrainer(load(model_dir), [answer_reward], args=cfg, processing_class=tokenizer,
+                           train_dataset=rows["prompts"])
+    if name == "distillation":
+        from stages.trainers.distillation_trainer import DistillationConfig, DistillationTrainer
+
+        cfg = DistillationConfig(**a, beta=1.0, max_completion_length=NEW_TOKENS, temperature=1.0,
+                                 generation_prompts_per_call=64)
+        return DistillationTrainer(load(model_dir), load(model_dir), args=cfg, processing_class=tokenizer,
+                                   train_dataset=rows["prompts"])
     if name == "online_dpo":
         from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -344,6 +362,17 @@ def trl_side(name: str, model_dir: Path, tokenizer, rows, steps: int, precision:
                              temperature=1.0, top_p=1.0, top_k=0)
         return trl.GRPOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
                                train_dataset=datasets.Dataset.from_list(rows["prompts"]))
+    if name == "rloo":
+        cfg = trl.RLOOConfig(**a, num_generations=GENERATIONS, beta=0.0, epsilon=0.2, num_iterations=1,
+                             max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0)
+        return trl.RLOOTrainer(load(model_dir), reward_funcs=[answer_reward], args=cfg, processing_class=tokenizer,
+                               train_dataset=datasets.Dataset.from_list(rows["prompts"]))
+    if name == "distillation":
+        cfg = trl.DistillationConfig(**a, beta=1.0, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0,
+                                     top_k=0)
+        return trl.DistillationTrainer(load(model_dir), teacher_model=load(model_dir), args=cfg,
+                                       processing_class=tokenizer,
+                                       train_dataset=datasets.Dataset.from_list(rows["prompts"]))
     if name == "online_dpo":
         from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -371,6 +400,7 @@ def trl_has(name: str) -> bool:
             import trl
 
             getattr(trl, {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer",
+                          "rloo": "RLOOTrainer", "distillation": "DistillationTrainer",
                           "reward": "RewardTrainer"}[name])
         return True
     except (ImportError, AttributeError):

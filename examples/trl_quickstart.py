@@ -1,4 +1,5 @@
-"""TRL's documented quickstarts (SFT, DPO, GRPO, KTO, reward) on `stages.trainers`, import line changed.
+"""TRL's documented quickstarts (SFT, DPO, GRPO, KTO, reward, RLOO, distillation) on `stages.trainers`, import
+line changed.
 
 Each block is the snippet of TRL 1.16's documentation (the trainer's docstring example, and the
 GRPO example of TRL's quickstart page) with three changes forced by an offline machine and a
@@ -7,7 +8,10 @@ smoke run: the import line (`from stages.trainers import ...` instead of `from t
 `datasets.Dataset` built here in the shape of the hub dataset the snippet loads; plus `args=`
 for 2 steps. SFT is TRL's quickstart (a conversational `messages` dataset, trl-lib/Capybara's shape), as
 is, then with TRL's LoRA line `peft_config=LoraConfig(...)` (SFT-LoRA), then on plain text (SFT-text,
-roneneldan/TinyStories); DPO adds the LoRA line too.
+roneneldan/TinyStories); DPO adds the LoRA line too. RLOO's snippet imports
+`accuracy_reward` from `trl.rewards`, which needs the `math_verify` package: a stand-in with its
+signature (the completion's last number against the `solution` column) is defined here instead.
+Distillation's teacher is a second local folder (a wider tiny Llama with the same tokenizer).
 
     python examples/trl_quickstart.py [--out DIR] [--only SFT,DPO]
 
@@ -64,6 +68,10 @@ def kto_mix() -> Dataset:  # trl-lib/kto-mix-14k: prompt, completion, label; con
     return Dataset.from_dict({"prompt": [user(q) for q in QUESTIONS] * 2,
                               "completion": [assistant(a) for a in ANSWERS] + [assistant(w) for w in WRONG],
                               "label": [True] * len(QUESTIONS) + [False] * len(QUESTIONS)})
+
+
+def deepmath() -> Dataset:  # trl-lib/DeepMath-103K: prompt (conversational), solution
+    return Dataset.from_dict({"prompt": [user(q) for q in QUESTIONS], "solution": ANSWERS})
 
 
 def tldr() -> Dataset:  # trl-lib/tldr: prompt, completion; standard (plain strings)
@@ -163,8 +171,45 @@ def reward(model: str, out: str):
     return trainer
 
 
+def accuracy_reward(completions, solution, **kwargs):
+    """trl.rewards.accuracy_reward's signature. 1.0 when the completion's last number is the solution, graded
+    1 / (1 + distance) otherwise (0 without a number), so that the 2-step smoke run of an untrained model, which
+    is never exactly right, still has rewards that differ within a group."""
+    import re
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    last = [re.findall(r"\d+", t)[-1:] for t in texts]
+    return [1 / (1 + abs(int(n[0]) - int(s))) if n else 0.0 for n, s in zip(last, solution, strict=True)]
+
+
+def rloo(model: str, out: str):
+    from stages.trainers import RLOOConfig, RLOOTrainer
+
+    dataset = deepmath()  # load_dataset("trl-lib/DeepMath-103K", split="train")
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=accuracy_reward,
+        train_dataset=dataset,
+        args=RLOOConfig(output_dir=out, max_completion_length=16, **SMOKE),
+    )
+    return trainer
+
+
+def distillation(model: str, out: str):
+    from stages.trainers import DistillationConfig, DistillationTrainer
+
+    dataset = tldr()  # load_dataset("trl-lib/tldr", split="train")
+    trainer = DistillationTrainer(
+        model=model,
+        teacher_model=str(Path(out).parent / "teacher"),  # "Qwen/Qwen2.5-1.5B-Instruct"
+        train_dataset=dataset,
+        args=DistillationConfig(output_dir=out, max_completion_length=16, **SMOKE),
+    )
+    return trainer
+
+
 SNIPPETS = {"SFT": sft, "SFT-LoRA": sft_lora, "SFT-text": sft_text, "DPO": dpo, "GRPO": grpo, "KTO": kto,
-            "Reward": reward}
+            "Reward": reward, "RLOO": rloo, "Distillation": distillation}
 
 
 def run(name: str, model: str, out: str) -> dict:
@@ -187,6 +232,8 @@ def main() -> None:
         out = Path(args.out or tmp)
         model = str(tiny.build(out / "tiny", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                                vocab_size=384, seed=0))
+        tiny.build(out / "teacher", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=384,
+                   seed=1)  # the distillation snippet's teacher: same tokenizer, another model
         for name in args.only.split(","):
             print(json.dumps(run(name, model, str(out / name))), flush=True)
 

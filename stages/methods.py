@@ -19,21 +19,22 @@ from typing import Any, Literal
 
 from stages.reward_function_names import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS
 
-Kind = Literal["sft", "reward", "offline", "unpaired", "online", "rl"]
+Kind = Literal["sft", "reward", "offline", "unpaired", "online", "rl", "distill"]
 
 # What each kind trains on: sft rows; preference pairs (prompt/chosen/rejected); unpaired rows (prompt/completion/
 # label, or pairs split into a desirable and an undesirable row); prompts it samples from during training.
 KIND_DATA: dict[str, str] = {"sft": "sft", "reward": "pairs", "offline": "pairs", "unpaired": "unpaired",
-                             "online": "prompts", "rl": "prompts"}
+                             "online": "prompts", "rl": "prompts", "distill": "prompts"}
 # The kinds of stage `policy` (sft and reward are stages of their own, before it).
-POLICY_KINDS = ("offline", "unpaired", "online", "rl")
+POLICY_KINDS = ("offline", "unpaired", "online", "rl", "distill")
 
 
 @dataclass(frozen=True)
 class Method:
     name: str  # the params section: `sft` and `reward` are stages, the others `policy.<name>` (policy.method)
     kind: Kind  # offline: pairs; unpaired: rows labelled good/bad; online: pairs sampled and ranked in training;
-    # rl: rewards on sampled completions turned into a policy gradient
+    # rl: rewards on sampled completions turned into a policy gradient; distill: a teacher model's next-token
+    # distributions over the policy's own samples (no reward)
     config: str  # "module:Class": its config, a TrainingArguments subclass with TRL's field names
     trainer: str  # "module:Class": its trainer, TRL's signature
     reference: bool  # trains against a frozen reference model (the starting weights, or the adapter disabled)
@@ -59,8 +60,18 @@ class Method:
 
     @property
     def samples(self) -> bool:
-        """Samples completions of prompts during training and scores them with reward functions."""
+        """Samples completions of prompts during training."""
         return self.data == "prompts"
+
+    @property
+    def scores(self) -> bool:
+        """Scores its samples with reward functions (the section's reward_functions, the trainer's reward_funcs)."""
+        return self.kind in ("online", "rl")
+
+    @property
+    def teacher(self) -> bool:
+        """Learns from a teacher model (the section's teacher_model_name_or_path, the trainer's teacher_model)."""
+        return self.kind == "distill"
 
 
 _VERIFIED_FIRST = {"reward_functions": list(VERIFIED_FIRST), "reward_weights": list(VERIFIED_FIRST_WEIGHTS)}
@@ -84,6 +95,14 @@ METHODS: dict[str, Method] = {m.name: m for m in [
                      "reward_functions": ["exact_match"]}, trl="trl:GRPOTrainer"),
     Method("ppo", "rl", _T + "ppo_config:PPOConfig", _T + "ppo_trainer:PPOTrainer", reference=True,
            defaults={"learning_rate": 3e-5, **_VERIFIED_FIRST}),
+    # RLOO and distillation take GRPO's budget (150 steps of 32 prompts, 3e-4), not yet tuned on the dev split
+    Method("rloo", "rl", _T + "rloo_config:RLOOConfig", _T + "rloo_trainer:RLOOTrainer", reference=True,
+           defaults={"learning_rate": 3e-4, "per_device_train_batch_size": 128, "max_steps": 150,
+                     "reward_functions": ["exact_match"]}, trl="trl:RLOOTrainer"),
+    Method("distillation", "distill", _T + "distillation_config:DistillationConfig",
+           _T + "distillation_trainer:DistillationTrainer", reference=False,
+           defaults={"learning_rate": 1e-3, "per_device_train_batch_size": 32, "max_steps": 150},
+           trl="trl:DistillationTrainer"),
 ]}
 
 

@@ -45,7 +45,11 @@ SMALL = {
                "online_dpo": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1,
                               "max_new_tokens": 6},
                "ppo": {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1,
-                       "max_completion_length": 6}},
+                       "max_completion_length": 6},
+               "rloo": {"num_generations": 2, "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
+                        "max_completion_length": 6},
+               "distillation": {"max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
+                                "max_completion_length": 6}},
     "evaluate": {"max_new_tokens": 4},
 }
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_trl_quickstart_trains_every_trainer(tmp_path):
     """TRL's SFT (a conversational `messages` Dataset, with and without LoRA; plain text with LoRA), DPO, GRPO,
-    KTO and reward snippets with the import changed: 2 steps each, a finite loss,
+    KTO, reward, RLOO and distillation snippets with the import changed: 2 steps each, a finite loss,
     and the trainable weights changed (all of them; with LoRA, at least every adapter's B matrix, which
     starts at zero and is the first to move)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -24,7 +24,7 @@ def test_trl_quickstart_trains_every_trainer(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     runs = {r["trainer"]: r for r in map(json.loads, (line for line in res.stdout.splitlines()
                                                       if line.startswith('{"trainer"')))}
-    assert list(runs) == ["SFT", "SFT-LoRA", "SFT-text", "DPO", "GRPO", "KTO", "Reward"]
+    assert list(runs) == ["SFT", "SFT-LoRA", "SFT-text", "DPO", "GRPO", "KTO", "Reward", "RLOO", "Distillation"]
     assert [name for name, run in runs.items() if run["peft"]] == ["SFT-LoRA", "SFT-text", "DPO"]
     for run in runs.values():
         assert run["finite"], run

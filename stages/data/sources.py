@@ -288,7 +288,7 @@ def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str
     if params.score.enabled:
         lists.append(("score.reward_functions", params.score.reward_functions, params.score.reward_weights))
     method = params.policy.method
-    if _method(params) is not None and _method(params).samples:
+    if _method(params) is not None and _method(params).scores:
         s = params.policy.trained
         lists.append((f"policy.{method}.reward_functions", s.reward_functions, s.reward_weights))
     problems = []

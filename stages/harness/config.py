@@ -12,6 +12,7 @@ keys), then `align params --write` lists it in params.yaml.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -324,6 +325,20 @@ class RewardKeys:
         return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
 
 
+def teacher_problems(section: str, path: str | None) -> list[tuple[str, str]]:
+    """The checks of a teacher-learning method's teacher_model_name_or_path (when it is policy.method): named, as a
+    model folder (e.g. an earlier run's merged policy) or a builtin: model. That it shares the student's tokenizer
+    is checked when the policy stage starts, before any model is loaded."""
+    key = f"{section}.teacher_model_name_or_path"
+    if path is None:
+        return [(key, "= null: distillation needs a teacher; set it to a model folder with the student's tokenizer "
+                 "(e.g. an earlier run's merged policy, <run>/merge/model) or a builtin: model")]
+    if not str(path).startswith("builtin:") and not os.path.isfile(os.path.join(path, "config.json")):
+        return [(key, f"= {path!r}: not a model folder (no config.json there); give the folder of a saved model "
+                 "(save_pretrained) or a builtin: model")]
+    return []
+
+
 # The pipeline's keys a section adds to its config, beyond TrainingStage's: by stage, and for the methods that
 # sample and score completions (the reward functions they build by name).
 STAGE_KEYS: dict[str, tuple[type, ...]] = {"sft": (SFTStage,), "reward": (RewardStage,)}
@@ -331,7 +346,7 @@ STAGE_KEYS: dict[str, tuple[type, ...]] = {"sft": (SFTStage,), "reward": (Reward
 
 def method_section(method: Method) -> type:
     """The params section of a method of stages.methods: its config, the pipeline's keys, the pipeline's defaults."""
-    extra = STAGE_KEYS.get(method.name, ()) + ((RewardKeys,) if method.samples else ())
+    extra = STAGE_KEYS.get(method.name, ()) + ((RewardKeys,) if method.scores else ())
     return section(method.config, *extra, **method.defaults)
 
 
@@ -602,6 +617,8 @@ class Params:
                 self.policy.data == "score" and not self.score.enabled):
             problems.append(("policy.data", f"= score, but score.enabled = false: policy.method = "
                              f"{self.policy.method} has no pairs; enable score or set policy.data = preprocess"))
+        if method is not None and method.teacher:
+            problems += teacher_problems(method.section, self.policy.trained.teacher_model_name_or_path)
         m, trained = self.merge, self.policy.trained
         adapters = len(m.adapters) + (trained.lora.enabled if trained is not None else self.sft.lora.enabled)
         if m.weights is not None and len(m.weights) != adapters:

@@ -73,10 +73,34 @@ def method_rows(ctx, method: Method) -> tuple[list[dict], list | None]:
         return preference_pairs(ctx, pol.data)[1], None
     if method.data == "unpaired":
         return unpaired_rows(ctx, pol.data), None
+    if not method.scores:  # a teacher's distributions are the target (checked in teacher_path)
+        teacher_path(ctx, method)
+        return prompt_rows(ctx, pol.num_prompts), None
     s, device = pol.trained, pick_device(ctx.params.run.device)
     rewards = build_reward_functions(s.reward_functions, key=f"{method.section}.reward_functions",
                                      reward_model_path=reward_model_path(ctx), device=device)
     return prompt_rows(ctx, pol.num_prompts), rewards.functions  # the trainer applies reward_weights
+
+
+def teacher_path(ctx, method: Method) -> str:
+    """The folder of the section's teacher_model_name_or_path (a builtin: model built or dequantised once, as
+    model.name_or_path is), after checking that its tokenizer is the student's (the SFT model's): the teacher
+    scores the student's token ids as they are."""
+    from stages.harness.config import ModelConfig
+    from stages.harness.model_paths import resolve_model
+
+    p = ctx.params
+    key, given = f"{method.section}.teacher_model_name_or_path", p.policy.trained.teacher_model_name_or_path
+    path = str(resolve_model(ModelConfig(name_or_path=given), p.run.output_dir)) if str(given).startswith(
+        "builtin:") else str(given)
+    student = load_tokenizer(str(ctx.inputs["sft"] / "model"), trust_remote_code=p.model.trust_remote_code)
+    teacher = load_tokenizer(path, trust_remote_code=p.model.trust_remote_code)
+    if teacher.get_vocab() != student.get_vocab():
+        raise ValueError(f"{key} = {given!r}: its tokenizer differs from the student's (the SFT model of "
+                         f"{p.model.name_or_path}): {len(teacher)} tokens against {len(student)}, or other ids; the "
+                         "teacher scores the student's token ids, so it must share the tokenizer (e.g. a merged "
+                         "policy of an earlier run on the same base model)")
+    return path
 
 
 def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, callbacks):
@@ -88,6 +112,8 @@ def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, 
                               "callbacks": callbacks}
     if rewards is not None:
         kwargs["reward_funcs"] = rewards
+    if method.teacher:
+        kwargs["teacher_model"] = teacher_path(ctx, method)
     if getattr(config, "reward_head", None) == "shared":
         kwargs["preference_dataset"] = preference_pairs(ctx, "preprocess", key=f"{method.section}.reward_head")[1]
     return trainer_cls(model, **kwargs)

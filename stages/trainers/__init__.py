@@ -19,6 +19,8 @@ _EXPORTS = {
     "OnlineDPOConfig": "online_dpo_config", "OnlineDPOTrainer": "online_dpo_trainer",
     "GRPOConfig": "grpo_config", "GRPOTrainer": "grpo_trainer",
     "PPOConfig": "ppo_config", "PPOTrainer": "ppo_trainer",
+    "RLOOConfig": "rloo_config", "RLOOTrainer": "rloo_trainer",
+    "DistillationConfig": "distillation_config", "DistillationTrainer": "distillation_trainer",
 }
 __all__ = list(_EXPORTS)
 

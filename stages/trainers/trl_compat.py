@@ -59,6 +59,17 @@ UNSUPPORTED: dict[str, str] = {
     "GRPOTrainer.tools": "tool calling is not built",
     "GRPOTrainer.rollout_func": "rollouts are the trainer's own (stages.generation)",
     "GRPOTrainer.environment_factory": "environments (multi-turn agents) are not built",
+    "RLOOConfig.generation_batch_size": "one generation per optimizer step (all its micro-batches), reused "
+                                        "num_iterations times",
+    "RLOOConfig.steps_per_generation": "one generation per optimizer step (all its micro-batches), reused "
+                                       "num_iterations times",
+    "RLOOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
+    "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
+                                                          "vllm",
+    "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
+    "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
+    "DistillationTrainer.eval_dataset": "distillation has no evaluation loop here; evaluate the saved model",
+    "DistillationTrainer.tools": "tool calling is not built",
 }
 
 

@@ -187,7 +187,8 @@ def test_a_toy_method_reaches_params_dvc_yaml_and_validation(toy_project):
     toy = params["policy"]["toy"]  # the section is the config plus the pipeline's keys, the record's defaults
     assert (toy["beta"], toy["margin"], toy["learning_rate"]) == (1.0, 2.0, 1e-3)
     assert "lora" in toy and "mixed_precision" in toy
-    assert "toy | none" in next(line for line in text.splitlines() if line.strip().startswith("method:"))
+    method_line = next(line for line in text.splitlines() if line.strip().startswith("method:"))
+    assert "| toy |" in method_line  # among the choices the comment lists (cut with "..." past its width)
 
     dvc = run_in(root, "-m", "stages", "dvc-yaml")
     assert dvc.returncode == 0, dvc.stderr

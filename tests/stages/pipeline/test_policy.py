@@ -20,7 +20,8 @@ def test_dpo_stage_outputs(built_pipeline):
 
 
 @pytest.mark.parametrize("method, logged", [
-    ("kto", "kl"), ("online_dpo", "win_rate"), ("grpo", "frac_reward_zero_std"), ("ppo", "explained_variance")])
+    ("kto", "kl"), ("online_dpo", "win_rate"), ("grpo", "frac_reward_zero_std"), ("ppo", "explained_variance"),
+    ("rloo", "clip_ratio/region_mean"), ("distillation", "divergence")])
 def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
     from transformers import AutoModelForCausalLM
 
@@ -29,9 +30,11 @@ def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
     extra = {"policy": {"method": method, method: {"per_device_train_batch_size": 4}}}
     if method in ("online_dpo", "ppo"):  # the tiny reward model of the small settings, and a rule reward
         extra["policy"][method].update(reward_functions=["reward_model", "exact_match"], reward_weights=[1.0, 1.0])
-    if method == "grpo":  # the small SFT model is never right: a reward that varies within a group
+    if method in ("grpo", "rloo"):  # the small SFT model is never right: a reward that varies within a group
         extra["policy"][method] = {"reward_functions": ["exact_match",
                                                         "tests.stages.pipeline.user_rewards:distinct_tokens"]}
+    if method == "distillation":  # the untrained base as the teacher: the same tokenizer, other distributions
+        extra["policy"][method]["teacher_model_name_or_path"] = "builtin:tiny"
     p = load_params(write_params(tmp_path, extra))
     assert runner.run_stage("reference", p)["metrics"] == {"computed": False, "reason": f"policy.method = {method}"}
     m = runner.run_stage("policy", p)["metrics"]
@@ -43,6 +46,23 @@ def test_every_method_trains_from_sft(tmp_path, built_pipeline, method, logged):
     assert changed, "the policy's weights equal the SFT model's"
     if method == "ppo":
         assert (tmp_path / "artifacts" / "policy" / "model" / "value_head.safetensors").exists()
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_by_its_key(tmp_path, built_pipeline):
+    from stages.builtin import tiny
+
+    params, _ = built_pipeline
+    shutil.copytree(params.run.output_dir, tmp_path / "artifacts")
+    other = tiny.build(tmp_path / "other", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                       vocab_size=320, seed=0)
+    p = load_params(write_params(tmp_path, {"policy": {"method": "distillation", "distillation": {
+        "teacher_model_name_or_path": str(other)}}}))
+    runner.run_stage("reference", p)
+    with pytest.raises(ValueError, match=r"policy\.distillation\.teacher_model_name_or_path = .*its tokenizer "
+                                         r"differs from the student's"):
+        runner.run_stage("policy", p)
+    with pytest.raises(ParamsError, match=r"policy\.distillation\.teacher_model_name_or_path = null"):
+        load_params(write_params(tmp_path, {"policy": {"method": "distillation"}}))
 
 
 def test_no_preference_pairs_is_a_clear_error(tmp_path):

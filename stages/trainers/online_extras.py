@@ -1,0 +1,137 @@
+"""What `stages.trainers.online_options`' settings do at run time (RLOO, on-policy distillation).
+
+`disable_dropout`, `PromptBatchSampler` (shuffle_dataset, and each optimizer step's batches
+repeated num_iterations times), `pad_to_multiple` (pad_to_multiple_of), `completion_sample`
+(log_completions) and `ReferenceSync` (TR-DPO's sync_ref_model).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class PromptBatchSampler(torch.utils.data.Sampler):
+    """Batches of row indices, shuffled per epoch (or in dataset order); each run of `group` batches (one optimizer
+    step's) is yielded `repeats` times in a row, so the updates of one generation see the same prompts."""
+
+    def __init__(self, num_rows: int, batch_size: int, *, group: int, repeats: int, seed: int, shuffle: bool = True):
+        self.num_rows, self.batch_size, self.group, self.repeats = num_rows, batch_size, group, repeats
+        self.seed, self.shuffle, self.epoch = seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = (torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+                 if self.shuffle else torch.arange(self.num_rows))
+        batches = [order[i:i + self.batch_size].tolist() for i in range(0, self.num_rows, self.batch_size)]
+        for start in range(0, len(batches), self.group):
+            for _ in range(self.repeats):
+                yield from batches[start:start + self.group]
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_rows / self.batch_size) * self.repeats
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int | str | None, pad_token_id: int
+                    ) -> dict[str, torch.Tensor]:
+    """A rollout batch (`stages.trainers.rollout.pad_rollout`) with its prompt part left-padded and its completion
+    part right-padded to widths that are multiples of `multiple` ("auto" or None: unchanged). Every (B, C) tensor
+    is padded with zeros; the masks keep the new columns out of attention and of the loss."""
+    if multiple in ("auto", None):
+        return batch
+    assert isinstance(multiple, int)
+    width = batch["completion_mask"].shape[1]
+    prompt = batch["input_ids"].shape[1] - width
+    left, right = -prompt % multiple, -width % multiple
+    if not left and not right:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if value.dim() == 2 and value.shape[1] == prompt + width:
+            fill = pad_token_id if key == "input_ids" else 0
+            out[key] = nn.functional.pad(value, (left, right), value=fill)
+        elif value.dim() == 2 and value.shape[1] == width:
+            out[key] = nn.functional.pad(value, (0, right), value=0)
+        else:
+            out[key] = value
+    return out
+
+
+def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) -> list:
+    """Prompts for the sampler: with chat_template_kwargs, each conversational prompt (a message list) rendered here
+    with the chat template, its generation prompt and those keyword arguments (a string prompt is left as it is);
+    without, the prompts unchanged (the sampler applies the template's defaults)."""
+    if not chat_template_kwargs:
+        return list(prompts)
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+            if isinstance(p, list) else p for p in prompts]
+
+
+def wait_for_vllm_server(base_url: str, timeout: float) -> None:
+    """Poll `base_url`/models until the server answers, at most `timeout` seconds (vllm_server_timeout)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=min(5.0, timeout)):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            last = getattr(e, "reason", e)
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"vllm_server_timeout = {timeout}: the vLLM server at {base_url} did not answer "
+                                  f"in time ({last}); start `vllm serve <model>` or raise vllm_server_timeout")
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.05)))
+
+
+def completion_sample(prompts: list, completions: list[str], rewards: list[float | None], *, limit: int | None,
+                      unique_prompts: bool) -> list[dict]:
+    """The rows log_completions prints: one per completion (or per prompt with unique_prompts), at most `limit`."""
+    rows, seen = [], set()
+    for prompt, completion, reward in zip(prompts, completions, rewards, strict=True):
+        key = str(prompt)
+        if unique_prompts and key in seen:
+            continue
+        seen.add(key)
+        rows.append({"prompt": prompt, "completion": completion, "reward": reward})
+    return rows[:limit] if limit is not None else rows
+
+
+def log_completion_sample(rows: list[dict], step: int) -> None:
+    for row in rows:
+        logger.info("step %d | prompt %r | completion %r | reward %s", step, row["prompt"], row["completion"],
+                    row["reward"])
+
+
+class ReferenceSync(TrainerCallback):
+    """TR-DPO (Gorbatovski et al., 2024): every `steps` optimizer steps, ref <- alpha x policy + (1 - alpha) x ref."""
+
+    def __init__(self, reference: nn.Module, policy: nn.Module, *, alpha: float, steps: int):
+        self.reference, self.policy, self.alpha, self.steps = reference, policy, alpha, steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.steps == 0:
+            mix(self.reference, self.policy, self.alpha)
+
+
+@torch.no_grad()
+def mix(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """Every reference parameter <- alpha x the policy's + (1 - alpha) x its own (matched by name)."""
+    theirs = dict(policy.named_parameters())
+    for name, param in reference.named_parameters():
+        param.mul_(1 - alpha).add_(theirs[name].detach().to(param.dtype), alpha=alpha)
