@@ -25,7 +25,7 @@ RETRIED_STATUS = (429, 500, 502, 503, 504)
 class EndpointError(RuntimeError):
     """An endpoint that answered with an error, or stayed unreachable through every retry."""
 
-    def __init__(self, message: str, *, endpoint: str, status: int | None = None, retries: int = 0):
+    def __init__(self, message: str, *, endpoint: str = "", status: int | None = None, retries: int = 0):
         super().__init__(message)
         self.endpoint, self.status, self.retries = endpoint, status, retries
 

@@ -62,14 +62,15 @@ def write_shipped(task: str, data_file: str | Path, folder: Path) -> Path:
 def task_specs(tasks: list[str], *, folder: Path, eval_file: str | Path | None, gsm8k_data: str | None
                ) -> list[TaskSpec]:
     """The `--tasks` arguments of the configured tasks; the shipped ones are written into `folder` first."""
-    data = {"align_arithmetic": eval_file, "align_gsm8k": gsm8k_data}
+    data: dict[str, str | Path | None] = {"align_arithmetic": eval_file, "align_gsm8k": gsm8k_data}
     specs = []
     for task in tasks:
         if task in SHIPPED:
-            if data[task] is None:
+            source = data[task]
+            if source is None:
                 raise LmEvalError(f"evaluate.lm_eval.tasks includes {task}, which needs "
                                   f"{'evaluate.lm_eval.gsm8k_data' if task == 'align_gsm8k' else 'an eval split'}")
-            specs.append(TaskSpec(task, str(write_shipped(task, data[task], folder))))
+            specs.append(TaskSpec(task, str(write_shipped(task, source, folder))))
         elif is_yaml(task):
             if not Path(task).is_file():
                 raise LmEvalError(f"evaluate.lm_eval.tasks includes {task!r}: no such task YAML file")
