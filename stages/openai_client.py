@@ -117,7 +117,7 @@ def error_message(raw: bytes) -> str:
         data = json.loads(raw)
     except ValueError:
         return raw.decode(errors="replace")[:500]
-    err = data.get("error", data) if isinstance(data, dict) else data
+    err = data.get("error", data.get("detail", data)) if isinstance(data, dict) else data  # OpenAI's or FastAPI's
     if isinstance(err, dict):
         return str(err.get("message", err))[:500]
     return str(err)[:500]

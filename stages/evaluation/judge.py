@@ -177,8 +177,12 @@ def endpoint_judge(client: OpenAIClient, model: str, *, max_new_tokens: int, con
         return client.chat(model, [{"role": "user", "content": text}], max_tokens=max_new_tokens, temperature=0.0)
 
     def ask(prompts: list[str]) -> list[str]:
-        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts)))) as pool:
-            return list(pool.map(one, prompts))
+        pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts))))
+        try:
+            futures = [pool.submit(one, p) for p in prompts]
+            return [f.result() for f in futures]
+        finally:  # on the first failure, the requests not yet started are dropped, not retried one by one
+            pool.shutdown(wait=True, cancel_futures=True)
 
     return ask
 

@@ -34,6 +34,7 @@ from stages.openai_client import EndpointError, OpenAIClient
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 URL_ENV, API_KEY_ENV = "ALIGN_VLLM_URL", "VLLM_API_KEY"
+PROTOCOLS = ("vllm", "openai")
 
 
 class VLLMServerError(EndpointError):
@@ -59,7 +60,7 @@ def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000,
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
              progress: bool = False, base_url: str | None = None, api_key: str | None = None,
              served_model_name: str | None = None, timeout: float = 600.0, max_retries: int = 4,
-             backoff: float = 1.0) -> Generations:
+             backoff: float = 1.0, protocol: str = "vllm") -> Generations:
     """Completions of ``prompts`` from a running vLLM server (see :func:`stages.generation.generate`).
 
     Args:
@@ -72,6 +73,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         timeout: seconds to wait for one prompt's answer.
         max_retries, backoff: retries of a request that timed out, was refused or got HTTP 429/5xx, the first
             after `backoff` seconds, doubling (`stages.openai_client`); then `VLLMServerError`.
+        protocol: "vllm" (token-id prompts and vLLM's extensions: exact tokens, stop ids, top_k, beams) or
+            "openai" (the rendered prompt as text and the standard fields only, for any OpenAI-compatible
+            server such as `transformers serve`; completions are re-tokenised from the text; no top_k, no beams).
     """
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError("backend 'vllm' takes the model path (or served model name) the server was started with, "
@@ -90,7 +94,13 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     rendered = [render_prompt(tokenizer, p) for p in prompts]
     prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
 
-    bodies = [request_body(name, ids, sampling, eos, seed=prompt_seed(sampling.seed, ids)) for ids in prompt_ids]
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol = {protocol!r}: one of {', '.join(PROTOCOLS)}")
+    if protocol == "openai":
+        bodies = [openai_body(name, text, sampling, seed=prompt_seed(sampling.seed, ids))
+                  for text, ids in zip(rendered, prompt_ids, strict=True)]
+    else:
+        bodies = [request_body(name, ids, sampling, eos, seed=prompt_seed(sampling.seed, ids)) for ids in prompt_ids]
     if bodies:
         client.check_model(name)  # fail fast with one clear error, before spawning threads
     bar = None
@@ -127,6 +137,16 @@ class _LocalModel:
             from transformers import GenerationConfig
 
             self.generation_config = GenerationConfig.from_pretrained(str(model))
+
+
+def openai_body(model_name: str, prompt: str, s: SamplingParams, *, seed: int) -> dict:
+    """The standard ``/v1/completions`` JSON (no vLLM extensions): the rendered prompt as text."""
+    if s.num_beams > 1 or (s.do_sample and s.top_k > 0):
+        raise ValueError("protocol 'openai' has no beam search and no top_k (vLLM extensions); use protocol 'vllm' "
+                         "against a vLLM server, or greedy / temperature / top_p sampling")
+    return {"model": model_name, "prompt": prompt, "n": s.n, "max_tokens": s.max_new_tokens,
+            "temperature": float(s.temperature) if s.do_sample else 0.0,
+            "top_p": float(s.top_p) if s.do_sample else 1.0, "seed": seed}
 
 
 def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos: list[int], *, seed: int) -> dict:
@@ -210,6 +230,9 @@ class _Client:
             hint = ""
             if e.status == 404 and "model" in str(e).lower():
                 hint = f"; the server serves {self._served_models()}: pass one as served_model_name"
+            elif e.status in (400, 422) and "unexpected field" in str(e).lower():
+                hint = ("; this server does not take vLLM's extensions: pass protocol='openai' (standard fields, "
+                        "text prompts) for another OpenAI-compatible server")
             elif e.status == 401:
                 hint = f"; set {API_KEY_ENV} (or api_key=) to the key the server was started with"
             raise VLLMServerError(f"vLLM server {e}{hint}",
