@@ -390,10 +390,10 @@ def log_table(params, stage: str, name: str, rows: list[dict[str, Any]], *, fold
     if "tensorboard" in names and folder is not None:
         from torch.utils.tensorboard import SummaryWriter
 
-        from stages.metrics.report import markdown_completions
+        from stages.markdown import table
 
         with SummaryWriter(log_dir=str(folder / "tensorboard")) as writer:
-            writer.add_text(f"{stage}/{name}", markdown_completions(rows_of(columns, data)))
+            writer.add_text(f"{stage}/{name}", table(rows_of(columns, data)))
         written.append("tensorboard")
     return written
 

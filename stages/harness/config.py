@@ -552,7 +552,10 @@ class PromoteParams:
     """Stage promote, the promotion gate after evaluate (`stages.pipeline.promote`), on request: the nightly
     deployment and `align run --promote`."""
 
-    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
+    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better): accuracy, "
+                        "format, bleu, rouge, reward, win_rate, an lm-eval column lm_eval.<task>.<metric>[.<filter>] "
+                        "(judged with its stderr), or judge.lc_win_rate (evaluate.judge compares the candidate "
+                        "with production itself)")
     min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
     confidence: float = param(0.95, help="share metrics (accuracy, format): promote only when the one-sided lower "
                               "bound of candidate - production at this confidence is above min_improvement "
@@ -564,10 +567,13 @@ class PromoteParams:
     hub: HubParams = param(default_factory=HubParams, help="optional push of the promoted model")
 
     def validate(self) -> list[tuple[str, str]]:
-        if self.metric not in EVAL_METRICS or self.metric == "length":
-            return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')} "
-                     "(higher is better)")]
-        return []
+        lm_eval_column = re.fullmatch(r"lm_eval\.[^.\s]+\.[^.\s]+(\.[^.\s]+)?", self.metric) and "_stderr" not in self.metric
+        if (self.metric in EVAL_METRICS and self.metric != "length") or lm_eval_column or \
+                self.metric in ("judge.lc_win_rate", "judge.win_rate"):
+            return []
+        return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')}, an "
+                 "lm-eval column lm_eval.<task>.<metric>[.<filter>] (as in the evaluate table, e.g. "
+                 "lm_eval.align_arithmetic.exact_match.final-number), or judge.lc_win_rate (higher is better)")]
 
 
 @dataclass

@@ -143,20 +143,9 @@ def markdown_table(table: list[dict[str, Any]]) -> str:
 
 def markdown_completions(rows: list[dict[str, Any]]) -> str:
     """The completions table (`stages.pipeline.evaluate.completions_table`) as markdown: one row per prompt."""
-    if not rows:
-        return ""
-    cols = list(rows[0])
+    from stages.markdown import table
 
-    def text(v: Any) -> str:
-        if v is None:
-            return ""
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v).replace("|", "\\|").replace("\n", "<br>")
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(text(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return table(rows)
 
 
 def markdown_report(table: list[dict[str, Any]], plots: dict[str, Path], *, notes: list[str] = (),

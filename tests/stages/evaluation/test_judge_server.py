@@ -89,7 +89,8 @@ def test_judge_against_transformers_serve(server, monkeypatch):
     assert client is not None and client.requests == 12 and client.retries == 0
     again = judge.judge_pairs(ask, template, instructions, model_texts, baseline_texts)
     assert again.forward == v.forward and again.reverse == v.reverse  # temperature 0
-    expected = [judge.pair_score(judge.parse_verdict(f), judge.parse_verdict(r)) for f, r in zip(v.forward, v.reverse)]
+    expected = [judge.pair_score(judge.parse_verdict(f), judge.parse_verdict(r))
+                for f, r in zip(v.forward, v.reverse, strict=True)]
     assert v.scores == expected
     cols = judge.summary(v, [2] * 6, [2] * 6, confidence=0.95, resamples=100, seed=0)
     assert cols["judge.win_rate"] == pytest.approx(sum(expected) / 6, abs=1e-4)
