@@ -384,7 +384,7 @@ def log_table(params, stage: str, name: str, rows: list[dict[str, Any]], *, fold
         live = Live(dir=str(folder / "dvclive"), save_dvc_exp=False, dvcyaml=None, report=None)
         path = folder / "dvclive" / f"{name}.json"
         path.write_text(json.dumps(rows_of(columns, data), indent=1))
-        live.log_artifact(str(path), type="table", desc=f"{stage}: {name}")
+        live.log_artifact(str(path), type="table", desc=f"{stage}: {name}", cache=False)
         live.end()
         written.append("dvclive")
     if "tensorboard" in names and folder is not None:
