@@ -4,7 +4,7 @@ A task is a name from lm-eval's registry (gsm8k, ifeval, mmlu, arc_easy...), the
 or one of the tasks shipped here (`stages/evaluation/tasks/`):
 
 - `align_arithmetic`: the pipeline's own held-out split (preprocess's eval.jsonl: chat prompts and
-  reference completions), scored by exact match of the final number;
+  reference completions), scored by exact match of the whole reply (reasoning tags aside);
 - `align_gsm8k`: GSM8K-shaped rows of your own (`question`, `answer` ending in `#### n`), from the file
   `evaluate.lm_eval.gsm8k_data`.
 

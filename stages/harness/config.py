@@ -573,7 +573,7 @@ class PromoteParams:
             return []
         return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')}, an "
                  "lm-eval column lm_eval.<task>.<metric>[.<filter>] (as in the evaluate table, e.g. "
-                 "lm_eval.align_arithmetic.exact_match.final-number), or judge.lc_win_rate (higher is better)")]
+                 "lm_eval.align_arithmetic.exact_match), or judge.lc_win_rate (higher is better)")]
 
 
 @dataclass

@@ -123,8 +123,8 @@ def test_decide_on_an_lm_eval_metric_uses_its_stderr():
 def test_gate_on_lm_eval_and_on_the_judge_records_metric_and_interval(tmp_path):
     models = tmp_path / "models"
     first, second, third = (tiny.build(tmp_path / f"m{i}", **SIZE, seed=i) for i in range(3))
-    col = "lm_eval.align_arithmetic.exact_match.final-number"
-    se = "lm_eval.align_arithmetic.exact_match_stderr.final-number"
+    col = "lm_eval.align_arithmetic.exact_match"
+    se = "lm_eval.align_arithmetic.exact_match_stderr"
     kw = dict(metric=col, min_improvement=0.0, eval_key="k", confidence=0.95)
     assert promotion.gate(first, {col: 0.30, se: 0.02}, models, **kw)["event"] == "promoted"
     r = promotion.gate(second, {col: 0.33, se: 0.02}, models, **kw)  # +0.03, lower bound 0.03 - 0.0465 < 0
