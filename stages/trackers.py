@@ -343,3 +343,66 @@ def log_stage_metrics(params, stage: str, metrics: dict[str, Any]) -> list[str]:
         run.finish()
         written.append("wandb")
     return written
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def log_table(params, stage: str, name: str, rows: list[dict[str, Any]], *, folder: Path | None = None
+              ) -> list[str]:
+    """A table (rows of equal keys, e.g. evaluate's completions) into every tracker the run uses: MLflow
+    `log_table` on the pipeline run's parent run (`<stage>/<name>.json`, the UI's Evaluation/Artifacts tab), a
+    W&B Table in a run of the group, DVCLive (`<folder>/dvclive/<name>.json`, logged as an artifact) and
+    TensorBoard text (`<folder>/tensorboard`, a markdown table). Returns the trackers written to."""
+    names = pipeline_trackers(params)
+    if not rows or not names:
+        return []
+    columns = list(rows[0])
+    data = [[_cell(r.get(c)) for c in columns] for r in rows]
+    written = []
+    if "mlflow" in names:
+        import mlflow
+
+        _, parent = mlflow_parent(params)
+        mlflow.MlflowClient().log_table(parent, data={c: [row[i] for row in data] for i, c in enumerate(columns)},
+                                        artifact_file=f"{stage}/{name}.json")
+        written.append("mlflow")
+    if "wandb" in names:
+        import wandb
+
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name(params, stage),
+                         group=pipeline_run(params), job_type=stage, reinit="finish_previous")
+        run.log({f"{stage}/{name}": wandb.Table(columns=list[str | int](columns), data=data)})
+        run.finish()
+        written.append("wandb")
+    if "dvclive" in names and folder is not None:
+        from dvclive import Live
+
+        live = Live(dir=str(folder / "dvclive"), save_dvc_exp=False, dvcyaml=None, report=None)
+        path = folder / "dvclive" / f"{name}.json"
+        path.write_text(json.dumps(rows_of(columns, data), indent=1))
+        live.log_artifact(str(path), type="table", desc=f"{stage}: {name}", cache=False)
+        live.end()
+        written.append("dvclive")
+    if "tensorboard" in names and folder is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        from stages.markdown import table
+
+        with SummaryWriter(log_dir=str(folder / "tensorboard")) as writer:
+            writer.add_text(f"{stage}/{name}", table(rows_of(columns, data)))
+        written.append("tensorboard")
+    return written
+
+
+def rows_of(columns: list[str], data: list[list[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(columns, row, strict=True)) for row in data]
+
+
+def _cell(value: Any) -> Any:
+    """A table cell trackers accept: numbers and text as they are, None as "", anything else as JSON text."""
+    if value is None:
+        return ""
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    return json.dumps(value)

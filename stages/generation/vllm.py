@@ -15,12 +15,9 @@ size, the prompt's position or the order requests arrive in.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,13 +30,15 @@ from stages.generation.common import (
     prompt_seed,
     trim_at_eos,
 )
+from stages.openai_client import EndpointError, OpenAIClient
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 URL_ENV, API_KEY_ENV = "ALIGN_VLLM_URL", "VLLM_API_KEY"
+PROTOCOLS = ("vllm", "openai")
 
 
-class VLLMServerError(RuntimeError):
-    """The vLLM server is unreachable or answered with an error."""
+class VLLMServerError(EndpointError):
+    """The vLLM server is unreachable (after the retries) or answered with an error."""
 
 
 def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
@@ -60,7 +59,8 @@ def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000,
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
              progress: bool = False, base_url: str | None = None, api_key: str | None = None,
-             served_model_name: str | None = None, timeout: float = 600.0) -> Generations:
+             served_model_name: str | None = None, timeout: float = 600.0, max_retries: int = 4,
+             backoff: float = 1.0, protocol: str = "vllm") -> Generations:
     """Completions of ``prompts`` from a running vLLM server (see :func:`stages.generation.generate`).
 
     Args:
@@ -71,6 +71,11 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         api_key: sent as a bearer token; default ``$VLLM_API_KEY`` (unset: no header).
         served_model_name: the name in requests, when the server was started with ``--served-model-name``.
         timeout: seconds to wait for one prompt's answer.
+        max_retries, backoff: retries of a request that timed out, was refused or got HTTP 429/5xx, the first
+            after `backoff` seconds, doubling (`stages.openai_client`); then `VLLMServerError`.
+        protocol: "vllm" (token-id prompts and vLLM's extensions: exact tokens, stop ids, top_k, beams) or
+            "openai" (the rendered prompt as text and the standard fields only, for any OpenAI-compatible
+            server such as `transformers serve`; completions are re-tokenised from the text; no top_k, no beams).
     """
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError("backend 'vllm' takes the model path (or served model name) the server was started with, "
@@ -85,13 +90,20 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         raise ValueError(f"cache_implementation = {sampling.cache_implementation!r} is HF generate's; the vLLM server "
                          "manages its own KV cache: leave it unset with backend 'vllm'")
     client = _Client(base_url or os.environ.get(URL_ENV) or DEFAULT_BASE_URL,
-                     api_key if api_key is not None else os.environ.get(API_KEY_ENV), timeout, str(model))
+                     api_key if api_key is not None else os.environ.get(API_KEY_ENV), timeout, str(model),
+                     max_retries=max_retries, backoff=backoff)
     name = served_model_name or str(model)
     eos = eos_token_ids(tokenizer, _LocalModel(model))
     rendered = [render_prompt(tokenizer, p) for p in prompts]
     prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
 
-    bodies = [request_body(name, ids, sampling, eos, seed=prompt_seed(sampling.seed, ids)) for ids in prompt_ids]
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol = {protocol!r}: one of {', '.join(PROTOCOLS)}")
+    if protocol == "openai":
+        bodies = [openai_body(name, text, sampling, seed=prompt_seed(sampling.seed, ids))
+                  for text, ids in zip(rendered, prompt_ids, strict=True)]
+    else:
+        bodies = [request_body(name, ids, sampling, eos, seed=prompt_seed(sampling.seed, ids)) for ids in prompt_ids]
     if bodies:
         client.check_model(name)  # fail fast with one clear error, before spawning threads
     bar = None
@@ -128,6 +140,16 @@ class _LocalModel:
             from transformers import GenerationConfig
 
             self.generation_config = GenerationConfig.from_pretrained(str(model))
+
+
+def openai_body(model_name: str, prompt: str, s: SamplingParams, *, seed: int) -> dict:
+    """The standard ``/v1/completions`` JSON (no vLLM extensions): the rendered prompt as text."""
+    if s.num_beams > 1 or (s.do_sample and s.top_k > 0):
+        raise ValueError("protocol 'openai' has no beam search and no top_k (vLLM extensions); use protocol 'vllm' "
+                         "against a vLLM server, or greedy / temperature / top_p sampling")
+    return {"model": model_name, "prompt": prompt, "n": s.n, "max_tokens": s.max_new_tokens,
+            "temperature": float(s.temperature) if s.do_sample else 0.0,
+            "top_p": float(s.top_p) if s.do_sample else 1.0, "seed": seed}
 
 
 def request_body(model_name: str, prompt_ids: list[int], s: SamplingParams, eos: list[int], *, seed: int) -> dict:
@@ -190,61 +212,49 @@ def _choice_token_ids(choice: dict, tokenizer) -> list[int]:
 
 
 class _Client:
-    def __init__(self, base_url: str, api_key: str | None, timeout: float, model: str):
-        self.base_url, self.api_key, self.timeout, self.model = base_url.rstrip("/"), api_key, timeout, model
+    """`stages.openai_client.OpenAIClient` (retries of timeouts, 429 and 5xx included) with vLLM's hints on errors."""
 
-    def _headers(self) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, model: str, max_retries: int = 4,
+                 backoff: float = 1.0):
+        self.http = OpenAIClient(base_url, api_key, timeout=timeout, max_retries=max_retries, backoff=backoff)
+        self.base_url, self.model = self.http.base_url, model
 
     def post(self, path: str, body: dict) -> dict:
-        return self._send(urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                                 headers=self._headers(), method="POST"))
+        return self._send(lambda: self.http.post(path, body))
 
     def get(self, path: str) -> dict:
-        return self._send(urllib.request.Request(self.base_url + path, headers=self._headers(), method="GET"))
+        return self._send(lambda: self.http.get(path))
 
-    def _send(self, request: urllib.request.Request) -> dict:
+    def _send(self, call) -> dict:
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            detail = _error_message(e.read())
+            return call()
+        except EndpointError as e:
+            if e.status is None:
+                raise VLLMServerError(
+                    f"cannot reach the vLLM server at {self.base_url} ({e}); start it with: "
+                    f"{shlex.join(serve_command(self.model))} in its own environment (vLLM pins its own torch and "
+                    f"transformers; see README, 'Generation'), or point base_url / ${URL_ENV} at a running one",
+                    endpoint=e.endpoint, retries=e.retries) from None
             hint = ""
-            if e.code == 404 and "model" in detail.lower():
+            if e.status == 404 and "model" in str(e).lower():
                 hint = f"; the server serves {self._served_models()}: pass one as served_model_name"
-            elif e.code == 401:
+            elif e.status in (400, 422) and "unexpected field" in str(e).lower():
+                hint = ("; this server does not take vLLM's extensions: pass protocol='openai' (standard fields, "
+                        "text prompts) for another OpenAI-compatible server")
+            elif e.status == 401:
                 hint = f"; set {API_KEY_ENV} (or api_key=) to the key the server was started with"
-            raise VLLMServerError(f"vLLM server {request.full_url} answered HTTP {e.code}: {detail}{hint}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise VLLMServerError(
-                f"cannot reach the vLLM server at {self.base_url} ({reason}); start it with: "
-                f"{shlex.join(serve_command(self.model))} in its own environment (vLLM pins its own torch and "
-                f"transformers; see README, 'Generation'), or point base_url / ${URL_ENV} at a running one"
-            ) from None
+            raise VLLMServerError(f"vLLM server {e}{hint}",
+                                  endpoint=e.endpoint, status=e.status, retries=e.retries) from None
 
     def check_model(self, name: str) -> None:
         served = [m.get("id") for m in self.get("/models").get("data", [])]
         if served and name not in served:
             raise VLLMServerError(f"the vLLM server at {self.base_url} serves {served}, not {name!r}; pass "
-                                  "served_model_name= (or the model path it was started with)")
+                                  "served_model_name= (or the model path it was started with)",
+                                  endpoint=self.base_url)
 
     def _served_models(self) -> list[str]:
         try:
             return [m.get("id") for m in self.get("/models").get("data", [])]
         except VLLMServerError:
             return []
-
-
-def _error_message(raw: bytes) -> str:
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")[:500]
-    err = data.get("error", data) if isinstance(data, dict) else data
-    if isinstance(err, dict):
-        return str(err.get("message", err))
-    return str(err)[:500]

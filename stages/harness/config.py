@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
@@ -417,6 +418,85 @@ EVAL_METRICS = ("accuracy", "bleu", "rouge", "reward", "win_rate", "format", "le
 
 
 @dataclass
+class LmEvalParams:
+    """lm-evaluation-harness tasks on every evaluated model (`stages.evaluation.lm_eval`; pip install 'align[eval]')."""
+
+    tasks: list[str] = param(default_factory=list, help="lm-eval registry names (gsm8k, ifeval, mmlu, arc_easy: their "
+                             "datasets must be in the local Hugging Face cache), task YAML paths, or the shipped "
+                             "align_arithmetic (the eval split) and align_gsm8k (gsm8k_data); [] : off")
+    num_fewshot: int | None = param(None, help="few-shot examples per prompt (null: each task's own default)",
+                                    check=lambda v: v >= 0, rule="must be >= 0 or null")
+    limit: int | None = param(None, help="score at most this many documents per task (null: all)",
+                              check=lambda v: v > 0, rule="must be > 0 or null")
+    batch_size: int = positive(8, "lm-eval's batch size")
+    apply_chat_template: bool = param(True, help="render each task's prompt with the model's chat template "
+                                      "(lm_eval --apply_chat_template); the pipeline's models are chat models")
+    gsm8k_data: str | None = param(None, help="JSON lines with question and answer ('... #### n') for the "
+                                   "align_gsm8k task (your own GSM8K-shaped data)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        import importlib.util
+
+        problems = []
+        if self.tasks and importlib.util.find_spec("lm_eval") is None:
+            problems.append(("tasks", f"= {self.tasks}: lm-eval is not installed; pip install 'align[eval]' "
+                             "(or lm-eval==0.4.*), or set evaluate.lm_eval.tasks to []"))
+        if "align_gsm8k" in self.tasks and not self.gsm8k_data:
+            problems.append(("gsm8k_data", "= null: the align_gsm8k task reads its rows from this file; set it to a "
+                             "JSON lines file with question and answer, or drop align_gsm8k from the tasks"))
+        for task in self.tasks:
+            if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
+                problems.append(("tasks", f"includes {task!r}: no such task YAML file"))
+        return problems
+
+
+@dataclass
+class JudgeParams:
+    """A pairwise judge that is not the reward model (`stages.evaluation.judge`): an OpenAI-compatible endpoint
+    or a local model folder; off while neither is set."""
+
+    base_url: str | None = param(None, help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vllm serve, "
+                                 "transformers serve, a hosted API)")
+    model: str | None = param(None, help="the model name the endpoint serves")
+    api_key_env: str | None = param(None, help="the NAME of the environment variable that holds the endpoint's key "
+                                    "(the key itself never goes into params; null: no key)")
+    model_path: str | None = param(None, help="instead of an endpoint: a local chat model folder as the judge")
+    prompt_file: str | None = param(None, help="the judge's prompt with {instruction}, {output_1} and {output_2} "
+                                    "(null: stages/evaluation/prompts/pairwise.txt)")
+    baseline: str = param("sft", help="the row every other model is compared with (both orders asked)")
+    max_new_tokens: int = positive(8, "tokens of the judge's reply (1, 2 or tie)")
+    timeout: float = positive(60.0, "seconds to wait for one reply")
+    max_retries: int = non_negative(4, "retries of a reply that timed out, was refused or got HTTP 429/5xx")
+    backoff: float = positive(1.0, "seconds before the first retry; doubled each time")
+    concurrency: int = positive(4, "requests in flight at once (a local judge: its batch size)")
+    confidence: float = param(0.95, help="two-sided confidence of the intervals", check=lambda v: 0.5 <= v < 1,
+                              rule="must be in [0.5, 1)")
+    resamples: int = positive(1000, "bootstrap resamples of the length-controlled win rate's interval")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.base_url or self.model_path)
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.base_url and self.model_path:
+            problems.append(("model_path", f"= {self.model_path!r}: set either base_url (an endpoint) or model_path "
+                             "(a local folder), not both"))
+        if self.base_url and not self.model:
+            problems.append(("model", f"= null: base_url = {self.base_url!r} needs the name of the model it serves"))
+        if self.base_url and not re.match(r"https?://", self.base_url):
+            problems.append(("base_url", f"= {self.base_url!r}: must start with http:// or https://"))
+        if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            problems.append(("api_key_env", "is not an environment variable name: give the variable's NAME (e.g. "
+                             "OPENAI_API_KEY), never the key itself"))
+        if self.prompt_file and not Path(self.prompt_file).is_file():
+            problems.append(("prompt_file", f"= {self.prompt_file!r}: no such file"))
+        if self.baseline not in ("base", "sft", "policy", "merged"):
+            problems.append(("baseline", f"= {self.baseline!r}: one of base, sft, policy, merged"))
+        return problems
+
+
+@dataclass
 class EvaluateParams:
     max_new_tokens: int = positive(32, "generation budget per prompt")
     batch_size: int = positive(300, "prompts per generate call")
@@ -437,6 +517,12 @@ class EvaluateParams:
     plots: bool = param(True, help="write PNG plots and DVC plot data under plots/")
     split: Literal["eval", "dev"] = param("eval", help="the held-out split to score: eval (the reported table, "
                                           "the promotion gate) or dev (model selection, tuning)")
+    lm_eval: LmEvalParams = param(default_factory=LmEvalParams, help="lm-evaluation-harness tasks (columns "
+                                  "lm_eval.<task>.<metric>)")
+    judge: JudgeParams = param(default_factory=JudgeParams, help="a pairwise judge against evaluate.judge.baseline "
+                               "(columns judge.win_rate, judge.lc_win_rate and their intervals)")
+    log_completions: int = non_negative(20, "rows of the completions table (prompt, each model's completion, "
+                                        "reference, reward, judge verdict, correctness) in report.md and the trackers")
 
     def validate(self) -> list[tuple[str, str]]:
         import re
@@ -492,7 +578,10 @@ class PromoteParams:
     """Stage promote, the promotion gate after evaluate (`stages.pipeline.promote`), on request: the nightly
     deployment and `align run --promote`."""
 
-    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better)")
+    metric: str = param("accuracy", help="column of the evaluate table compared (higher is better): accuracy, "
+                        "format, bleu, rouge, reward, win_rate, an lm-eval column lm_eval.<task>.<metric>[.<filter>] "
+                        "(judged with its stderr), or judge.lc_win_rate (evaluate.judge compares the candidate "
+                        "with production itself)")
     min_improvement: float = non_negative(0.0, "promote only when the new model beats production by more than this")
     confidence: float = param(0.95, help="share metrics (accuracy, format): promote only when the one-sided lower "
                               "bound of candidate - production at this confidence is above min_improvement "
@@ -504,10 +593,13 @@ class PromoteParams:
     hub: HubParams = param(default_factory=HubParams, help="optional push of the promoted model")
 
     def validate(self) -> list[tuple[str, str]]:
-        if self.metric not in EVAL_METRICS or self.metric == "length":
-            return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')} "
-                     "(higher is better)")]
-        return []
+        lm_eval_column = re.fullmatch(r"lm_eval\.[^.\s]+\.[^.\s]+(\.[^.\s]+)?", self.metric) and "_stderr" not in self.metric
+        if (self.metric in EVAL_METRICS and self.metric != "length") or lm_eval_column or \
+                self.metric in ("judge.lc_win_rate", "judge.win_rate"):
+            return []
+        return [("metric", f"= {self.metric!r}: one of {', '.join(m for m in EVAL_METRICS if m != 'length')}, an "
+                 "lm-eval column lm_eval.<task>.<metric>[.<filter>] (as in the evaluate table, e.g. "
+                 "lm_eval.align_arithmetic.exact_match), or judge.lc_win_rate (higher is better)")]
 
 
 @dataclass

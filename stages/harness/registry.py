@@ -137,7 +137,8 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
             params=("model", "evaluate", "run.seed"),
-            inputs=("model.name_or_path",),
+            inputs=("model.name_or_path", "evaluate.lm_eval.gsm8k_data", "evaluate.judge.prompt_file",
+                    "evaluate.judge.model_path"),
             shards="stages.pipeline.evaluate:run_shard",
         ),
     ]

@@ -104,18 +104,53 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def markdown_table(table: list[dict[str, Any]]) -> str:
+def table_columns(table: list[dict[str, Any]]) -> list[str]:
+    """COLUMNS that have a value, then the other columns (lm_eval.*, judge.*) in the order they appear; an
+    interval's bounds (`X_low`, `X_high`) and an lm-eval stderr (`X_stderr...`) go into X's cell."""
     cols = [c for c in COLUMNS if any(c in r and r[c] is not None for r in table)]
+    for r in table:
+        for c in r:
+            if c in cols or c == "split" or c.endswith(("_low", "_high")) or "_stderr" in c:
+                continue
+            if r[c] is not None:
+                cols.append(c)
+    return cols
+
+
+def cell(row: dict[str, Any], column: str) -> str:
+    value = row.get(column)
+    if value is None:
+        return ""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    if row.get(f"{column}_low") is not None and row.get(f"{column}_high") is not None:
+        text += f" [{row[f'{column}_low']:.3g}, {row[f'{column}_high']:.3g}]"
+    if column.startswith("lm_eval."):
+        _, task, rest = column.split(".", 2)
+        metric, _, flt = rest.partition(".")
+        stderr = row.get(f"lm_eval.{task}.{metric}_stderr" + (f".{flt}" if flt else ""))
+        if isinstance(stderr, (int, float)):
+            text += f" ± {stderr:.2g}"
+    return text
+
+
+def markdown_table(table: list[dict[str, Any]]) -> str:
+    cols = table_columns(table)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in table:
-        cells = [r.get(c) for c in cols]
-        lines.append("| " + " | ".join("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-                                       for v in cells) + " |")
+        lines.append("| " + " | ".join(cell(r, c) for c in cols) + " |")
     return "\n".join(lines)
 
 
+def markdown_completions(rows: list[dict[str, Any]]) -> str:
+    """The completions table (`stages.pipeline.evaluate.completions_table`) as markdown: one row per prompt."""
+    from stages.markdown import table
+
+    return table(rows)
+
+
 def markdown_report(table: list[dict[str, Any]], plots: dict[str, Path], *, notes: list[str] = (),
-                    inline_images: bool = False, title: str = "Evaluation") -> str:
+                    inline_images: bool = False, title: str = "Evaluation",
+                    completions: list[dict[str, Any]] = ()) -> str:
     """The table, the notes and the plots: linked relative to the report (`plots/x.png`), or inlined as
     data URIs (`inline_images`, for a Prefect artifact that cannot reach the files)."""
     lines = [f"# {title}", "", markdown_table(table), ""]
@@ -126,4 +161,6 @@ def markdown_report(table: list[dict[str, Any]], plots: dict[str, Path], *, note
         else:
             src = f"plots/{Path(path).name}"
         lines += ["", f"## {name.replace('_', ' ')}", "", f"![{name}]({src})"]
+    if completions:
+        lines += ["", "## Completions", "", markdown_completions(list(completions))]
     return "\n".join(lines) + "\n"

@@ -4,10 +4,17 @@ Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: n
 that is served and promoted; it should equal the policy row within noise). Completions come from
 `stages.generation` (greedy, beam or sampled: `evaluate.decoding`, seeded by run.seed). Columns
 (`evaluate.metrics`): accuracy (exact match of `answer_regex`), bleu and rouge (metric modules shipped in
-`stages/metrics/`), reward (stage `reward`'s model), win_rate (the reward model prefers the row's completion to
-the SFT model's; ties 1/2), format (a closed reasoning block and an answer), length. `evaluate.split` picks
-`eval` (the reported table, what promotion compares) or `dev` (what tuning selects on, so eval stays unseen).
-Writes `metrics.json`, `predictions.jsonl`, `plots/` and `report.md`.
+`stages/metrics/`), reward (stage `reward`'s model), win_rate (that same reward model prefers the row's
+completion to the SFT model's; ties 1/2: the policy was trained against it, so it is not an outside
+opinion), format (a closed reasoning block and an answer), length. Judged from outside the pipeline:
+`lm_eval.<task>.<metric>` (lm-evaluation-harness tasks, `evaluate.lm_eval`, `stages.evaluation.lm_eval`)
+and `judge.win_rate` / `judge.lc_win_rate` with their intervals (a pairwise judge that is not our reward
+model, `evaluate.judge`, `stages.evaluation.judge`). `evaluate.split` picks `eval` (the reported table,
+what promotion compares) or `dev` (what tuning selects on, so eval stays unseen).
+Writes `metrics.json`, `predictions.jsonl`, `completions.jsonl` (the first `evaluate.log_completions` prompts
+with every model's completion, reward, judge verdict and correctness, also in `report.md` and sent to the
+trackers), `plots/`, `lm_eval_tasks/` and `report.md`. Everything is computed before anything is written:
+a judge that stays down fails the stage with no metrics.
 
 Each model's outputs are saved in the work folder as soon as they are generated: a rerun after a crash skips
 the models already done, and `run_shard` generates a share of the models apart (another process or machine).
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +34,7 @@ from stages import generation, trackers
 from stages.basics import Progress
 from stages.completion_text import THINK_TAGS, answer_after_reasoning
 from stages.data import DataError, read_jsonl, write_jsonl
+from stages.evaluation import judge
 from stages.generation import SamplingParams
 from stages.harness.artifacts import write_json_atomic
 from stages.harness.model_paths import resolve_model
@@ -38,21 +47,39 @@ def run(ctx) -> dict[str, Any]:
     p, e = ctx.params, ctx.params.evaluate
     device = pick_device(p.run.device)
     rows = eval_rows(ctx)
+    tasks = lm_eval_tasks(ctx)  # an unknown task or a dataset missing offline fails here, before any model loads
+    template = judge.read_template(e.judge.prompt_file) if e.judge.enabled else None
     reward_path = ctx.inputs["reward"] / "model"
     reward_path = str(reward_path) if reward_path.is_dir() and {"reward", "win_rate"} & set(e.metrics) else None
     models = candidates(ctx)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
     progress = Progress(ctx.log, total=len(models), unit="models", what="evaluate:")
     outputs = {}
     for label, (path, base) in models.items():
         outputs[label] = model_outputs(ctx, label, path, base, rows, device)
         progress.advance(1)
     progress.finish()
+    timings["generation_s"] = round(time.perf_counter() - started, 2)
 
+    started = time.perf_counter()
+    benchmarks = {label: run_lm_eval(ctx, path, base, tasks, device) for label, (path, base) in models.items()
+                  } if tasks else {}
+    timings["lm_eval_s"] = round(time.perf_counter() - started, 2)
     rewards = score_rewards(rows, outputs, reward_path, device) if reward_path else {}
+    started = time.perf_counter()
+    judged = run_judge(ctx, rows, outputs, template, device) if template is not None else {}
+    timings["judge_s"] = round(time.perf_counter() - started, 2)
+
     table, predictions = [], []
     pattern = re.compile(e.answer_regex) if e.answer_regex else None
     for label, out in outputs.items():
         row, preds = row_metrics(rows, out, e.metrics, pattern, rewards.get(label), rewards.get("sft"))
+        row.update(benchmarks.get(label, {}))
+        if label in judged:
+            row.update(judged[label]["columns"])
+            for pred, score in zip(preds, judged[label]["scores"]):
+                pred["judge"] = score
         table.append({"model": label, **row, "split": e.split})
         predictions += [{"model": label, **pr} for pr in preds]
         ctx.log.info("evaluate: %s %s", label, ", ".join(f"{k}={v}" for k, v in row.items() if v is not None))
@@ -62,7 +89,7 @@ def run(ctx) -> dict[str, Any]:
     from stages.metrics.report import write_headline
 
     write_headline(p.run.output_dir, table)  # for `dvc metrics show/diff`, tracked by git
-    notes = report_notes(e, reward_path, outputs)
+    notes = report_notes(e, reward_path, outputs, judged, timings)
     plots = {}
     if e.plots:
         from stages.metrics import report
@@ -71,15 +98,96 @@ def run(ctx) -> dict[str, Any]:
                                    rewards={"score (SFT samples)": score_values(ctx), **rewards})
     from stages.metrics.report import markdown_report
 
-    (ctx.out / "report.md").write_text(markdown_report(table, plots, notes=notes))
+    completions = completions_table(predictions, list(outputs), e.log_completions)
+    write_jsonl(ctx.out / "completions.jsonl", completions)
+    (ctx.out / "report.md").write_text(markdown_report(table, plots, notes=notes, completions=completions))
     by_model = {r["model"]: r for r in table}
     final = by_model.get("merged", by_model.get("policy", by_model["sft"]))
     metrics = {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
                "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
-               "n": len(rows), "split": e.split,
+               "n": len(rows), "split": e.split, "timings": timings,
                "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table}, "table": table}
     trackers.log_stage_metrics(p, "evaluate", metrics)  # into the pipeline run of the training stages' trackers
+    trackers.log_table(p, "evaluate", "completions", completions, folder=ctx.out)
     return metrics
+
+
+# --------------------------------------------------------------------------- lm-eval and the judge
+
+
+def lm_eval_tasks(ctx) -> list:
+    """The `--tasks` arguments of evaluate.lm_eval.tasks (the shipped ones written into the stage's output,
+    `lm_eval_tasks/`, so the CLI can rerun them), registry datasets checked; [] when off."""
+    le = ctx.params.evaluate.lm_eval
+    if not le.tasks:
+        return []
+    from stages.evaluation import lm_eval
+
+    specs = lm_eval.task_specs(le.tasks, folder=ctx.out / "lm_eval_tasks",
+                               eval_file=ctx.inputs["preprocess"] / f"{ctx.params.evaluate.split}.jsonl",
+                               gsm8k_data=le.gsm8k_data)
+    lm_eval.check_datasets(specs)
+    return specs
+
+
+def run_lm_eval(ctx, path: str, base: str | None, specs: list, device: str) -> dict[str, float]:
+    """lm-eval's columns of one model; an adapter row is its base with the adapter on (lm-eval's `peft`)."""
+    from stages import adapter_merge
+    from stages.evaluation import lm_eval
+
+    p, le = ctx.params, ctx.params.evaluate.lm_eval
+    folder, adapter = (base, path) if base is not None and adapter_merge.is_adapter(path) else (path, None)
+    ctx.log.info("evaluate: lm-eval %s on %s", ", ".join(s.configured for s in specs), path)
+    return lm_eval.evaluate_model(folder, specs, adapter=adapter, dtype=p.model.dtype, device=device,
+                                  num_fewshot=le.num_fewshot, limit=le.limit, batch_size=le.batch_size,
+                                  apply_chat_template=le.apply_chat_template, seed=p.run.seed)
+
+
+def run_judge(ctx, rows: list[dict], outputs: dict[str, Outputs], template: str, device: str
+              ) -> dict[str, dict[str, Any]]:
+    """{label: {"columns": judge.* columns, "scores": per-prompt scores}} of every model against the baseline
+    row. An endpoint that stays down raises `EndpointError` (endpoint, last error, retries): no metrics written."""
+    j = ctx.params.evaluate.judge
+    if j.baseline not in outputs:
+        raise DataError(f"evaluate.judge.baseline = {j.baseline!r}: no such row in this run ({', '.join(outputs)})")
+    ask, client = judge.make_judge(j, device=device, dtype=ctx.params.model.dtype)
+    instructions = [judge.instruction_text(r["prompt"]) for r in rows]
+    base = outputs[j.baseline]
+    found: dict[str, dict[str, Any]] = {}
+    for label, out in outputs.items():
+        if label == j.baseline:
+            continue
+        verdicts = judge.judge_pairs(ask, template, instructions,
+                                     [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
+                                     [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+        columns = judge.summary(verdicts, out.lengths, base.lengths, confidence=j.confidence,
+                                resamples=j.resamples, seed=ctx.params.run.seed)
+        found[label] = {"columns": columns, "scores": verdicts.scores}
+        ctx.log.info("evaluate: judge %s vs %s: win rate %s, LC %s", label, j.baseline, columns["judge.win_rate"],
+                     columns["judge.lc_win_rate"])
+    retries = client.retries if client is not None else 0
+    for label in found:
+        found[label]["columns"]["judge.retries"] = retries
+    return found
+
+
+def completions_table(predictions: list[dict[str, Any]], labels: list[str], limit: int) -> list[dict[str, Any]]:
+    """The first `limit` prompts, one row each: prompt, reference, then per model its completion, reward, judge
+    verdict (its score against the baseline: 1, 0.5 or 0 per order, averaged) and correctness."""
+    by_model = {label: [p for p in predictions if p["model"] == label] for label in labels}
+    n = min(limit, len(by_model[labels[0]])) if labels else 0
+    rows = []
+    for i in range(n):
+        first = by_model[labels[0]][i]
+        row: dict[str, Any] = {"prompt": judge.instruction_text(first["prompt"]), "reference": first["reference"]}
+        for label in labels:
+            pred = by_model[label][i]
+            row[f"{label} completion"] = pred["completion"]
+            for key in ("reward", "judge", "correct"):
+                if key in pred:
+                    row[f"{label} {key}"] = pred[key]
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- models
@@ -297,12 +405,22 @@ def extract(text: str | None, pattern: re.Pattern | None) -> str | None:
 # --------------------------------------------------------------------------- report inputs
 
 
-def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs]) -> list[str]:
+def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs], judged: dict[str, Any] | None = None,
+                 timings: dict[str, float] | None = None) -> list[str]:
     split = "eval" if e.split == "eval" else "dev (for model selection; the promotion gate compares on eval)"
     notes = [f"{len(next(iter(outputs.values())).completions)} held-out prompts of split {split}, decoding {e.decoding}"
              + (f" ({e.num_beams} beams)" if e.decoding == "beam" else "") + f", max {e.max_new_tokens} new tokens"]
     if {"reward", "win_rate"} & set(e.metrics) and reward_path is None:
         notes.append("reward and win_rate skipped: stage reward trained no reward model (no preference data)")
+    if e.lm_eval.tasks:
+        notes.append(f"lm_eval.*: lm-evaluation-harness tasks {', '.join(e.lm_eval.tasks)} (± its stderr)")
+    if judged:
+        who = e.judge.model or e.judge.model_path
+        retries = next(iter(judged.values()))["columns"].get("judge.retries", 0)
+        notes.append(f"judge.*: {who} compared each model with {e.judge.baseline} in both orders (ties 1/2); "
+                     f"[{e.judge.confidence:.0%} interval]; lc = length-controlled; {retries} retried requests")
+    if timings:
+        notes.append("wall time: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in timings.items()))
     return notes
 
 

@@ -253,9 +253,11 @@ def _free_port() -> int:
 def test_unreachable_server_says_how_to_start_one(tok):
     url = f"http://127.0.0.1:{_free_port()}/v1"
     with pytest.raises(VLLMServerError) as err:
-        generate("/models/x", tok, PROMPTS[:1], SamplingParams(), backend="vllm", base_url=url, timeout=5)
+        generate("/models/x", tok, PROMPTS[:1], SamplingParams(), backend="vllm", base_url=url, timeout=5,
+                 max_retries=2, backoff=0.01)
     msg = str(err.value)
     assert url in msg and "vllm serve /models/x --host 127.0.0.1" in msg and "own environment" in msg
+    assert "after 2 retries; last error: URLError" in msg and err.value.retries == 2
 
 
 def test_serve_command_and_bad_model_argument(model, tok):

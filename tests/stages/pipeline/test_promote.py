@@ -104,3 +104,52 @@ def test_bad_candidate(built_pipeline, tmp_path):
     with pytest.raises(promotion.PromotionError, match="promote.candidate = 'nope': not a row"):
         promotion.run_gate(p)
     assert runner.output_dir(params, "evaluate").is_dir()
+
+
+def test_decide_on_an_lm_eval_metric_uses_its_stderr():
+    """difference 0.6 - 0.5 = 0.1; lower bound 0.1 - z·√(se_c² + se_p²), z = 1.6449 at 95%:
+    se 0.05 each: 0.1 - 1.6449·0.070711 = -0.01631 (kept); se 0.02 each: 0.1 - 1.6449·0.028284 = 0.05348."""
+    col = "lm_eval.gsm8k.exact_match.strict-match"
+    kept = promotion.decide(0.6, 0.5, metric=col, min_improvement=0.0, confidence=0.95, se_candidate=0.05,
+                            se_production=0.05)
+    assert kept.promote is False and kept.method == "stderr"
+    assert kept.lower_bound == pytest.approx(0.1 - 1.6448536 * 0.0707107, abs=1e-5)
+    won = promotion.decide(0.6, 0.5, metric=col, min_improvement=0.0, confidence=0.95, se_candidate=0.02,
+                           se_production=0.02)
+    assert won.promote is True and won.lower_bound == pytest.approx(0.05348, abs=1e-5) and won.improvement == 0.1
+    assert promotion.stderr_of({col: 0.6, "lm_eval.gsm8k.exact_match_stderr.strict-match": 0.02}, col) == 0.02
+
+
+def test_gate_on_lm_eval_and_on_the_judge_records_metric_and_interval(tmp_path):
+    models = tmp_path / "models"
+    first, second, third = (tiny.build(tmp_path / f"m{i}", **SIZE, seed=i) for i in range(3))
+    col = "lm_eval.align_arithmetic.exact_match"
+    se = "lm_eval.align_arithmetic.exact_match_stderr"
+    kw = dict(metric=col, min_improvement=0.0, eval_key="k", confidence=0.95)
+    assert promotion.gate(first, {col: 0.30, se: 0.02}, models, **kw)["event"] == "promoted"
+    r = promotion.gate(second, {col: 0.33, se: 0.02}, models, **kw)  # +0.03, lower bound 0.03 - 0.0465 < 0
+    assert r["event"] == "kept" and r["decision"]["method"] == "stderr"
+    assert r["decision"]["lower_bound"] == pytest.approx(0.03 - 1.6448536 * 0.0282843, abs=1e-5)
+    assert history(models)[-1]["lower_bound"] == r["decision"]["lower_bound"]  # history.jsonl carries the interval
+
+    asked = []
+    kw = dict(metric="judge.lc_win_rate", min_improvement=0.05, eval_key="k", confidence=0.95)
+    r = promotion.gate(second, {"judge.lc_win_rate": 0.6}, models, **kw,
+                       judge_production=lambda path: asked.append(path) or (0.62, 0.53))
+    assert asked == [str(models / "production")]
+    assert r["event"] == "kept" and r["decision"]["method"] == "judge"  # lower bound 0.53 - 0.5 = 0.03 <= 0.05
+    assert r["decision"]["lower_bound"] == pytest.approx(0.03) and r["decision"]["improvement"] == pytest.approx(0.12)
+    r = promotion.gate(third, {"judge.lc_win_rate": 0.7}, models, **kw, judge_production=lambda path: (0.7, 0.58))
+    assert r["event"] == "promoted" and "lower bound 0.58" in r["decision"]["reason"]
+    with pytest.raises(promotion.PromotionError, match="set evaluate.judge"):
+        promotion.gate(first, {}, models, **kw)
+
+
+def test_promote_metric_names():
+    from stages.harness.config import PromoteParams
+
+    ok = ["accuracy", "lm_eval.gsm8k.exact_match.strict-match", "lm_eval.arc_easy.acc", "judge.lc_win_rate"]
+    assert all(PromoteParams(metric=m).validate() == [] for m in ok)
+    for bad in ["length", "lm_eval.gsm8k", "judge.unreadable", "lm_eval.arc_easy.acc_stderr", "bleuu"]:
+        [(key, message)] = PromoteParams(metric=bad).validate()
+        assert key == "metric" and repr(bad) in message and "lm_eval.<task>.<metric>" in message
