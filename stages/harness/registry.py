@@ -113,7 +113,7 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.reference:run",
             upstream=("preprocess", "sft", "score"),
             params=(*MODEL_LOADING, "policy.method", "policy.data", "policy.dpo.reference_free",
-                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length",
+                    "policy.dpo.precompute_ref_log_probs", "policy.dpo.max_length", "policy.dpo.ld_alpha",
                     # the policy's numerics, which its reference log-probs must share
                     "policy.dpo.mixed_precision", "policy.dpo.lora.enabled", "policy.dpo.lora.quantization"),
         ),

@@ -6,7 +6,7 @@ stage runs the reference once over the pairs the policy will train on and writes
 with the log-probs added, to `pairs.jsonl`. It computes them as the policy will run at step 0:
 under `policy.dpo.mixed_precision` (the forward autocast, fp32 outputs, as the Trainer runs it) and,
 with QLoRA (`policy.dpo.lora.quantization`), on the quantised base. Its fingerprint covers only what
-the numbers depend on (the SFT model, the pairs, `max_length`, dtype, precision, quantization), so
+the numbers depend on (the SFT model, the pairs, `max_length`, `ld_alpha`, dtype, precision, quantization), so
 a rerun of `policy` with another `beta` or `loss_type` finds this stage current and runs no
 reference forward at all.
 For other methods, or with precompute off, it records that nothing was needed.
@@ -59,7 +59,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.log.info("reference: log-probs of %d pairs from %s under %s (mixed precision %s, quantization %s)",
                  len(pairs), source, sft, precision, pol.dpo.lora.quantization if quantization else "none")
     with autocast_forward(model, precision):
-        rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32)
+        rows = compute_reference_logps(model, tokenizer, pairs, max_length=pol.dpo.max_length, batch_size=32,
+                                       ld_alpha=pol.dpo.ld_alpha)
     write_jsonl(ctx.out / "pairs.jsonl", rows)
     return {"computed": True, "pairs": len(rows), "source": str(source.parent.name), "mixed_precision": precision,
             "quantization": pol.dpo.lora.quantization if quantization else "none"}

@@ -45,6 +45,14 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
     f_alpha_divergence_coef: float = param(0.5, help="α of f_divergence_type alpha_divergence")
     discopop_tau: float = positive(0.05, "temperature of loss_type discopop's blend of logistic and exponential "
                                    "losses (DiscoPOP, arXiv:2406.08414)")
+    ld_alpha: float | None = param(None, help="LD-DPO (arXiv:2409.06411): scale the log-probs of each completion's "
+                                   "tokens past the pair's shared length (the shorter completion's) by this; 1.0 is "
+                                   "plain DPO, 0.0 drops the longer completion's tail; null: off. Applies to the "
+                                   "reference log-probs too (precomputed ones must use the same value)",
+                                   check=lambda v: 0 <= v <= 1, rule="must be in [0, 1] (or null: off)")
+    use_weighting: bool = param(False, help="WPO (arXiv:2406.11827): weight each pair's loss by the policy's "
+                                "length-normalised probability of its chosen and rejected completions (detached); "
+                                "needs the full next-token distribution, so use_chunked_logprobs is bypassed")
     reference_free: bool = param(False, help="no reference model (its log-probs taken as 0)")
     disable_dropout: bool = disable_dropout_field()
     precompute_ref_log_probs: bool = param(True, help="compute the reference log-probs once before training (TRL's "

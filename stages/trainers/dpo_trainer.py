@@ -6,7 +6,10 @@ objectives named by `loss_type` (`stages.losses.preference_loss`: the DPO varian
 by dotted path, combined with `loss_weights`). The reference is a frozen copy of the starting model,
 the same weights with the adapter disabled under PEFT, none with `reference_free`, or precomputed
 `ref_chosen_logps` / `ref_rejected_logps` columns (`precompute_ref_log_probs`; summed log-probs, so one
-pass serves every loss type). Optional `weight` / `task` columns and `task_weights` scale pairs;
+pass serves every loss type). `ld_alpha` (LD-DPO) scales the tokens past each pair's shared length in
+both the policy's and the reference's sums; `use_weighting` (WPO) scales each pair by the policy's
+length-normalised probability of its two completions (`stages.losses.pair_length`).
+Optional `weight` / `task` columns and `task_weights` scale pairs;
 `balance_column` draws balanced batches. The details: docs/trainers.md.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from transformers import Trainer
 
 from stages.losses import preference_loss, resolve_objective
+from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
@@ -33,7 +37,7 @@ from stages.trainers.pair_batches import (
     completion_token_counts,
     flush_metrics,
     loss_only_prediction_step,
-    sequence_logps,
+    token_logps,
     tokenize_pairs,
     tokenized_dataset,
 )
@@ -147,7 +151,7 @@ class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
             logps = reference_logps_table(
                 module, self.processing_class, data.to_list(), max_length=self.args.max_length,
                 batch_size=batch_size, device=self.args.device,
-                chunked=self.args.use_chunked_logprobs)
+                chunked=self.args.use_chunked_logprobs, ld_alpha=self.args.ld_alpha)
         data = data.remove_columns([c for c in REF_COLUMNS if c in data.column_names])
         for j, col in enumerate(REF_COLUMNS):
             data = data.add_column(col, logps[:, j].tolist())
@@ -167,10 +171,26 @@ class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
         if self.args.reference_free:
             return None, None
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
-            return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True).chunk(2)
+            return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True,
+                                            ld_alpha=self.args.ld_alpha).chunk(2)
+
+    def policy_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's summed completion log-probs, (2B,) (LD-DPO's with `ld_alpha`), and the pair weights, (B,)
+        or None: the `weight` column times WPO's weights with `use_weighting`."""
+        weight = inputs.get("weight")
+        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=True,
+                                        sum_sq=self.args.use_weighting)
+        mask = inputs["completion_mask"][:, 1:]
+        logps = per_token.sum(-1) if self.args.ld_alpha is None else ld_logps(per_token, mask, self.args.ld_alpha)
+        if sum_sq is not None:
+            wpo = wpo_weights(per_token, sum_sq, mask)
+            self._metrics["train" if model.training else "eval"]["wpo_weight"].append(
+                self.accelerator.gather_for_metrics(wpo).mean().item())
+            weight = wpo if weight is None else weight * wpo
+        return logps, weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps = sequence_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=True)
+        logps, weight = self.policy_logps(model, inputs)
         ref_chosen, ref_rejected = self.reference_logps(model, inputs)
         bco_delta = None
         if self.reward_mean is not None:
@@ -179,7 +199,7 @@ class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
                                         self.accelerator.gather)
             bco_delta = self.reward_mean.value
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
-                                      ref_chosen, ref_rejected, weight=inputs.get("weight"), beta=self.args.beta,
+                                      ref_chosen, ref_rejected, weight=weight, beta=self.args.beta,
                                       label_smoothing=self.args.label_smoothing,
                                       reference_free=self.args.reference_free, bco_delta=bco_delta,
                                       discopop_tau=self.args.discopop_tau,

@@ -23,6 +23,7 @@ from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
 from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
+from stages.losses.pair_length import ld_logps, log_sum_sq_probs
 from stages.pair_packing import forward_inputs
 from stages.tensors import pad
 
@@ -86,17 +87,32 @@ class PairCollator:
 
 
 def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = False, chunked: bool = True,
-                   pairs: bool = False) -> torch.Tensor:
+                   pairs: bool = False, ld_alpha: float | None = None) -> torch.Tensor:
     """Summed (or per-token averaged) completion log-probs of every row: (rows,).
 
     pairs: the rows are a `PairCollator` batch (B chosen, then B rejected); each pair then runs as one row
     packed on its shared prefix where the model allows (`stages.pair_packing`), with the same result.
+    ld_alpha: LD-DPO's sum (`stages.losses.pair_length.ld_logps`; needs a `PairCollator` batch).
     """
+    per_token, _ = token_logps(model, batch, chunked=chunked, pairs=pairs)
+    if ld_alpha is not None:
+        total = ld_logps(per_token, batch["completion_mask"][:, 1:], ld_alpha)
+    else:
+        total = per_token.sum(-1)
+    return total / completion_token_counts(batch).clamp(min=1) if average else total
+
+
+def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False,
+                sum_sq: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token completion log-probs of every row, (rows, T-1), 0 outside the completion; and with `sum_sq`
+    the detached log Σ_v p(v)² at the same positions (WPO's alignment, `stages.losses.pair_length`), else None.
+    `sum_sq` needs the whole distribution, so it takes the logits path even where chunking is possible."""
     inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs)
     targets = batch["input_ids"][:, 1:]
     select = batch["completion_mask"][:, 1:].bool()
-    head = lm_head_for_chunking(model) if chunked else None
+    head = lm_head_for_chunking(model) if chunked and not sum_sq else None
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
+    squares = None
     if head is not None:
         hidden, _ = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=1)
         hidden = unpack(hidden)[:, :-1][select]
@@ -104,8 +120,10 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = Fal
     else:
         logits = unpack(model(**inputs, use_cache=False).logits)[:, :-1]
         per_token = torch.where(select, selective_log_softmax(logits, targets).float(), per_token)
-    total = per_token.sum(-1)
-    return total / completion_token_counts(batch).clamp(min=1) if average else total
+        if sum_sq:
+            with torch.no_grad():
+                squares = torch.where(select, log_sum_sq_probs(logits), torch.zeros_like(per_token))
+    return per_token, squares
 
 
 def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:

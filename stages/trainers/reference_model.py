@@ -79,23 +79,25 @@ def precomputed(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def reference_sequence_logps(ref, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False
-                             ) -> torch.Tensor:
-    """`sequence_logps` (sums) under the reference, counted in REFERENCE_FORWARDS: (rows,)."""
+def reference_sequence_logps(ref, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False,
+                             ld_alpha: float | None = None) -> torch.Tensor:
+    """`sequence_logps` (sums; LD-DPO's with `ld_alpha`) under the reference, counted in REFERENCE_FORWARDS:
+    (rows,)."""
     global REFERENCE_FORWARDS
     REFERENCE_FORWARDS += 1
-    return sequence_logps(ref, batch, chunked=chunked, pairs=pairs)
+    return sequence_logps(ref, batch, chunked=chunked, pairs=pairs, ld_alpha=ld_alpha)
 
 
 @torch.no_grad()
 def reference_logps_table(model, tokenizer, rows: list[dict], *, max_length: int, batch_size: int = 8,
                           average: bool = False, device: str | torch.device | None = None,
-                          chunked: bool = True) -> torch.Tensor:
+                          chunked: bool = True, ld_alpha: float | None = None) -> torch.Tensor:
     """Reference log-probs of every pair, one no-grad pass: (N, 2) = [ref_chosen_logps, ref_rejected_logps].
 
     model: the reference itself (e.g. the SFT model, or a PEFT model inside `disable_adapter()`);
     rows: prompt/chosen/rejected rows or `tokenize_pairs` output. Sums over the completion tokens
-    (the form the trainer's REF_COLUMNS take); average=True divides by the token counts.
+    (the form the trainer's REF_COLUMNS take; LD-DPO's weighted sums with `ld_alpha`); average=True divides by
+    the token counts.
     Runs in eval mode and restores the model's mode afterwards.
     """
     if rows and "chosen_input_ids" not in rows[0]:
@@ -108,7 +110,7 @@ def reference_logps_table(model, tokenizer, rows: list[dict], *, max_length: int
     try:
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size]).items()}
-            logps = reference_sequence_logps(model, batch, chunked=chunked, pairs=True)
+            logps = reference_sequence_logps(model, batch, chunked=chunked, pairs=True, ld_alpha=ld_alpha)
             if average:
                 logps = logps / completion_token_counts(batch).clamp(min=1)
             out.append(torch.stack(logps.chunk(2), dim=1).cpu())
@@ -118,10 +120,11 @@ def reference_logps_table(model, tokenizer, rows: list[dict], *, max_length: int
 
 
 def compute_reference_logps(model, tokenizer, rows: list[dict], *, max_length: int, batch_size: int = 8,
-                            device: str | torch.device | None = None, chunked: bool = True) -> list[dict]:
+                            device: str | torch.device | None = None, chunked: bool = True,
+                            ld_alpha: float | None = None) -> list[dict]:
     """`rows` with REF_COLUMNS added (summed log-probs, see `reference_logps_table`): what DPOTrainer
-    reads instead of running a reference. Valid for training with the same tokenizer and max_length."""
+    reads instead of running a reference. Valid for training with the same tokenizer, max_length and ld_alpha."""
     table = reference_logps_table(model, tokenizer, rows, max_length=max_length, batch_size=batch_size,
-                                  device=device, chunked=chunked)
+                                  device=device, chunked=chunked, ld_alpha=ld_alpha)
     return [{**r, REF_COLUMNS[0]: c, REF_COLUMNS[1]: rj} for r, (c, rj) in zip(rows, table.tolist())]
 

@@ -7,7 +7,7 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"DPOConfig.ld_alpha"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
+"SFTConfig.dataset_kwargs"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
 lack. Values: why, and what to do instead.
 No TRL import here (torch-free).
 """
@@ -43,8 +43,6 @@ UNSUPPORTED: dict[str, str] = {
     "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
     "RewardTrainer.compute_metrics": _NO_METRICS,
     "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "DPOConfig.ld_alpha": "LD-DPO's length weighting is not built",
-    "DPOConfig.use_weighting": "WPO weighting is not built; a 'weight' column scales each pair's loss instead",
     "DPOTrainer.compute_metrics": _NO_METRICS,
     "KTOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",

@@ -63,6 +63,10 @@ PAIRS = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?"], "chosen":
     {"loss_type": "sigmoid", "f_divergence_type": "forward_kl"},
     {"loss_type": "sigmoid", "f_divergence_type": "js_divergence"},
     {"loss_type": "hinge", "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+    {"loss_type": "sigmoid", "ld_alpha": 0.5},
+    {"loss_type": "sigmoid", "ld_alpha": 0.0},
+    {"loss_type": "sigmoid", "use_weighting": True},
+    {"loss_type": "ipo", "ld_alpha": 0.3, "use_weighting": True},
 ], ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_dpo_loss_variants_match_trl(models, tmp_path, config):
     from stages.trainers import DPOConfig, DPOTrainer
