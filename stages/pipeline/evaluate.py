@@ -89,7 +89,7 @@ def run(ctx) -> dict[str, Any]:
     from stages.metrics.report import write_headline
 
     write_headline(p.run.output_dir, table)  # for `dvc metrics show/diff`, tracked by git
-    notes = report_notes(e, reward_path, outputs, judged, timings)
+    notes = report_notes(e, reward_path, outputs, judged)  # no wall times: the report is reproduced byte for byte
     plots = {}
     if e.plots:
         from stages.metrics import report
@@ -405,8 +405,8 @@ def extract(text: str | None, pattern: re.Pattern | None) -> str | None:
 # --------------------------------------------------------------------------- report inputs
 
 
-def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs], judged: dict[str, Any] | None = None,
-                 timings: dict[str, float] | None = None) -> list[str]:
+def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs], judged: dict[str, Any] | None = None
+                 ) -> list[str]:
     split = "eval" if e.split == "eval" else "dev (for model selection; the promotion gate compares on eval)"
     notes = [f"{len(next(iter(outputs.values())).completions)} held-out prompts of split {split}, decoding {e.decoding}"
              + (f" ({e.num_beams} beams)" if e.decoding == "beam" else "") + f", max {e.max_new_tokens} new tokens"]
@@ -419,8 +419,6 @@ def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs], judged
         retries = next(iter(judged.values()))["columns"].get("judge.retries", 0)
         notes.append(f"judge.*: {who} compared each model with {e.judge.baseline} in both orders (ties 1/2); "
                      f"[{e.judge.confidence:.0%} interval]; lc = length-controlled; {retries} retried requests")
-    if timings:
-        notes.append("wall time: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in timings.items()))
     return notes
 
 

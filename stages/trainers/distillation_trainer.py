@@ -30,6 +30,7 @@ from stages.trainers.inputs import (
     apply_peft,
     check_dataset,
     default_args,
+    disable_dropout,
     load_model,
     load_processing_class,
     refuse,
@@ -37,13 +38,11 @@ from stages.trainers.inputs import (
 from stages.trainers.online_extras import (
     PromptBatchSampler,
     completion_sample,
-    disable_dropout,
     log_completion_sample,
     pad_to_multiple,
     render_prompts,
-    wait_for_vllm_server,
 )
-from stages.trainers.online_generation import sample_online
+from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.rollout import position_ids
 
 
@@ -125,7 +124,7 @@ class DistillationTrainer(Trainer):
         if args.disable_dropout:
             disable_dropout(model)
         if args.use_vllm:
-            wait_for_vllm_server(args.sampling.vllm_url, args.vllm_server_timeout)
+            wait_for_server(args.sampling.vllm_url, timeout=args.vllm_server_timeout)
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         use_fp32_cpu_attention(teacher)

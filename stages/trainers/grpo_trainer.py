@@ -49,16 +49,18 @@ from stages.trainers.inputs import (
     apply_peft,
     check_dataset,
     default_args,
+    disable_dropout,
     load_model,
     load_processing_class,
     no_unknown_kwargs,
     refuse,
     renamed_kwarg,
 )
-from stages.trainers.model_options import SyncReference, disable_dropout, router_aux_loss_coef
+from stages.trainers.model_options import router_aux_loss_coef
 from stages.trainers.off_policy import OffPolicyWarning
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
+from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import frozen_reference, reference_model
 from stages.trainers.resume import flatten, load_state, save_state, unflatten
 from stages.trainers.rollout import (
@@ -251,18 +253,13 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
             if reward_funcs is not None else None
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
         if args.disable_dropout:
-            for module in (self.model, self.ref_model):
-                disable_dropout(module)
+            disable_dropout(self.model, self.ref_model)
         if args.cast_lm_head_to_fp32:
             for module in (self.model, self.ref_model):
                 if module is not None:
                     cast_lm_head_to_fp32(module)
         self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
-        if args.sync_ref_model:
-            if self.ref_model is None:
-                raise ValueError("sync_ref_model = True with a PEFT policy: its reference is the base with the adapter "
-                                 "off, which a sync cannot move; pass ref_model, or set sync_ref_model: false")
-            self.add_callback(SyncReference(self))
+        sync_reference(self)  # TR-DPO: sync_ref_model
 
         self.reward_head, self.preference_rows = None, None
         if args.reward_head == "shared":

@@ -192,8 +192,8 @@ def apply_eos_to_model(model, tokenizer, args) -> None:
 
 
 def disable_dropout(*models) -> None:
-    """Dropout off in each model (None skipped): every `nn.Dropout` and the attention-dropout rate that
-    attention layers read from their own attribute."""
+    """Dropout off in each model (None skipped): every `nn.Dropout`, and the attention-dropout rate that attention
+    layers read from their own attribute (HF's Llama, Qwen, Mistral) or from the model's config."""
     from torch import nn
 
     for model in models:
@@ -202,8 +202,9 @@ def disable_dropout(*models) -> None:
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-            if isinstance(getattr(module, "attention_dropout", None), float):
-                module.attention_dropout = 0.0
+            for holder in (module, getattr(module, "config", None)):
+                if isinstance(getattr(holder, "attention_dropout", None), float):
+                    setattr(holder, "attention_dropout", 0.0)  # noqa: B010 (the module or its config)
 
 
 def apply_peft(model, peft_config=None, *, task_type: str = "CAUSAL_LM"):

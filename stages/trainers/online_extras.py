@@ -1,8 +1,9 @@
 """What `stages.trainers.online_options`' settings do at run time (RLOO, on-policy distillation).
 
-`disable_dropout`, `PromptBatchSampler` (shuffle_dataset, and each optimizer step's batches
-repeated num_iterations times), `pad_to_multiple` (pad_to_multiple_of), `completion_sample`
-(log_completions) and `ReferenceSync` (TR-DPO's sync_ref_model).
+`PromptBatchSampler` (shuffle_dataset, and each optimizer step's batches repeated num_iterations times),
+`pad_to_multiple` (pad_to_multiple_of) and `completion_sample` (log_completions). Dropout, TR-DPO's reference
+sync and waiting for a vLLM server are every trainer's (`inputs.disable_dropout`, `ref_sync`,
+`online_generation.wait_for_server`).
 """
 from __future__ import annotations
 
@@ -11,15 +12,8 @@ import math
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
-
-
-def disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
 
 
 class PromptBatchSampler(torch.utils.data.Sampler):
@@ -80,25 +74,6 @@ def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) 
             if isinstance(p, list) else p for p in prompts]
 
 
-def wait_for_vllm_server(base_url: str, timeout: float) -> None:
-    """Poll `base_url`/models until the server answers, at most `timeout` seconds (vllm_server_timeout)."""
-    import time
-    import urllib.error
-    import urllib.request
-
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=min(5.0, timeout)):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            last = getattr(e, "reason", e)
-        if time.monotonic() >= deadline:
-            raise ConnectionError(f"vllm_server_timeout = {timeout}: the vLLM server at {base_url} did not answer "
-                                  f"in time ({last}); start `vllm serve <model>` or raise vllm_server_timeout")
-        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.05)))
-
-
 def completion_sample(prompts: list, completions: list[str], rewards: list[float | None], *, limit: int | None,
                       unique_prompts: bool) -> list[dict]:
     """The rows log_completions prints: one per completion (or per prompt with unique_prompts), at most `limit`."""
@@ -116,22 +91,3 @@ def log_completion_sample(rows: list[dict], step: int) -> None:
     for row in rows:
         logger.info("step %d | prompt %r | completion %r | reward %s", step, row["prompt"], row["completion"],
                     row["reward"])
-
-
-class ReferenceSync(TrainerCallback):
-    """TR-DPO (Gorbatovski et al., 2024): every `steps` optimizer steps, ref <- alpha x policy + (1 - alpha) x ref."""
-
-    def __init__(self, reference: nn.Module, policy: nn.Module, *, alpha: float, steps: int):
-        self.reference, self.policy, self.alpha, self.steps = reference, policy, alpha, steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.steps == 0:
-            mix(self.reference, self.policy, self.alpha)
-
-
-@torch.no_grad()
-def mix(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """Every reference parameter <- alpha x the policy's + (1 - alpha) x its own (matched by name)."""
-    theirs = dict(policy.named_parameters())
-    for name, param in reference.named_parameters():
-        param.mul_(1 - alpha).add_(theirs[name].detach().to(param.dtype), alpha=alpha)

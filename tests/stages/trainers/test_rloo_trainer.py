@@ -9,7 +9,8 @@ import torch
 
 from stages.losses import rloo_advantages
 from stages.trainers import RLOOConfig, RLOOTrainer
-from stages.trainers.online_extras import PromptBatchSampler, mix, pad_to_multiple
+from stages.trainers.online_extras import PromptBatchSampler, pad_to_multiple
+from stages.trainers.ref_sync import mix_into
 from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 G = 4
@@ -80,7 +81,7 @@ def test_reference_sync_mixes_the_policy_in():
     ref, policy = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
     ref.weight.data[:] = torch.tensor([[0.0, 1.0]])
     policy.weight.data[:] = torch.tensor([[1.0, 3.0]])
-    mix(ref, policy, 0.6)  # 0.6 * policy + 0.4 * ref
+    mix_into(ref, policy, 0.6)  # 0.6 * policy + 0.4 * ref
     torch.testing.assert_close(ref.weight.data, torch.tensor([[0.6, 2.2]]))
 
 
