@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages.harness import logs
 
     logs.setup()  # before Prefect is imported: its records then go through our console and log-file handlers
+    temporary = temporary_server() if args.command == "run" and not rest else None  # boots while params validate
     from stages.__main__ import main as stages_main
     from stages.harness.params_loader import ParamsError, load_params
 
@@ -71,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
         params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
-        if args.command == "run":  # and what transformers refuses in the training sections, before any stage
-            from stages.harness.preflight import trainer_config_problems
+        if args.command == "run":  # and what transformers refuses in the sections of the stages it will train
+            from stages.harness.preflight import stale_training_stages, trainer_config_problems
 
-            if problems := trainer_config_problems(params):
+            if problems := trainer_config_problems(params, stale_training_stages(params)):
                 raise ParamsError(args.params, problems)
     except ParamsError as e:
+        if temporary is not None:
+            temporary.stop()
         print(f"error: {e}", file=sys.stderr)
         return 2
     logs.attach_log_file(Path(params.run.output_dir) / "logs", f"align-{args.command}")
+    if temporary is not None:
+        os.environ["PREFECT_API_URL"] = temporary.wait()
     use_background_server()
     try:
         return serve(args.params) if args.command == "serve" else run(args.params, args.overrides, args.promote)
@@ -163,6 +168,20 @@ def server_command(action: str, port: int) -> int:
     else:
         print("stopped" if server.stop_server() else "no align server recorded")
     return 0
+
+
+def temporary_server():
+    """Without PREFECT_API_URL or a background server (`align server start`): Prefect's temporary server, started
+    now (flows.server.TemporaryServer), else None."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    from flows.server import TemporaryServer, find_server
+
+    if find_server():
+        return None
+    server = TemporaryServer()
+    server.start()
+    return server
 
 
 def use_background_server() -> None:
