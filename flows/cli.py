@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     from stages.harness import logs
 
     logs.setup()  # before Prefect is imported: its records then go through our console and log-file handlers
-    temporary = temporary_server() if args.command == "run" and not rest else None  # boots while params validate
     from stages.__main__ import main as stages_main
     from stages.harness.params_loader import ParamsError, load_params
 
@@ -72,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    temporary = None
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
         params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
         if args.command == "run":  # and what transformers refuses in the sections of the stages it will train
             from stages.harness.preflight import stale_training_stages, trainer_config_problems
+
+            temporary = temporary_server()  # boots while the stages' state is read and Prefect is imported
 
             if problems := trainer_config_problems(params, stale_training_stages(params)):
                 raise ParamsError(args.params, problems)
