@@ -6,7 +6,6 @@
     stages.methods    the method registry: one record per training method; every list of methods derives from it
     stages.losses     pure losses; stages.kernels, logprobs, pair_packing, precision: the model-forward blocks
     stages.data       loading, formats, validation    stages.generation  one generate() over HF, decoder, vLLM
-    stages.sampling   SamplingParams: the one sampling record, from a config or a stage to the backend
     stages.basics     stable seeds, hashes, progress lines: the bottom, importing nothing of ours
 
 docs/architecture.md draws the layers; each imports only the ones below it.
