@@ -60,35 +60,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage":
         return stages_main(rest)
     if args.command in ("status", "dvc-yaml", "params"):
-        rc = stages_main([args.command, *rest])
-        if args.command == "status" and rc == 0:  # and whether DVC agrees
-            from flows.dvc_sync import lock_status
+        dvc_line = None
+        if args.command == "status":  # and whether DVC agrees: `dvc status` runs beside our own table
+            from flows.dvc_sync import lock_status_started
 
-            if line := lock_status(os.getcwd()):
-                print(line)
+            dvc_line = lock_status_started(os.getcwd())
+        rc = stages_main([args.command, *rest])
+        if dvc_line is not None and (line := dvc_line()) and rc == 0:
+            print(line)
         return rc
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    temporary = None
     try:  # validate before starting Prefect: bad params cost nothing and write nothing
         params = load_params(args.params, getattr(args, "overrides", []), rows=args.command == "run")
-        if args.command == "run":  # and what transformers refuses in the training sections, before any stage
-            from stages.harness.preflight import trainer_config_problems
+        if args.command == "run":  # and what transformers refuses in the sections of the stages it will train
+            from stages.harness.preflight import stale_training_stages, trainer_config_problems
 
-            if problems := trainer_config_problems(params):
+            temporary = temporary_server()  # boots while the stages' state is read and Prefect is imported
+
+            if problems := trainer_config_problems(params, stale_training_stages(params)):
                 raise ParamsError(args.params, problems)
     except ParamsError as e:
+        if temporary is not None:
+            temporary.stop()
         print(f"error: {e}", file=sys.stderr)
         return 2
     logs.attach_log_file(Path(params.run.output_dir) / "logs", f"align-{args.command}")
     use_background_server()
     try:
-        return serve(args.params) if args.command == "serve" else run(args.params, args.overrides, args.promote)
+        return serve(args.params) if args.command == "serve" else run(args.params, args.overrides, args.promote,
+                                                                        ready=temporary.wait if temporary else None)
     finally:
         logs.detach_log_file()
 
 
-def run(params_file: str, overrides: list[str], promote: bool = False) -> int:
-    """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file."""
+def run(params_file: str, overrides: list[str], promote: bool = False, ready=None) -> int:
+    """The flow, now; a failure ends with the failed stage's one-line cause, its traceback in the log file.
+    `ready()`: waits for the temporary server, after Prefect is imported (which takes as long as it boots)."""
     from flows import shutdown
     from stages.__main__ import exit_code, failure_line
     from stages.harness import logs
@@ -97,6 +106,8 @@ def run(params_file: str, overrides: list[str], promote: bool = False) -> int:
     try:
         from flows.align import align
 
+        if ready is not None:
+            ready()
         state = align(params_file=params_file, overrides=overrides, promote=promote, return_state=True)
         error = None if state.is_completed() else state.result(raise_on_failure=False)
     except Exception as e:  # noqa: BLE001 -- Prefect could not start, or the flow raised outside a task
@@ -163,6 +174,20 @@ def server_command(action: str, port: int) -> int:
     else:
         print("stopped" if server.stop_server() else "no align server recorded")
     return 0
+
+
+def temporary_server():
+    """Without PREFECT_API_URL or a background server (`align server start`): Prefect's temporary server, started
+    now (flows.server.TemporaryServer), else None."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    from flows.server import TemporaryServer, find_server
+
+    if find_server():
+        return None
+    server = TemporaryServer()
+    os.environ["PREFECT_API_URL"] = server.start()  # before Prefect is imported; `wait()` before it is called
+    return server
 
 
 def use_background_server() -> None:

@@ -18,6 +18,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -126,24 +127,39 @@ def lock_behind(root: Path, output_dir: str) -> bool:
 
 def lock_status(root: str | Path) -> str | None:
     """One line for `align status`: is dvc.lock in step with the outputs? None outside a DVC checkout."""
+    return lock_status_started(root)()
+
+
+def lock_status_started(root: str | Path) -> Callable[[], str | None]:
+    """`lock_status` with `dvc status` started now, in its own process: the returned function waits for it and
+    gives the line. `align status` computes its own table meanwhile."""
     root = Path(root)
     if not (root / "dvc.yaml").is_file() or not (root / ".dvc").is_dir():
-        return None
+        return lambda: None
     dvc = dvc_command()
     if dvc is None:
-        return f"dvc.lock     unknown: dvc is not installed for {sys.executable} (make install)"
+        return lambda: f"dvc.lock     unknown: dvc is not installed for {sys.executable} (make install)"
     fix = (f"`{shown([*dvc, 'commit', '--force'], root)}` records the outputs when every stage above is current, "
            "`align run` does it after building")
     if not (root / "dvc.lock").is_file():
-        return f"dvc.lock     missing: `dvc repro` would rebuild every stage; {fix}"
-    res = subprocess.run([*dvc, "status", "--json"], cwd=root, capture_output=True, text=True, timeout=600,
-                         env=_env())
-    if res.returncode != 0:
-        return f"dvc.lock     unknown: `{shown([*dvc, 'status'], root)}` failed: {res.stderr.strip()[-300:]}"
-    changed = sorted(json.loads(res.stdout or "{}"))
-    if changed:
-        return f"dvc.lock     stale for {', '.join(changed)}: `dvc repro` would rebuild them; {fix}"
-    return "dvc.lock     in step: `dvc repro` has nothing to run"
+        return lambda: f"dvc.lock     missing: `dvc repro` would rebuild every stage; {fix}"
+    proc = subprocess.Popen([*dvc, "status", "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+
+    def line() -> str | None:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        if proc.returncode != 0:
+            return f"dvc.lock     unknown: `{shown([*dvc, 'status'], root)}` failed: {err.strip()[-300:]}"
+        changed = sorted(json.loads(out or "{}"))
+        if changed:
+            return f"dvc.lock     stale for {', '.join(changed)}: `dvc repro` would rebuild them; {fix}"
+        return "dvc.lock     in step: `dvc repro` has nothing to run"
+
+    return line
 
 
 def _env() -> dict[str, str]:

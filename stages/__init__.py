@@ -3,6 +3,7 @@
     stages.pipeline   one module per stage: run(ctx) -> metrics (preprocess ... evaluate, promote)
     stages.harness    the run machinery: params schema, stage table, runner, artifacts, launchers, logs
     stages.trainers   TRL-shaped configs and transformers.Trainer subclasses, one pair per method
+    stages.methods    the method registry: one record per training method; every list of methods derives from it
     stages.losses     pure losses; stages.kernels, logprobs, pair_packing, precision: the model-forward blocks
     stages.data       loading, formats, validation    stages.generation  one generate() over HF, decoder, vLLM
     stages.basics     stable seeds, hashes, progress lines: the bottom, importing nothing of ours

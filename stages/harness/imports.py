@@ -93,30 +93,35 @@ def _parse(source: bytes, name: str, is_package: bool, filename: str,
     package = name if is_package else name.rpartition(".")[0]
     found: list[Statement] = []
 
-    def visit(node: ast.AST, lazy: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for sub in child.body if type_checking else ():
-                    visit_one(sub, True)
-                for sub in child.orelse:  # only the else branch runs
-                    visit_one(sub, lazy)
+    def visit(body: list[ast.stmt], lazy: bool) -> None:
+        # statements only: an import is a statement, so expressions (most of a module's nodes) are never walked
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend(Statement(alias.name, (), node.lineno, lazy) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    anchor = ".".join(parts[:len(parts) - node.level + 1])
+                    base = f"{anchor}.{node.module}" if node.module else anchor
+                found.append(Statement(base, tuple(a.name for a in node.names if a.name != "*"), node.lineno, lazy))
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                if type_checking:
+                    visit(node.body, True)
+                visit(node.orelse, lazy)  # only the else branch runs
             else:
-                visit_one(child, lazy)
+                inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for name in node._fields:  # body, handlers, orelse, finalbody, cases: in source order
+                    value = getattr(node, name, None)
+                    if not isinstance(value, list):
+                        continue
+                    for item in value:
+                        if isinstance(item, ast.stmt):
+                            visit([item], inner)
+                        elif isinstance(item, (ast.ExceptHandler, ast.match_case)):
+                            visit(item.body, inner)
 
-    def visit_one(node: ast.AST, lazy: bool) -> None:
-        if isinstance(node, ast.Import):
-            found.extend(Statement(alias.name, (), node.lineno, lazy) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = ".".join(parts[:len(parts) - node.level + 1])
-                base = f"{anchor}.{node.module}" if node.module else anchor
-            found.append(Statement(base, tuple(a.name for a in node.names if a.name != "*"), node.lineno, lazy))
-        else:
-            visit(node, lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
-
-    visit(tree, False)
+    visit(tree.body, False)
     files: tuple[str, ...] = ()
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "CODE_FILES" for t in node.targets):
@@ -152,9 +157,14 @@ def closure_modules(entry: str, root: Path = CODE_ROOT, index: dict[str, Path] |
 
 def closure(entry: str, root: Path = CODE_ROOT) -> tuple[str, ...]:
     """The files (relative posix paths under `root`, sorted) of `closure_modules(entry)` and their CODE_FILES."""
+    return closures((entry,), root)
+
+
+def closures(entries: tuple[str, ...], root: Path = CODE_ROOT) -> tuple[str, ...]:
+    """The union of `closure(entry)` over `entries`, the module index read once."""
     index = module_index(LIBRARY, root)
-    stats = tuple((name, path.stat().st_mtime_ns, path.stat().st_size) for name, path in index.items())
-    return _closure(entry, root, stats)  # computed again when any module file changes
+    stats = tuple((name, st.st_mtime_ns, st.st_size) for name, st in ((n, p.stat()) for n, p in index.items()))
+    return tuple(sorted({f for entry in entries for f in _closure(entry, root, stats)}))  # again on any change
 
 
 @functools.lru_cache(maxsize=256)

@@ -8,6 +8,7 @@ problem of both in one message.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 
@@ -36,18 +37,24 @@ def preflight_problems(p) -> list[str]:
     return [f"{key} {why}" for key, why in problems]
 
 
-def trainer_config_problems(p) -> list[str]:
+def trainer_config_problems(p, stages: Collection[str] | None = None) -> list[str]:
     """What transformers (and each config's own checks) refuse in the training sections the run will use, each
     by its dotted key: the trainer configs built as the stages will build them, before any model or stage runs.
-    Imports torch (seconds): `align run` and a training stage call it, `align status` does not."""
+    `stages`: only the sections of these training stages (None: all); a current stage was built with its config,
+    so `align run` checks the stale ones only (`stale_training_stages`). Imports torch (seconds) when there is a
+    section to check: `align run` and a training stage call it, `align status` does not."""
     import importlib
     import tempfile
 
+    sections = [(dotted, s) for stage, (dotted, s) in p.training_sections().items()
+                if stages is None or stage in stages]
+    if not sections:
+        return []
     from stages.trainers.arguments import real_kwargs
 
     problems = []
     with tempfile.TemporaryDirectory() as scratch:
-        for dotted, s in p.training_sections().values():
+        for dotted, s in sections:
             module, _, name = s.CONFIG.partition(":")
             config_cls = getattr(importlib.import_module(module), name)
             kwargs = {**real_kwargs(s, config_cls), "output_dir": scratch, "use_cpu": True, "report_to": "none",
@@ -59,3 +66,10 @@ def trainer_config_problems(p) -> list[str]:
 
                 problems.append(refused(dotted, e, kwargs))
     return problems
+
+
+def stale_training_stages(p) -> set[str]:
+    """The training stages whose output folder is not current for params `p` (what a run will train)."""
+    from stages.harness import runner
+
+    return {row["stage"] for row in runner.status(p) if not row["current"]} & set(p.training_sections())

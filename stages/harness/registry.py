@@ -56,7 +56,7 @@ class StageSpec:
         """The files (relative to `root`) the stage runs: the import closure of its entry module, of the modules it
         `loads` from this project (a method's trainer in a package of your own is your code, like a reward
         function's module) and of RUN_WITH."""
-        return tuple(sorted({f for m in self.runs() for f in imports.closure(m, root)}))
+        return imports.closures(self.runs(), root)
 
     def runs(self) -> tuple[str, ...]:
         """The modules whose import closures are the stage's code (see `code`)."""

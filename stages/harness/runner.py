@@ -81,10 +81,11 @@ def metrics_path(params: Params, name: str) -> Path:
     return Path(params.run.output_dir) / "metrics" / f"{name}.json"
 
 
-def inspect(name: str, params: Params) -> StageState:
-    """Compute the stage's fingerprint from its params, code and upstream outputs; is its folder current?"""
+def inspect(name: str, params: Params, memo: dict[str, str | None] | None = None) -> StageState:
+    """Compute the stage's fingerprint from its params, code and upstream outputs; is its folder current?
+    `memo`: expected fingerprints of upstream stages, shared by calls on the same params and outputs (`status`)."""
     spec = get_stage(name)
-    upstream, memo = {}, {}
+    upstream, memo = {}, {} if memo is None else memo
     for up in spec.upstream:
         folder = output_dir(params, up)
         ok, why = artifacts.verify(folder)
@@ -342,10 +343,10 @@ def _follow(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any
 
 def status(params: Params) -> list[dict[str, Any]]:
     """One row per stage: current or why not (stops inspecting past the first non-current stage)."""
-    rows = []
+    rows, memo = [], {}
     for name in STAGES:
         try:
-            st = inspect(name, params)
+            st = inspect(name, params, memo)
             rows.append({"stage": name, "current": st.current, "reason": st.reason, "fingerprint": st.fingerprint})
         except UpstreamMissing as e:
             rows.append({"stage": name, "current": False, "reason": f"upstream not built ({e})", "fingerprint": ""})
