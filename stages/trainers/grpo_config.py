@@ -104,7 +104,7 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
                            "`vllm serve` whose weights training does not update: see vllm_importance_sampling_cap)")
     vllm_mode: Literal["server", "colocate"] = param("colocate", help="use_vllm: server (supported) or colocate "
                                                       "(TRL's in-process engine: not built here)")
-    vllm_server_host: str = param("0.0.0.0", help="use_vllm: host of the vLLM server (when vllm_server_base_url "
+    vllm_server_host: str = param("127.0.0.1", help="use_vllm: host of the vLLM server (when vllm_server_base_url "
                                   "is null)")
     vllm_server_port: int = param(8000, help="use_vllm: port of the vLLM server", check=lambda v: 0 < v < 65536,
                                   rule="must be a TCP port, 1-65535")
@@ -202,7 +202,7 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
         if self.vllm_server_base_url:
             return self.vllm_server_base_url
         if self.use_vllm:
-            host = "127.0.0.1" if self.vllm_server_host in ("0.0.0.0", "") else self.vllm_server_host
+            host = self.vllm_server_host or "127.0.0.1"
             return f"http://{host}:{self.vllm_server_port}/v1"
         return "http://127.0.0.1:8000/v1"
 

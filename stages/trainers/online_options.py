@@ -44,7 +44,7 @@ class OnlineOptions:
     vllm_mode: Literal["server", "colocate"] = param(
         "colocate", help="server: a vLLM server reached over its OpenAI API (the one mode built; colocate, TRL's "
         "default, needs a GPU engine inside the trainer and is refused when use_vllm is set)")
-    vllm_server_host: str = param("0.0.0.0", help="host of the vLLM server, when vllm_server_base_url is not set")
+    vllm_server_host: str = param("127.0.0.1", help="host of the vLLM server, when vllm_server_base_url is not set")
     vllm_server_port: int = param(8000, help="port of the vLLM server, when vllm_server_base_url is not set",
                                   check=lambda v: 0 < v < 65536, rule="must be a TCP port (1-65535)")
     vllm_server_timeout: float = param(240.0, help="seconds to wait for the vLLM server to answer before training "
@@ -95,6 +95,6 @@ class OnlineOptions:
         if not self.use_vllm:
             return g
         url = g.vllm_url
-        if url == DEFAULT_VLLM_URL and (self.vllm_server_host, self.vllm_server_port) != ("0.0.0.0", 8000):
+        if url == DEFAULT_VLLM_URL and (self.vllm_server_host, self.vllm_server_port) != ("127.0.0.1", 8000):
             url = f"http://{self.vllm_server_host}:{self.vllm_server_port}/v1"
         return dataclasses.replace(g, backend="vllm", vllm_url=url)
