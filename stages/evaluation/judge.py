@@ -204,8 +204,10 @@ def local_judge(folder: str, *, device: str, dtype: str, max_new_tokens: int, ba
     return ask
 
 
-def make_judge(j, *, device: str, dtype: str, env=os.environ) -> tuple[Ask, OpenAIClient | None]:
-    """The judge of `evaluate.judge` (`j`) and, for an endpoint, its client (whose retries are counted)."""
+def make_judge(j, *, device: str, dtype: str, env=None) -> tuple[Ask, OpenAIClient | None]:
+    """The judge of `evaluate.judge` (`j`) and, for an endpoint, its client (whose retries are counted).
+    env: where the key's variable is read (default: the process environment at call time)."""
+    env = os.environ if env is None else env
     if j.model_path:
         return local_judge(j.model_path, device=device, dtype=dtype, max_new_tokens=j.max_new_tokens,
                            batch_size=j.concurrency), None
