@@ -25,7 +25,6 @@ from transformers import Trainer
 from stages.losses import preference_loss, resolve_objective
 from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
-from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
@@ -43,8 +42,8 @@ from stages.trainers.pair_batches import (
 )
 from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import (
+    PrecomputedReference,
     frozen_reference,
-    is_peft,
     precomputed,
     reference_logps_table,
     reference_model,
@@ -89,7 +88,8 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 
 
 
-class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
+class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivations, Trainer):
+    ref_columns = REF_COLUMNS
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
@@ -127,22 +127,6 @@ class DPOTrainer(CheckpointsRewardMean, OffloadsActivations, Trainer):
         sync_reference(self)  # TR-DPO: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
-
-    def _datasets(self) -> list:
-        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
-        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-        return [d for d in (self.train_dataset, *evals) if d is not None]
-
-    def _has_ref_columns(self) -> bool:
-        return all(set(REF_COLUMNS) <= set(d.column_names) for d in self._datasets())
-
-    def _precompute_reference(self, ref_model) -> None:
-        """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
-        ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
-        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
-        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
-        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
-        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
 
     def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):

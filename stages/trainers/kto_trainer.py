@@ -21,7 +21,6 @@ from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
 from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
-from stages.sharding import unwrap
 from stages.tensors import pad
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -29,7 +28,12 @@ from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
 from stages.trainers.ref_sync import sync_reference
-from stages.trainers.reference_model import frozen_reference, is_peft, reference_model, reference_sequence_logps
+from stages.trainers.reference_model import (
+    PrecomputedReference,
+    frozen_reference,
+    reference_model,
+    reference_sequence_logps,
+)
 
 KL_PREFIX = "kl_"
 REF_COLUMNS = ("ref_logps", "ref_kl_logps")  # precomputed reference log-probs (summed): the row's, its KL pair's
@@ -132,7 +136,8 @@ def _pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([matched[k], mismatched[k]]) for k in matched}
 
 
-class KTOTrainer(OffloadsActivations, Trainer):
+class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
+    ref_columns = REF_COLUMNS
     loss_is_scaled_for_ga = False  # the loss is a mean over rows: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
@@ -169,22 +174,6 @@ class KTOTrainer(OffloadsActivations, Trainer):
         self.ref_model = frozen_reference(self.model, ref_model, needed=not self._has_ref_columns())
         sync_reference(self)  # TR-DPO's reference syncing: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-
-    def _datasets(self) -> list:
-        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
-        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-        return [d for d in (self.train_dataset, *evals) if d is not None]
-
-    def _has_ref_columns(self) -> bool:
-        return all(set(REF_COLUMNS) <= set(d.column_names) for d in self._datasets())
-
-    def _precompute_reference(self, ref_model) -> None:
-        """Add REF_COLUMNS to the datasets: one reference pass; the policy at step 0 is the reference."""
-        ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
-        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
-        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
-        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
-        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
 
     @torch.no_grad()
     def _with_reference(self, data, ref, batch_size: int):

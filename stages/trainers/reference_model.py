@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import torch
 
@@ -128,3 +129,36 @@ def compute_reference_logps(model, tokenizer, rows: list[dict], *, max_length: i
                                   device=device, chunked=chunked, ld_alpha=ld_alpha)
     return [{**r, REF_COLUMNS[0]: c, REF_COLUMNS[1]: rj} for r, (c, rj) in zip(rows, table.tolist())]
 
+
+
+class PrecomputedReference:
+    """Reference log-probs stored as dataset columns (`ref_columns`), computed by one reference pass before
+    training (`precompute_ref_log_probs`); shared by DPOTrainer and KTOTrainer, which say how a dataset gets its
+    columns (`_with_reference(data, ref, batch_size)`)."""
+
+    ref_columns: tuple[str, ...]
+    model: Any  # what the Trainer it is mixed into holds
+    args: Any
+    train_dataset: Any
+    eval_dataset: Any
+
+    def _with_reference(self, data, ref, batch_size: int):
+        raise NotImplementedError  # the trainer's: `data` with the reference columns added
+
+    def _datasets(self) -> list:
+        """The training dataset and every evaluation dataset (eval_dataset may be a dict of them)."""
+        evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        return [d for d in (self.train_dataset, *evals) if d is not None]
+
+    def _has_ref_columns(self) -> bool:
+        return all(set(self.ref_columns) <= set(d.column_names) for d in self._datasets())
+
+    def _precompute_reference(self, ref_model) -> None:
+        """Add the reference columns to the datasets: one reference pass; the policy at step 0 is the reference."""
+        from stages.trainers.inputs import map_eval
+
+        ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
+        train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
+        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
