@@ -155,10 +155,10 @@ class PrecomputedReference:
 
     def _precompute_reference(self, ref_model) -> None:
         """Add the reference columns to the datasets: one reference pass; the policy at step 0 is the reference."""
-        from stages.trainers.inputs import map_eval
-
         ref = ref_model if ref_model is not None or is_peft(self.model) else unwrap(self.model)
         train_batch = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
         eval_batch = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
         self.train_dataset = self._with_reference(self.train_dataset, ref, train_batch)
-        self.eval_dataset = map_eval(self.eval_dataset, lambda data: self._with_reference(data, ref, eval_batch))
+        evals = self.eval_dataset  # one dataset, or a dict of them
+        self.eval_dataset = ({k: self._with_reference(d, ref, eval_batch) for k, d in evals.items()}
+                             if isinstance(evals, dict) else self._with_reference(evals, ref, eval_batch))
