@@ -129,7 +129,7 @@ def configure_tokenizer(tokenizer, args):
     owner = type(args).__name__ if args is not None else "args"
     path = getattr(args, "chat_template_path", None)
     if path is not None:
-        tokenizer.chat_template = _chat_template(path, tokenizer, owner)
+        tokenizer.chat_template = read_chat_template(path, tokenizer, owner)
     vocab = tokenizer.get_vocab()
     for field in ("eos_token", "pad_token"):
         token = getattr(args, field, None)
@@ -147,7 +147,9 @@ def configure_tokenizer(tokenizer, args):
     return tokenizer
 
 
-def _chat_template(path: str, tokenizer, owner: str) -> str:
+def read_chat_template(path: str, tokenizer, owner: str) -> str:
+    """The chat template `path` names (a .jinja/.j2 file, or a tokenizer folder whose template uses only special
+    tokens `tokenizer` has); `owner` (the config's name) starts the messages."""
     source = Path(path).expanduser()
     if source.is_file():
         if source.suffix not in (".jinja", ".j2"):
