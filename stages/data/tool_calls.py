@@ -76,7 +76,7 @@ def _schema_problem(tool: Any) -> str:
         return f"'function.description' must be a string, got {type(fn['description']).__name__}"
     params = fn.get("parameters")
     if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
-        return f"'function.parameters' must be a JSON schema object ({{\"type\": \"object\", ...}}), got {_short(params)}"
+        return f"'function.parameters' must be a JSON schema object (type object), got {_short(params)}"
     return ""
 
 
