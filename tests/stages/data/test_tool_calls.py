@@ -5,6 +5,7 @@ spans from prefixes) and on align's CHATML_TOOLS (generation markers: transforme
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,8 @@ ADD = {"type": "function", "function": {
 
 def call(name="add", arguments=None):
     return {"role": "assistant", "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments or {"a": 2, "b": 3}}}]}
+            "tool_calls": [{"type": "function",
+                            "function": {"name": name, "arguments": arguments or {"a": 2, "b": 3}}}]}
 
 
 def user(text):
@@ -124,41 +126,25 @@ def test_python_functions_are_tools_in_the_api():
     assert tools_problem([multiply]) == ""
     schema = tool_schemas([multiply, ADD])
     assert schema[0]["function"]["name"] == "multiply"
-    assert schema[0]["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first factor"}
+    assert schema[0]["function"]["parameters"]["properties"]["a"] == {"type": "integer",
+                                                                       "description": "the first factor"}
     assert schema[1] is ADD
     assert tool_schemas([]) is None and tool_schemas(None) is None
 
 
 # ---- assistant-only masks, token by token ---------------------------------------------------------------------
 
-# Qwen2.5-Instruct's template, tools part (its default system prompt shortened): tool results come back in a *user*
-# turn, and there are no {% generation %} markers, so the masks come from stages.data.templates.assistant_spans.
-QWEN25 = """{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}
-{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
-{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}
-{%- for message in messages %}
-{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-{%- elif message.role == "assistant" %}{{- '<|im_start|>' + message.role }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
-{%- endfor %}{{- '<|im_end|>\\n' }}
-{%- elif message.role == "tool" %}
-{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
-{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+# Qwen2.5-Instruct's template as it renders tools (its default system prompt shortened; the file beside this one):
+# tool results come back in a *user* turn, and there are no {% generation %} markers, so the masks come from
+# stages.data.templates.assistant_spans.
+QWEN25 = (Path(__file__).parent / "qwen2_5_tools.jinja").read_text()
 
 # what each template writes for the model's two turns, from after "<|im_start|>assistant\n" through <|im_end|>
 EXPECTED = {
-    "qwen2.5": ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>', "5<|im_end|>"],
-    "chatml_tools": ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>', "5<|im_end|>"],
+    "qwen2.5": ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+                "5<|im_end|>"],
+    "chatml_tools": ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
+                     "5<|im_end|>"],
 }
 
 
@@ -183,7 +169,7 @@ def test_assistant_only_loss_masks_system_user_and_tool_turns(chatml, form):
         row = normalise("messages", row)
     t = tokenize_sft(tok, [row], assistant_only=True)[0]
     loss = [a * c for a, c in zip(t["assistant_masks"], t["completion_mask"], strict=True)]
-    kept = [i for i, m in zip(t["input_ids"], loss) if m]
+    kept = [i for i, m in zip(t["input_ids"], loss, strict=True) if m]
     assert tok.decode(kept) == "".join(EXPECTED[name])
     text = tok.decode(t["input_ids"])
     for masked in ("Use the tools.", "Add two integers.", "What is 2+3?", "<tool_response>"):
