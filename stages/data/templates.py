@@ -21,13 +21,14 @@ Where they differ from TRL's, each docstring says so.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from stages.data.formats import detect_format, extract_shared_prompt, is_messages
 from stages.data.tool_calls import parsed_messages, tool_schemas, uses_tools
 
 __all__ = ["apply_chat_template", "assistant_spans", "has_generation_markers", "maybe_extract_prompt",
-           "require_tool_template", "tool_template_problem", "unpair_preference_dataset"]
+           "read_chat_template", "require_tool_template", "tool_template_problem", "unpair_preference_dataset"]
 
 
 def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +237,35 @@ def require_tool_template(tokenizer, model: str | None = None) -> None:
             "...) to a template that renders tools= and tool_calls; for a ChatML tokenizer (<|im_start|>, "
             f"<|im_end|>: SmolLM2, Qwen2) use align's {CHATML_TOOLS} (stages.builtin.chat_templates.CHATML_TOOLS)"
             "; or drop the tool columns and messages from the rows.")
+
+
+def read_chat_template(path: str, tokenizer, owner: str) -> str:
+    """The chat template `path` names (a .jinja/.j2 file, or a tokenizer folder whose template uses only special
+    tokens `tokenizer` has); `owner` (the config's name) starts the messages."""
+    source = Path(path).expanduser()
+    if source.is_file():
+        if source.suffix not in (".jinja", ".j2"):
+            raise ValueError(f"{owner}.chat_template_path = {path!r}: a file must be a Jinja template (.jinja or "
+                             ".j2); give such a file or a tokenizer folder")
+        return source.read_text(encoding="utf-8")
+    if not source.is_dir():
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: no such file or folder; give a .jinja/.j2 file "
+                         "or a tokenizer folder (hub ids are not fetched by the trainers)")
+    from transformers import AutoTokenizer
+
+    donor = AutoTokenizer.from_pretrained(str(source))
+    template = donor.chat_template
+    if not isinstance(template, str):
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the tokenizer there has no (single) chat "
+                         "template; give a folder whose tokenizer has one, or a .jinja file")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in donor.all_special_tokens if t in template and t not in vocab]
+    if missing:
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the template uses special tokens {missing} that "
+                         "the training tokenizer lacks; add them (tokenizer.add_special_tokens, then "
+                         "model.resize_token_embeddings) and pass that tokenizer, or use a template of this "
+                         "vocabulary")
+    return template
 
 
 def _messages(row: dict, r: _Renderer) -> dict:

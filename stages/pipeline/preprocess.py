@@ -36,7 +36,7 @@ from stages.data import (
 from stages.data.formats import normalise, validate
 from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs
-from stages.data.templates import require_tool_template
+from stages.data.templates import read_chat_template, require_tool_template
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.harness.model_paths import resolve_model
 from stages.models import load_tokenizer
@@ -168,8 +168,6 @@ def with_sft_template(tokenizer, sft):
     """The tokenizer with the chat template SFT will train with (`sft.chat_template_path`, when set): rows are
     measured, and checked to render, as SFT renders them."""
     if sft.chat_template_path is not None:
-        from stages.trainers.inputs import read_chat_template
-
         tokenizer.chat_template = read_chat_template(sft.chat_template_path, tokenizer, "sft")
     return tokenizer
 
