@@ -37,6 +37,7 @@ from stages.data.hub import (
     spec_of,
 )
 from stages.data.hub import read_rows as read_spec_rows
+from stages.data.tool_calls import row_uses_tools
 from stages.reward_function_names import REWARD_MODEL_REWARDS
 
 FILE_KEYS = ("source", "sft", "preference", "prompts")
@@ -59,6 +60,7 @@ class DataShape:
 
     destinations: set[str] = field(default_factory=set)  # sft, preference, unpaired, prompts, eval
     conversational: bool = False  # some row holds chat messages (they need a chat template)
+    tools: bool = False  # some row uses tools (they need a chat template that renders them)
     prompts_derivable: bool = False  # some SFT/preference row has a prompt score could sample from
     complete: bool = True  # False when a big file was only partly read: absent kinds are not certain
 
@@ -68,6 +70,7 @@ class DataShape:
         self.destinations.add(destination)
         if fmt == "alpaca" or is_conversational(row):  # alpaca rows become chat messages
             self.conversational = True
+        self.tools |= row_uses_tools(row)
         if fmt != "text" or "prompt" in row:  # text rows alone give score nothing to sample from
             self.prompts_derivable = True
 
@@ -144,6 +147,7 @@ def peek(data) -> DataShape:
                               key.removeprefix("data."))
         shape.destinations |= part.destinations
         shape.conversational |= part.conversational
+        shape.tools |= part.tools
         shape.prompts_derivable |= part.prompts_derivable
         shape.complete &= part.complete
     return shape

@@ -12,19 +12,23 @@ Three pure helpers with TRL's signatures (`trl.data_utils`), each on one row (a 
   rows (chosen -> True, rejected -> False).
 
 Plus `assistant_spans(messages, tokenizer)`: a conversation rendered whole with the character spans of its
-assistant turns, for assistant-only loss masks with templates that have no `{% generation %}` markers.
+assistant turns, for assistant-only loss masks with templates that have no `{% generation %}` markers; and
+`tool_template_problem(tokenizer)`: whether the chat template renders tools, tool calls and tool results at
+all (every rendering of a conversation that uses tools checks it first, `require_tool_template`).
 
 Where they differ from TRL's, each docstring says so.
 """
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from stages.data.formats import detect_format, extract_shared_prompt, is_messages
+from stages.data.tool_calls import parsed_messages, tool_schemas, uses_tools
 
 __all__ = ["apply_chat_template", "assistant_spans", "has_generation_markers", "maybe_extract_prompt",
-           "unpair_preference_dataset"]
+           "read_chat_template", "require_tool_template", "tool_template_problem", "unpair_preference_dataset"]
 
 
 def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
@@ -68,12 +72,15 @@ def _common_prefix_length(a: str, b: str) -> int:
     return n
 
 
-def apply_chat_template(example: dict[str, Any], tokenizer, tools: list[dict] | None = None) -> dict[str, Any]:
+def apply_chat_template(example: dict[str, Any], tokenizer, tools: list | None = None) -> dict[str, Any]:
     """A conversational row rendered to strings with `tokenizer`'s chat template (table above).
 
     Completions are rendered as part of the whole conversation, then cut after the
     rendered prompt, so the special tokens that close each turn are in the completion.
-    `tools` (JSON schemas) is passed to the template. A prompt-only row whose prompt ends
+    `tools` (JSON schemas or Python functions) is passed to the template; a row's own `tools` column, where it
+    has one, is used instead (TRL's trainers read that column per row; its `apply_chat_template` takes the
+    argument only). A conversation with tools is rendered only by a template that can show them
+    (`require_tool_template`). A prompt-only row whose prompt ends
     with an assistant message is continued (no generation prompt), as in TRL.
     Non-conversational rows are returned unchanged (the same object), where TRL raises;
     columns beyond the row kind's are kept, where TRL drops them. Preference rows without
@@ -94,15 +101,20 @@ def apply_chat_template(example: dict[str, Any], tokenizer, tools: list[dict] | 
                          f"({type(tokenizer).__name__}) has no chat_template (found None); expected a tokenizer "
                          "with a chat template to render it. Fix: set tokenizer.chat_template (for a base model, "
                          "copy the template of its instruct version), or give the rows as plain strings.")
-    return render(row, _Renderer(tokenizer, tools))
+    return render(row, _Renderer(tokenizer, row["tools"] if row.get("tools") is not None else tools))
 
 
 class _Renderer:
+    """The tokenizer's chat template with one row's tools (schemas), checked once able to show them."""
+
     def __init__(self, tokenizer, tools):
-        self.tokenizer, self.tools = tokenizer, tools
+        self.tokenizer, self.tools = tokenizer, tool_schemas(tools)
 
     def __call__(self, messages: list[dict], *, generation_prompt: bool = False, continue_final: bool = False
                  ) -> str:
+        if uses_tools(messages, self.tools):
+            require_tool_template(self.tokenizer)
+            messages = parsed_messages(messages)
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt,
                                                   continue_final_message=continue_final)
@@ -132,7 +144,7 @@ def has_generation_markers(chat_template: str | None) -> bool:
     return bool(chat_template) and bool(_GENERATION_TAG.search(chat_template))
 
 
-def assistant_spans(messages: list[dict], tokenizer, tools: list[dict] | None = None
+def assistant_spans(messages: list[dict], tokenizer, tools: list | None = None
                     ) -> tuple[str, list[tuple[int, int]]]:
     """(the conversation rendered whole, [(start, end)] character spans of its assistant turns).
 
@@ -166,6 +178,94 @@ def assistant_spans(messages: list[dict], tokenizer, tools: list[dict] | None = 
             end = last + len(eos)
         spans.append((len(before), end))
     return full, spans
+
+
+# A conversation that uses every tool feature once, with markers a template cannot write by chance.
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "align_probe_lookup", "description": "Looks up the value stored under a key.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key"}},
+                   "required": ["key"]}}}]
+PROBE = [
+    {"role": "user", "content": "What is stored under q7?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "align_probe_lookup", "arguments": {"key": "q7-probe-key"}}}]},
+    {"role": "tool", "name": "align_probe_lookup", "content": "probe-result-5314"},
+    {"role": "assistant", "content": "It is 5314."},
+]
+_PROBED: dict[str, str] = {}  # chat template text -> tool_template_problem's answer
+
+
+def tool_template_problem(tokenizer) -> str:
+    """'' if the tokenizer's chat template renders tool-calling conversations, else what it fails to show.
+
+    Renders `PROBE` with and without `tools=PROBE_TOOLS`: the template must render without error, the tools
+    must change the text (their schemas are shown), and the call's arguments and the tool's result must be
+    in it. A template that ignores them would train the model on conversations with holes. Cached per
+    template text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return "it has no chat template" if template is None else ""
+    if template not in _PROBED:
+        _PROBED[template] = _probe(tokenizer)
+    return _PROBED[template]
+
+
+def _probe(tokenizer) -> str:
+    try:
+        with_tools = tokenizer.apply_chat_template(PROBE, tools=PROBE_TOOLS, tokenize=False)
+        without = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    except Exception as e:  # the template's own error (jinja2's TemplateError, a TypeError on None content, ...)
+        return f"rendering a conversation with a tool call fails: {type(e).__name__}: {e}"
+    missing = [what for what, ok in (("the tools=[...] schemas", with_tools != without),
+                                     ("the assistant's tool_calls", "q7-probe-key" in with_tools),
+                                     ("the tool message's content", "probe-result-5314" in with_tools)) if not ok]
+    return f"it does not render {' nor '.join(missing)}" if missing else ""
+
+
+def require_tool_template(tokenizer, model: str | None = None) -> None:
+    """ValueError naming the model (`model`, else the tokenizer's name_or_path) when its chat template cannot
+    render tool-calling conversations (`tool_template_problem`), with the fix."""
+    why = tool_template_problem(tokenizer)
+    if why:
+        from stages.builtin.chat_templates import CHATML_TOOLS
+
+        model = model or repr(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)
+        raise ValueError(
+            f"the data has tool calls (a 'tools' column, assistant tool_calls or tool messages), but the chat "
+            f"template of {model} cannot render them: {why}. Training on it would drop the tools from the "
+            "text. Fix: set chat_template_path (sft.chat_template_path in params, SFTConfig.chat_template_path, "
+            "...) to a template that renders tools= and tool_calls; for a ChatML tokenizer (<|im_start|>, "
+            f"<|im_end|>: SmolLM2, Qwen2) use align's {CHATML_TOOLS} (stages.builtin.chat_templates.CHATML_TOOLS)"
+            "; or drop the tool columns and messages from the rows.")
+
+
+def read_chat_template(path: str, tokenizer, owner: str) -> str:
+    """The chat template `path` names (a .jinja/.j2 file, or a tokenizer folder whose template uses only special
+    tokens `tokenizer` has); `owner` (the config's name) starts the messages."""
+    source = Path(path).expanduser()
+    if source.is_file():
+        if source.suffix not in (".jinja", ".j2"):
+            raise ValueError(f"{owner}.chat_template_path = {path!r}: a file must be a Jinja template (.jinja or "
+                             ".j2); give such a file or a tokenizer folder")
+        return source.read_text(encoding="utf-8")
+    if not source.is_dir():
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: no such file or folder; give a .jinja/.j2 file "
+                         "or a tokenizer folder (hub ids are not fetched by the trainers)")
+    from transformers import AutoTokenizer
+
+    donor = AutoTokenizer.from_pretrained(str(source))
+    template = donor.chat_template
+    if not isinstance(template, str):
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the tokenizer there has no (single) chat "
+                         "template; give a folder whose tokenizer has one, or a .jinja file")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in donor.all_special_tokens if t in template and t not in vocab]
+    if missing:
+        raise ValueError(f"{owner}.chat_template_path = {path!r}: the template uses special tokens {missing} that "
+                         "the training tokenizer lacks; add them (tokenizer.add_special_tokens, then "
+                         "model.resize_token_embeddings) and pass that tokenizer, or use a template of this "
+                         "vocabulary")
+    return template
 
 
 def _messages(row: dict, r: _Renderer) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 from stages.data.formats import is_messages
 from stages.data.templates import apply_chat_template, assistant_spans, has_generation_markers
+from stages.data.tool_calls import parsed_messages, tool_schemas
 
 
 def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple[str, str]:
@@ -22,12 +23,12 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
 
     Rows: `text_field` (plain text, all of it the completion), `messages` (a conversation rendered
     whole with the chat template, all of it the completion, as TRL's language-modelling rows), or
-    prompt/completion (strings or message lists)."""
+    prompt/completion (strings or message lists). A `tools` column goes to the template with the row."""
     if text_field in row and "completion" not in row:
         return "", _with_eos(tokenizer, row[text_field])
     if "messages" in row and "completion" not in row:
         require_chat_template(tokenizer)
-        return "", apply_chat_template({"messages": row["messages"]}, tokenizer)["text"]
+        return "", apply_chat_template({"messages": row["messages"]}, tokenizer, row.get("tools"))["text"]
     if "prompt" not in row or "completion" not in row:
         raise ValueError(f"an SFT row has columns {sorted(row)}; expected 'messages' (a conversation), "
                          f"'prompt' and 'completion', or {text_field!r} (plain text; SFTConfig.dataset_text_field), "
@@ -35,7 +36,7 @@ def render(tokenizer, row: dict[str, Any], *, text_field: str = "text") -> tuple
     prompt, completion = row["prompt"], row["completion"]
     if is_messages(prompt):
         require_chat_template(tokenizer)
-        rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer)
+        rendered = apply_chat_template({"prompt": prompt, "completion": completion}, tokenizer, row.get("tools"))
         return rendered["prompt"], rendered["completion"]
     return prompt, _with_eos(tokenizer, completion)
 
@@ -48,10 +49,12 @@ def require_chat_template(tokenizer) -> None:
                          "data to plain prompt/completion strings")
 
 
-def render_prompt(tokenizer, prompt: Any) -> str:
+def render_prompt(tokenizer, prompt: Any, tools: Any = None) -> str:
+    """A prompt as the model is given it: a conversation rendered with the chat template (with `tools`, its row's
+    `tools` column, shown), a string as it is."""
     if is_messages(prompt):
         require_chat_template(tokenizer)
-        return apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
+        return apply_chat_template({"prompt": prompt}, tokenizer, tools)["prompt"]
     return prompt
 
 
@@ -69,7 +72,8 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     assistant_only: conversations (`messages`, or prompt/completion message lists) are rendered
     whole with an `assistant_masks` column, 1 on every assistant turn: from the template's
     `{% generation %}` spans when it has them, else from `stages.data.templates.assistant_spans`
-    (any template whose turns render as prefixes). Their `completion_mask` is 1 from the end of
+    (any template whose turns render as prefixes); tool results, like system and user turns, are not
+    assistant turns, so they carry no loss. Their `completion_mask` is 1 from the end of
     the rendered prompt on (all 1 for `messages` rows), so with both masks applied, as TRL's
     collator does under completion_only_loss, a prompt/completion row trains the assistant turns
     of its completion only.
@@ -89,34 +93,37 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
     return out
 
 
-def _conversation(row: dict[str, Any], index: int) -> tuple[list[dict], list[dict] | None]:
-    """(the whole conversation, its prompt or None) of a conversational SFT row (for assistant-only masks)."""
+def _conversation(row: dict[str, Any], index: int) -> tuple[list[dict], list[dict] | None, Any]:
+    """(the whole conversation, its prompt or None, its tools) of a conversational SFT row (for assistant-only
+    masks)."""
     if is_messages(row.get("messages")) and "completion" not in row:
-        return row["messages"], None
+        return row["messages"], None, row.get("tools")
     if is_messages(row.get("prompt")) and is_messages(row.get("completion")):
-        return row["prompt"] + row["completion"], row["prompt"]
+        return row["prompt"] + row["completion"], row["prompt"], row.get("tools")
     raise ValueError(f"sft.assistant_only_loss = true, but row {index} (columns {sorted(row)}) is not a "
                      "conversation: it needs 'messages', or 'prompt' and 'completion' as lists of chat messages; "
                      "set assistant_only_loss: false for plain-text rows (completion_only_loss masks the prompt)")
 
 
-def _assistant_tokens(tokenizer, messages: list[dict], prompt: list[dict] | None) -> dict[str, list[int]]:
+def _assistant_tokens(tokenizer, messages: list[dict], prompt: list[dict] | None, tools: Any
+                      ) -> dict[str, list[int]]:
     require_chat_template(tokenizer)
     marked = has_generation_markers(tokenizer.chat_template)
-    text, spans = ((apply_chat_template({"messages": messages}, tokenizer)["text"], []) if marked
-                   else assistant_spans(messages, tokenizer))
+    text, spans = ((apply_chat_template({"messages": messages}, tokenizer, tools)["text"], []) if marked
+                   else assistant_spans(messages, tokenizer, tools))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
     if marked:  # transformers' masks from the {% generation %} spans, on the same tokens
-        mask = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                  return_assistant_tokens_mask=True)["assistant_masks"])
+        mask = list(tokenizer.apply_chat_template(parsed_messages(messages), tools=tool_schemas(tools), tokenize=True,
+                                                  return_dict=True, return_assistant_tokens_mask=True
+                                                  )["assistant_masks"])
         if len(mask) != len(ids):
             raise ValueError(f"the chat template's assistant mask has {len(mask)} entries for the {len(ids)} tokens of "
                              "its rendered text; the tokenizer does not tokenise its own rendering consistently")
     else:
         mask = [int(any(s <= start < e for s, e in spans)) for start in starts]
-    boundary = len(apply_chat_template({"prompt": prompt, "completion": messages[len(prompt):]}, tokenizer)["prompt"]
-                   ) if prompt is not None else 0
+    boundary = len(apply_chat_template({"prompt": prompt, "completion": messages[len(prompt):]}, tokenizer, tools
+                                       )["prompt"]) if prompt is not None else 0
     completion = [int(start >= boundary) for start in starts]
     if not any(mask):
         raise ValueError("sft.assistant_only_loss = true, but the chat template marks no assistant tokens: its "
@@ -150,7 +157,8 @@ def tokenized_dataset(rows, tokenize: Callable[..., list[dict]], *, marker: str,
                       num_proc: int | None = None, batch_size: int = 1000):
     """`rows` through `tokenize` as `Dataset.map(batched=True, num_proc=num_proc)`, cached as Arrow files.
 
-    rows: a list (or iterable) of dicts, a `datasets.Dataset`, or a `datasets.IterableDataset` (mapped lazily,
+    rows: a list (or iterable) of dicts (a Python function among a row's tools is stored as its JSON schema), a
+    `datasets.Dataset`, or a `datasets.IterableDataset` (mapped lazily,
     uncached, for streaming); None stays None. Rows that already have the column `marker` (tokenised beforehand)
     are returned as a Dataset, untouched.
     tokenize(rows, start=i): row dicts -> tokenised row dicts (the same keys in every row); `start` is the index
@@ -177,7 +185,7 @@ def tokenized_dataset(rows, tokenize: Callable[..., list[dict]], *, marker: str,
         rows = rows if isinstance(rows, list) else list(rows)
         if not rows or marker in rows[0]:
             return datasets.Dataset.from_list(rows)
-        texts = [json.dumps(r, ensure_ascii=False) for r in rows]
+        texts = [json.dumps(r, ensure_ascii=False, default=_function_schema) for r in rows]
         digest = hashlib.sha256()
         for text in texts:
             digest.update(text.encode() + b"\n")
@@ -261,6 +269,14 @@ def _cache_file_stats(ds) -> list:
 
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _function_schema(value: Any) -> dict:
+    """A Python function in a row (a tool of its `tools` column, in the Python API) as its JSON schema."""
+    if callable(value):
+        return tool_schemas([value])[0]  # type: ignore[index]
+    raise TypeError(f"a row holds a {type(value).__name__}, which is not JSON; rows hold JSON values (and Python "
+                    "functions as tools)")
 
 
 def _decode_json(batch: dict[str, list]) -> list[dict[str, Any]]:

@@ -82,7 +82,7 @@ STAGES: dict[str, StageSpec] = {
             name="preprocess",
             entry="stages.pipeline.preprocess:run",
             upstream=(),
-            params=("model", "data", "preprocess", "run.seed"),
+            params=("model", "data", "preprocess", "run.seed", "sft.chat_template_path"),
             inputs=(*DATA_FILES, "model.name_or_path"),
         ),
         StageSpec(

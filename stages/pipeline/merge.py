@@ -114,7 +114,7 @@ def adapter_specs(source: str, extra: list[str], weights: list[float] | None) ->
 def probe_texts(ctx, tokenizer, n: int) -> list[str]:
     """The first `n` eval prompts rendered with the chat template, each followed by its reference if it has one."""
     rows = read_jsonl(ctx.inputs["preprocess"] / "eval.jsonl")[:n]
-    texts = [render_prompt(tokenizer, r["prompt"]) + _reference(r.get("completion")) for r in rows]
+    texts = [render_prompt(tokenizer, r["prompt"], r.get("tools")) + _reference(r.get("completion")) for r in rows]
     return texts or ["The quick brown fox jumps over the lazy dog."]
 
 

@@ -36,6 +36,7 @@ from stages.data import (
 from stages.data.formats import normalise, validate
 from stages.data.hub import source_identity
 from stages.data.sources import HELD_OUT_KEYS, DataShape, data_files, needs
+from stages.data.templates import read_chat_template, require_tool_template
 from stages.data.tokenize import content_chars, longest_token_chars, tokenize_sft
 from stages.harness.model_paths import resolve_model
 from stages.models import load_tokenizer
@@ -47,7 +48,8 @@ def run(ctx) -> dict[str, Any]:
     p = ctx.params
 
     def tokenizer_of_the_model():  # built or loaded once the data is known to be readable
-        return load_tokenizer(resolve_model(p.model, p.run.output_dir), trust_remote_code=p.model.trust_remote_code)
+        return with_sft_template(load_tokenizer(resolve_model(p.model, p.run.output_dir),
+                                                trust_remote_code=p.model.trust_remote_code), p.sft)
 
     if p.preprocess.streaming and not str(p.data.source or "").startswith("builtin:"):
         return run_streaming(ctx, tokenizer_of_the_model())
@@ -162,6 +164,14 @@ def shape_of(groups: dict[str, list], held_out: dict[str, list | None]) -> DataS
     return shape
 
 
+def with_sft_template(tokenizer, sft):
+    """The tokenizer with the chat template SFT will train with (`sft.chat_template_path`, when set): rows are
+    measured, and checked to render, as SFT renders them."""
+    if sft.chat_template_path is not None:
+        tokenizer.chat_template = read_chat_template(sft.chat_template_path, tokenizer, "sft")
+    return tokenizer
+
+
 def check_shape(p, tokenizer, shape: DataShape) -> None:
     """Stop before any training when the data cannot serve the chosen stages, or cannot be rendered."""
     problems = [f"{key} {why}" for key, why in needs(p, shape)]
@@ -170,6 +180,13 @@ def check_shape(p, tokenizer, shape: DataShape) -> None:
                         f"{p.model.name_or_path!r} has no chat template: give the rows as plain strings "
                         "(prompt/completion, prompt/chosen/rejected, text), or use a model whose tokenizer has a "
                         "chat template (or set tokenizer.chat_template and save it into the model folder)")
+    elif shape.tools:
+        template = (f"sft.chat_template_path = {p.sft.chat_template_path!r}" if p.sft.chat_template_path else
+                    f"model.name_or_path = {p.model.name_or_path!r}")
+        try:
+            require_tool_template(tokenizer, template)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         lines = "\n  - ".join(problems)
         raise DataError(f"{describe_sources(p.data)}: the data does not fit these params (nothing was trained):\n"
@@ -184,15 +201,19 @@ def derive_sft(groups: dict[str, list]) -> str:
     rows, origin = [], []
     pairs = [r for r in groups.get("preference", []) if r.get("prompt")]
     if pairs:
-        rows += [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs]
+        rows += [{"prompt": r["prompt"], "completion": r["chosen"], **_tools(r)} for r in pairs]
         origin.append("the chosen side of the preference rows")
     good = [r for r in groups.get("unpaired", []) if r["label"]]
     if good:
-        rows += [{"prompt": r["prompt"], "completion": r["completion"]} for r in good]
+        rows += [{"prompt": r["prompt"], "completion": r["completion"], **_tools(r)} for r in good]
         origin.append("the desirable (label true) unpaired rows")
     if rows:
         groups["sft"] = rows
     return " and ".join(origin)
+
+
+def _tools(row: dict) -> dict:
+    return {"tools": row["tools"]} if "tools" in row else {}
 
 
 def prompt_key(prompt: Any) -> str:

@@ -309,7 +309,7 @@ def load_generations(path: str, tokenizer, limit: int) -> tuple[list[dict], Gene
                             "texts")
     rows = rows[:limit] if limit > 0 else rows
     eos = eos_token_ids(tokenizer)
-    rendered = [render_prompt(tokenizer, r["prompt"]) for r in rows]
+    rendered = [render_prompt(tokenizer, r["prompt"], r.get("tools")) for r in rows]
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in rendered]
     completion_ids = [[tokenizer(c, add_special_tokens=False)["input_ids"] + eos[:1] for c in r["completions"]]
                       for r in rows]

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stages.data.templates import read_chat_template
 from stages.trainers.trl_compat import unsupported_message
 
 
@@ -129,7 +130,7 @@ def configure_tokenizer(tokenizer, args):
     owner = type(args).__name__ if args is not None else "args"
     path = getattr(args, "chat_template_path", None)
     if path is not None:
-        tokenizer.chat_template = _chat_template(path, tokenizer, owner)
+        tokenizer.chat_template = read_chat_template(path, tokenizer, owner)
     vocab = tokenizer.get_vocab()
     for field in ("eos_token", "pad_token"):
         token = getattr(args, field, None)
@@ -145,33 +146,6 @@ def configure_tokenizer(tokenizer, args):
     elif getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def _chat_template(path: str, tokenizer, owner: str) -> str:
-    source = Path(path).expanduser()
-    if source.is_file():
-        if source.suffix not in (".jinja", ".j2"):
-            raise ValueError(f"{owner}.chat_template_path = {path!r}: a file must be a Jinja template (.jinja or "
-                             ".j2); give such a file or a tokenizer folder")
-        return source.read_text(encoding="utf-8")
-    if not source.is_dir():
-        raise ValueError(f"{owner}.chat_template_path = {path!r}: no such file or folder; give a .jinja/.j2 file "
-                         "or a tokenizer folder (hub ids are not fetched by the trainers)")
-    from transformers import AutoTokenizer
-
-    donor = AutoTokenizer.from_pretrained(str(source))
-    template = donor.chat_template
-    if not isinstance(template, str):
-        raise ValueError(f"{owner}.chat_template_path = {path!r}: the tokenizer there has no (single) chat "
-                         "template; give a folder whose tokenizer has one, or a .jinja file")
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in donor.all_special_tokens if t in template and t not in vocab]
-    if missing:
-        raise ValueError(f"{owner}.chat_template_path = {path!r}: the template uses special tokens {missing} that "
-                         "the training tokenizer lacks; add them (tokenizer.add_special_tokens, then "
-                         "model.resize_token_embeddings) and pass that tokenizer, or use a template of this "
-                         "vocabulary")
-    return template
 
 
 def apply_eos_to_model(model, tokenizer, args) -> None:

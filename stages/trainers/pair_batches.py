@@ -47,7 +47,8 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, keep: tuple[str
     carry = set(REF_COLUMNS) | {"weight"} | set(keep)
     out = []
     for side in ("chosen", "rejected"):
-        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side]} for r in rows],
+        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side], "tools": r.get("tools")}
+                                        for r in rows],
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):

@@ -68,7 +68,8 @@ def check_rows(rows: list[dict], *, online: bool) -> None:
 
 def offline_samples(tokenizer, rows: list[dict], max_new_tokens: int) -> tuple[list, list, list[float]]:
     """prompt_ids, completion_ids (EOS appended, cut to max_new_tokens) and scores of prompt/completion/score rows."""
-    toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r["completion"], "tools": r.get("tools")}
+                                    for r in rows])
     prompt_ids, completion_ids = [], []
     for t in toks:
         start = t["completion_mask"].index(1) if 1 in t["completion_mask"] else len(t["input_ids"])

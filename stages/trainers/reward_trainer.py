@@ -49,7 +49,8 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, *, start: int =
     rows = [pair_row(r) for r in rows]
     out: list[dict] = [{} for _ in rows]
     for side in ("chosen", "rejected"):
-        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side]} for r in rows],
+        toks = tokenize_sft(tokenizer, [{"prompt": r["prompt"], "completion": r[side], "tools": r.get("tools")}
+                                        for r in rows],
                             max_length=max_length)
         for i, t in enumerate(toks):
             if not any(t["completion_mask"]):

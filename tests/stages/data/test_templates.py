@@ -1,10 +1,17 @@
 """Chat templates applied to every row kind; prompts stay prefixes; preference rows split and unpaired."""
+import json
+
 import datasets
 import pytest
 
 from stages.builtin import tiny
 from stages.data.formats import extract_shared_prompt
-from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
+from stages.data.templates import (
+    apply_chat_template,
+    maybe_extract_prompt,
+    tool_template_problem,
+    unpair_preference_dataset,
+)
 
 
 def user(text):
@@ -94,11 +101,45 @@ def test_rendered_prompt_is_a_prefix_of_the_whole_conversation(tok):
     assert out["completion"] == f"4{E}"
 
 
+TOOL_TEMPLATE = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                 "{%- for m in messages -%}<|{{ m['role'] }}|>\n{{ m['content'] or '' }}"
+                 "{%- for c in m.get('tool_calls') or [] %}({{ c['function']['arguments'] | tojson }}){% endfor -%}"
+                 "<|end|>{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}")
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluates an expression."}}
+
+
 def test_tools_are_passed_to_the_template():
     tok = tiny.build_tokenizer(384)
-    tok.chat_template = "{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}" + tiny.CHAT_TEMPLATE
-    out = apply_chat_template({"prompt": [user("q")]}, tok, tools=[{"name": "calc"}])
+    tok.chat_template = TOOL_TEMPLATE
+    out = apply_chat_template({"prompt": [user("q")]}, tok, tools=[CALC])
     assert out == {"prompt": f"[calc]{U}q{E}{A}"}
+
+
+def test_a_rows_tools_column_wins_and_json_strings_are_parsed():
+    """The row's `tools` (a JSON string, as a datasets.Dataset keeps it) over the argument; arguments given as a
+    JSON string are rendered as the object they hold, not quoted again."""
+    tok = tiny.build_tokenizer(384)
+    tok.chat_template = TOOL_TEMPLATE
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"x": "1+2"}'}}]}
+    row = {"prompt": [user("q")], "completion": [call], "tools": json.dumps([CALC])}
+    out = apply_chat_template(row, tok, tools=[{**CALC, "function": {"name": "other"}}])
+    assert out["prompt"] == f"[calc]{U}q{E}{A}"
+    assert out["completion"] == '({"x": "1+2"})<|end|>'
+
+
+def test_a_template_that_cannot_render_tools_is_refused_naming_the_model():
+    tok = tiny.build_tokenizer(384)
+    tok.name_or_path = "my/model"
+    with pytest.raises(ValueError, match=r"chat template of 'my/model' cannot render them: rendering a "
+                                         r"conversation with a tool call fails.*chatml_tools.jinja"):
+        apply_chat_template({"prompt": [user("q")]}, tok, tools=[CALC])
+    # renders the tools and the tool turn, but writes an assistant's content only: its calls vanish
+    tok.chat_template = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                         + tiny.CHAT_TEMPLATE.replace("message['content']", "(message['content'] or '')"))
+    assert tool_template_problem(tok) == "it does not render the assistant's tool_calls"
+    tok.chat_template = TOOL_TEMPLATE
+    assert tool_template_problem(tok) == ""
 
 
 @pytest.mark.parametrize("row", [
@@ -208,8 +249,8 @@ def test_prompt_ending_with_an_assistant_message_is_continued(tok):
 
 def test_tools_positional_as_in_trl(tok):
     tok2 = tiny.build_tokenizer(384)
-    tok2.chat_template = "{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}" + tiny.CHAT_TEMPLATE
-    assert apply_chat_template({"prompt": [user("q")]}, tok2, [{"name": "calc"}]) == {"prompt": f"[calc]{U}q{E}{A}"}
+    tok2.chat_template = TOOL_TEMPLATE
+    assert apply_chat_template({"prompt": [user("q")]}, tok2, [CALC]) == {"prompt": f"[calc]{U}q{E}{A}"}
 
 
 # ---- assistant_spans: assistant-only masks for templates without {% generation %} markers ----------
