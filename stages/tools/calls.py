@@ -68,25 +68,32 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 def parse_hermes(text: str) -> ParsedTurn:
     """`<tool_call>{json}</tool_call>` blocks; the rest of the text is the content."""
-    calls, errors = [], []
+    calls, errors, kept, end = [], [], [], 0
     for k, match in enumerate(_HERMES.finditer(text), 1):
-        body = match.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except ValueError as e:
-            errors.append(f"tool call {k}: invalid JSON ({e}): {body[:200]!r}")
-            continue
-        if not isinstance(obj, dict):
-            errors.append(f"tool call {k}: expected a JSON object {{\"name\": ..., \"arguments\": {{...}}}}, got "
-                          f"{type(obj).__name__}")
-            continue
-        call, error = _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), f"tool call {k}")
-        calls.append(call) if call else errors.append(error)
-    rest = _HERMES.sub("", text)
-    if "<tool_call>" in rest:
-        errors.append(f"an unclosed <tool_call>: {rest[rest.index('<tool_call>'):][:200]!r}")
-        rest = rest[:rest.index("<tool_call>")]
-    return ParsedTurn(rest.strip(), calls, errors)
+        kept.append(text[end:match.start()])
+        end = match.end()
+        call, error = _hermes_call(match.group(1).strip(), k)
+        if call:
+            calls.append(call)
+        else:  # a malformed call stays in the content: the transcript shows what the model wrote
+            errors.append(error)
+            kept.append(match.group(0))
+    tail = text[end:]
+    if "<tool_call>" in tail:
+        errors.append(f"an unclosed <tool_call>: {tail[tail.index('<tool_call>'):][:200]!r}")
+    kept.append(tail)
+    return ParsedTurn("".join(kept).strip(), calls, errors)
+
+
+def _hermes_call(body: str, k: int) -> tuple[dict | None, str | None]:
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        return None, f"tool call {k}: invalid JSON ({e}): {body[:200]!r}"
+    if not isinstance(obj, dict):
+        return None, (f"tool call {k}: expected a JSON object {{\"name\": ..., \"arguments\": {{...}}}}, got "
+                      f"{type(obj).__name__}")
+    return _call(obj.get("name"), obj.get("arguments", obj.get("parameters")), f"tool call {k}")
 
 
 def parse_llama3_json(text: str) -> ParsedTurn:
@@ -99,7 +106,7 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     try:
         obj = json.loads(body)
     except ValueError as e:
-        return ParsedTurn("", errors=[f"tool call 1: invalid JSON ({e}): {body[:200]!r}"])
+        return ParsedTurn(text.strip(), errors=[f"tool call 1: invalid JSON ({e}): {body[:200]!r}"])
     if not isinstance(obj, dict):  # pragma: no cover - the regex above saw an object start
         return ParsedTurn("", errors=["tool call 1: not a JSON object"])
     call, error = _call(obj.get("name"), obj.get("parameters", obj.get("arguments")), "tool call 1")

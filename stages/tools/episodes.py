@@ -103,26 +103,27 @@ def _generate_distinct(generate: Generate, contexts: list[list[int]], round_: in
     return out
 
 
-def run_episodes(prompt_ids: list[list[int]], n: int, generate: Generate, *, tokenizer, tools: list[dict],
+def run_episodes(prompt_ids: list[list[int]], generate: Generate, *, tokenizer, tools: list[dict],
                  runner: ToolRunner, fmt: str = "hermes", max_iterations: int | None = None,
                  max_completion_length: int, chat_template: str | None = None,
                  template_kwargs: dict | None = None) -> list[Episode]:
-    """`n` episodes per prompt (prompt-major), each grown until it answers without a call or hits a limit.
+    """One episode per entry of `prompt_ids` (a group's prompts repeated, so equal prompts share their
+    generation calls), each grown until it answers without a call or hits a limit.
 
-    prompt_ids: P rendered prompts (the tools' schemas already in them).
-    tools: P * n dicts {name: function}, each episode's tools (an environment's methods differ per episode).
+    prompt_ids: N rendered prompts (the tools' schemas already in them).
+    tools: N dicts {name: function}, each episode's tools (an environment's methods differ per episode).
     max_iterations: rounds of tool calls at most (None: no limit but the budget).
     """
     from stages.generation.common import eos_token_ids
 
     eos = eos_token_ids(tokenizer)
-    if len(tools) != len(prompt_ids) * n:
-        raise ValueError(f"{len(tools)} tool sets for {len(prompt_ids)} prompts x {n} episodes")
-    first = generate([list(p) for p in prompt_ids], n, 0)
+    if len(tools) != len(prompt_ids):
+        raise ValueError(f"{len(tools)} tool sets for {len(prompt_ids)} episodes")
     episodes: list[Episode] = []
-    for i, (ids, logps) in enumerate(first):
-        ep = Episode(list(prompt_ids[i // n]), logprobs=None if logps is None else [])
-        ep.add(ids, 1, logps)
+    for p, (ids, logps) in zip(prompt_ids, _generate_distinct(generate, prompt_ids, 0), strict=True):
+        ep = Episode(list(p), logprobs=None if logps is None else [])
+        ids = list(ids)[:max_completion_length]
+        ep.add(ids, 1, None if logps is None else list(logps)[:max_completion_length])
         episodes.append(ep)
     turns = [parse_tool_calls(decode_turn(tokenizer, e.completion_ids, eos), fmt) for e in episodes]
     for ep, turn in zip(episodes, turns, strict=True):
@@ -159,6 +160,21 @@ def run_episodes(prompt_ids: list[list[int]], n: int, generate: Generate, *, tok
             if _continues(ep, turn, eos):
                 active.append(i)
     return episodes
+
+
+def transcript(messages: list[dict]) -> str:
+    """An episode's turns as readable text (completion logs): assistant text and calls, tool results."""
+    import json
+
+    lines = []
+    for m in messages:
+        if m["role"] == "tool":
+            lines.append(f"[tool {m.get('name', '?')}] {m.get('content', '')}")
+            continue
+        text = m.get("content") or ""
+        calls = [json.dumps(c["function"]) for c in m.get("tool_calls") or []]
+        lines.append(" ".join([text, *(f"<call {c}>" for c in calls)]).strip())
+    return "\n".join(lines)
 
 
 def _continues(ep: Episode, turn: ParsedTurn, eos: Sequence[int]) -> bool:
