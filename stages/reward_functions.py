@@ -57,11 +57,14 @@ def exact_match(prompts: list, completions: list[str], *, answer: list | None = 
 
     Reference: the `answer` column (e.g. "132") where present and not None, else the last
     integer of the reference `completion` column (a string or chat messages, the last
-    message's content, after its reasoning block). Integers are compared as numbers ("07" ==
+    message's content, after its reasoning block). A completion given as messages (a tool-using episode)
+    is judged by its last message. Integers are compared as numbers ("07" ==
     "7"). None (unscored) for rows without a reference or whose reference has no integer.
     """
     out: list[float | None] = []
     for i, text in enumerate(completions):
+        if isinstance(text, list):  # a multi-turn episode's messages: its last turn is the answer
+            text = (text[-1].get("content") or "") if text else ""
         ref = _reference_answer(answer[i] if answer is not None else None,
                                 completion[i] if completion is not None else None)
         out.append(None if ref is None else float(final_integer(text) == ref))

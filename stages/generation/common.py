@@ -154,6 +154,29 @@ class Generations:
         return columns
 
 
+@dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt given as token ids, generated from as is (never re-rendered or re-tokenised): a multi-turn
+    episode's context (`stages.tools.episodes`). text: its decoded text, for the reasoning-block check."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+def render_and_tokenize(tokenizer, prompts: list) -> tuple[list[str], list[list[int]]]:
+    """(rendered texts, token ids) of prompts: strings and message lists rendered with the chat template and
+    tokenised without special tokens; `TokenPrompt`s taken as they are."""
+    from stages.data.tokenize import render_prompt
+
+    rendered = [p.text if isinstance(p, TokenPrompt) else render_prompt(tokenizer, p) for p in prompts]
+    todo = [i for i, p in enumerate(prompts) if not isinstance(p, TokenPrompt)]
+    ids: list[list[int]] = [list(p.ids) if isinstance(p, TokenPrompt) else [] for p in prompts]
+    if todo:
+        for i, row in zip(todo, tokenizer([rendered[i] for i in todo], add_special_tokens=False)["input_ids"]):
+            ids[i] = list(row)
+    return rendered, ids
+
+
 def prompt_seed(seed: int, prompt_ids: Sequence[int]) -> int:
     """The seed of one prompt's completions: a stable hash of the call's seed and the rendered prompt's
     token ids. Neither the batch, the prompt's position in it, the rank nor the shard enters."""

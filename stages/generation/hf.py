@@ -18,8 +18,14 @@ import os
 
 import torch
 
-from stages.data.tokenize import render_prompt
-from stages.generation.common import Generations, SamplingParams, build_generations, eos_token_ids, trim_at_eos
+from stages.generation.common import (
+    Generations,
+    SamplingParams,
+    build_generations,
+    eos_token_ids,
+    render_and_tokenize,
+    trim_at_eos,
+)
 from stages.sharding import generate_kwargs
 from stages.tensors import pad
 
@@ -46,8 +52,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (prompts per generate call)")
     eos = eos_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    rendered = [render_prompt(tokenizer, p) for p in prompts]
-    prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
+    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts)
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")

@@ -21,13 +21,13 @@ import shlex
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stages.data.tokenize import render_prompt
 from stages.generation.common import (
     Generations,
     SamplingParams,
     build_generations,
     eos_token_ids,
     prompt_seed,
+    render_and_tokenize,
     trim_at_eos,
 )
 from stages.openai_client import EndpointError, OpenAIClient
@@ -94,8 +94,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                      max_retries=max_retries, backoff=backoff)
     name = served_model_name or str(model)
     eos = eos_token_ids(tokenizer, _LocalModel(model))
-    rendered = [render_prompt(tokenizer, p) for p in prompts]
-    prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
+    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts)
 
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol = {protocol!r}: one of {', '.join(PROTOCOLS)}")

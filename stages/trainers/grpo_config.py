@@ -13,6 +13,7 @@ from typing import Literal
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
+from stages.trainers.tool_fields import ToolFields
 
 TrainingArguments = training_arguments()
 _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: http://127.0.0.1:8000/v1, or "
@@ -21,7 +22,7 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 
 @refuses_trl_fields
 @dataclass
-class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
+class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,

@@ -43,6 +43,7 @@ from stages.losses import (
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
 from stages.sharding import unwrap
+from stages.tools.episodes import transcript
 from stages.trainers.completions_log import CompletionsLog
 from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.inputs import (
@@ -70,6 +71,7 @@ from stages.trainers.rollout import (
     position_ids,
     sampler_logps,
 )
+from stages.trainers.tool_rollout import Agent, Rollout, custom_rollout, from_generations, token_prompts
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -117,17 +119,27 @@ class RepeatBatchSampler(Sampler):
 
 
 def completion_tensors(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_token_id: int,
-                       eos_token_id: int | list[int]) -> dict[str, torch.Tensor]:
+                       eos_token_id: int | list[int], tool_mask: list[list[int]] | None = None
+                       ) -> dict[str, torch.Tensor]:
     """`stages.trainers.rollout.pad_rollout`'s batch plus "truncated": (B,) bool, no EOS generated.
 
     completion_mask (B, C) is 1 on real tokens up to and including the first EOS: padding and
     everything after the first EOS are 0, also when the pad id equals the EOS id.
+    tool_mask: multi-turn episodes (`stages.tools.episodes`), 1 on the model's tokens, 0 on tool outputs. Their
+    completions hold an EOS per turn, so completion_mask is 1 on every real token (tool outputs are context the
+    model reads) and "tool_mask" (B, C) joins the batch; "truncated" means the last turn has no EOS.
     """
-    batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    batch = pad_rollout(prompt_ids, completion_ids, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                        stop_at_eos=tool_mask is None)
     mask = batch["completion_mask"]
     tokens = batch["input_ids"][:, -mask.shape[1]:]
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    batch["truncated"] = ~(torch.isin(tokens, eos) & mask.bool()).any(dim=1)
+    if tool_mask is None:
+        batch["truncated"] = ~(torch.isin(tokens, eos) & mask.bool()).any(dim=1)
+        return batch
+    batch["tool_mask"] = sampler_logps(tool_mask, mask.shape[1]).long() * mask
+    last = (mask.sum(1) - 1).clamp(min=0)
+    batch["truncated"] = ~(torch.isin(tokens.gather(1, last[:, None]).squeeze(1), eos) & (mask.sum(1) > 0))
     return batch
 
 
@@ -138,10 +150,23 @@ def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float
     return out["logps"], (out["entropy"].detach() if entropy else None)
 
 
-def prompt_rows(dataset, key: str) -> list[dict]:
-    """The rows of a GRPO dataset as a list, each with a 'prompt' (else a ValueError naming the first without)."""
+def reward_sources(reward_funcs, weights: list[float] | None, extra: list[tuple[str, object]]):
+    """The run's RewardFunctions: `reward_funcs` (weighted by `weights`) and the environments' own rewards
+    (weight 1, named after their class, as TRL adds them); None when there are none."""
+    if not extra:
+        return build_reward_functions(reward_funcs, weights, key="reward_funcs") if reward_funcs is not None \
+            else None
+    given = build_reward_functions(reward_funcs, weights, key="reward_funcs").functions \
+        if reward_funcs is not None else []
+    base = list(weights) if weights is not None else [1.0] * len(given)
+    return build_reward_functions([*given, *extra], base + [1.0] * len(extra), key="reward_funcs")
+
+
+def prompt_rows(dataset, key: str, *, needs_prompt: bool = True) -> list[dict]:
+    """The rows of a GRPO dataset as a list, each with a 'prompt' (else a ValueError naming the first without;
+    not needs_prompt: an environment's reset() may supply it)."""
     rows = list(check_dataset(dataset, key) or [])
-    missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+    missing = [i for i, r in enumerate(rows) if "prompt" not in r] if needs_prompt else []
     if not rows or missing:
         where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
         raise ValueError(f"{key}: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} rows lack "
@@ -227,17 +252,25 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, *, ref_model=None, preference_dataset=None,
                  reward_head: RewardHead | None = None, data_collator=None, **deprecated):
-        refuse("GRPOTrainer", reward_processing_classes=reward_processing_classes, tools=tools,
-               rollout_func=rollout_func, environment_factory=environment_factory)
+        refuse("GRPOTrainer", reward_processing_classes=reward_processing_classes)
         reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
                                      trainer="GRPOTrainer")
         no_unknown_kwargs("GRPOTrainer", deprecated)
         args = args or default_args(GRPOConfig, model, "GRPO")
-        rows = prompt_rows(train_dataset, "train_dataset")
-        if reward_funcs is None and args.reward_head != "shared":
-            raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
-                             "['exact_match']) or reward_head = 'shared' with a preference_dataset")
+        rows = prompt_rows(train_dataset, "train_dataset", needs_prompt=environment_factory is None)
         processing_class = load_processing_class(model, processing_class, args)
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ValueError("rollout_func with tools or environment_factory: a custom rollout runs its own tools; "
+                             "pass one of them")
+        self.rollout_func = rollout_func
+        self.agent = Agent(processing_class, tools=tools, environment_factory=environment_factory, args=args,
+                           model_name=str(getattr(model, "name_or_path", model))) \
+            if tools or environment_factory is not None else None
+        env_rewards = self.agent.reward_functions() if self.agent is not None else []
+        if reward_funcs is None and not env_rewards and args.reward_head != "shared":
+            raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
+                             "['exact_match']), an environment with get_reward(), or reward_head = 'shared' with a "
+                             "preference_dataset")
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         if ref_model is not None:
             ref_model = load_model(ref_model, args)
@@ -249,8 +282,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                          callbacks=callbacks, optimizers=optimizers)
         if args.use_vllm:
             wait_for_server(args.vllm_url, timeout=args.vllm_server_timeout)
-        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
-            if reward_funcs is not None else None
+        self.reward_functions = reward_sources(reward_funcs, args.reward_weights, env_rewards)
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
         if args.disable_dropout:
             disable_dropout(self.model, self.ref_model)
@@ -357,7 +389,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         """Generate, score and compute advantages (and old / reference log-probs) for these prompts; logged."""
         batch, (rewards, valid, per_function, prompts, completions) = self.rollout(rows, self.args.num_generations)
         self._log_generation(rewards, valid, per_function, batch, self.args.num_generations)
-        self.completions_log.add(prompts, completions, per_function, batch["advantages"].tolist())
+        self.completions_log.add(prompts, [transcript(c) if isinstance(c, list) else c for c in completions],
+                                 per_function, batch["advantages"].tolist())
         return batch
 
     @torch.no_grad()
@@ -368,23 +401,18 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
-        prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
-                             n=g, seed=stable_seed(a.seed, self.state.global_step),
-                             precision=trainer_precision(a))
+        r = self.sample(policy, rows, g)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
-        index = gens.prompt_index
         eos = eos_token_ids(tok, policy)
-        batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
+        batch = completion_tensors(r.prompt_ids, r.completion_ids, eos_token_id=eos, tool_mask=r.tool_mask,
                                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
-        if gens.logprobs is not None:  # what the off-policy correction divides by
-            batch["sampler_logps"] = sampler_logps(gens.logprobs, batch["completion_mask"].shape[1])
+        if r.logprobs is not None:  # what the off-policy correction divides by
+            batch["sampler_logps"] = sampler_logps(r.logprobs, batch["completion_mask"].shape[1])
         batch = {k: v.to(a.device) for k, v in batch.items()}
-        columns = gens.reward_columns(rows)
-        totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)
+        totals, per_function = self.score(r.prompts, r.completions, r.columns, batch)
         self._tick("scoring_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -392,6 +420,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
         batch["advantages"] = self.advantages(rewards, valid, per_function, g)
         loss_mask = batch["completion_mask"] * valid[:, None]
+        if "tool_mask" in batch:  # tool outputs are context: no loss, no log-probs in the ratio
+            loss_mask = loss_mask * batch["tool_mask"]
         if a.mask_truncated_completions:
             loss_mask = loss_mask * ~batch["truncated"][:, None]
         batch["loss_mask"] = loss_mask
@@ -406,7 +436,43 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                 batch["ref_logps"], _ = per_token_logps(ref, batch, temperature=a.sampling.temperature,
                                                         chunked=chunked)
         self._tick("training_s", time.perf_counter() - start)
-        return batch, (rewards, valid, per_function, [prompts[i] for i in index], gens.completions)
+        return batch, (rewards, valid, per_function, r.prompts, r.completions)
+
+    def sample(self, policy, rows: list[dict], g: int) -> Rollout:
+        """g completions per row: the user's rollout_func, multi-turn episodes with tools, or one sampled turn."""
+        a, tok = self.args, self.processing_class
+        if self.rollout_func is not None:
+            return custom_rollout(self.rollout_func, self, rows, g, tok)
+        if self.agent is not None:
+            def generate(contexts, n, round_):
+                gens = sample_online(policy, tok, token_prompts(tok, contexts), a.sampling, n=n,
+                                     seed=stable_seed(a.seed, self.state.global_step, round_),
+                                     precision=trainer_precision(a))
+                return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
+
+            rollout = self.agent.run(rows, g, generate)
+            self._log_tools(self.agent.runner.take_counts(), len(rollout.completion_ids))
+            return rollout
+        prompts = [r["prompt"] for r in rows]
+        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
+                             n=g, seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+        return from_generations(gens, rows, prompts)
+
+    def _log_tools(self, counts: dict[str, int], episodes: int) -> None:
+        """tools/calls, tools/errors, tools/timeouts, tools/parse_errors (summed over processes, per generation),
+        and TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (faults per call)."""
+        keys = ("calls", "errors", "timeouts", "parse_errors")
+        local = torch.tensor([counts[k] for k in keys] + [episodes], dtype=torch.float64, device=self.args.device)
+        total = self.accelerator.reduce(local, reduction="sum").tolist()
+        for key, value in zip(keys, total, strict=False):
+            self._metrics[f"tools/{key}"].append(value)
+        calls, faults = total[0], total[1] + total[2] + total[3]
+        self._metrics["tools/call_frequency"].append(calls / max(total[4], 1))
+        self._metrics["tools/failure_frequency"].append(faults / calls if calls else 0.0)
+        if faults:
+            logger.warning("tools: %d of %d calls failed this generation (%d raised or unknown, %d timed out, %d "
+                           "malformed); the model read each error as the tool's output", faults, calls, total[1],
+                           total[2], total[3])
 
     def advantages(self, rewards: torch.Tensor, valid: torch.Tensor, per_function: dict[str, list],
                    num_generations: int) -> torch.Tensor:
@@ -462,7 +528,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
             if got.numel():
                 m[f"rewards/{name}/mean"].append(got.mean().item())
                 m[f"rewards/{name}/std"].append(got.std().item() if got.numel() > 1 else 0.0)
-        lengths = batch["completion_mask"].sum(1).float()
+        lengths = (batch["completion_mask"] if "tool_mask" not in batch else batch["tool_mask"]).sum(1).float()
         m["completions/mean_length"].append(lengths.mean().item())
         m["completions/min_length"].append(lengths.min().item())
         m["completions/max_length"].append(lengths.max().item())

@@ -37,11 +37,13 @@ from stages.trainers.value_head import PreTrainedModelWrapper
 
 
 def pad_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], *, pad_token_id: int,
-                eos_token_id: int | Sequence[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                eos_token_id: int | Sequence[int], device: torch.device | str = "cpu", stop_at_eos: bool = True
+                ) -> dict[str, torch.Tensor]:
     """B prompts and their B completions -> input_ids, attention_mask, completion_mask (see the module doc).
 
     Completions may carry tokens after their first EOS (e.g. from an external sampler); they
-    are masked out. An empty completion has an all-zero mask row.
+    are masked out. An empty completion has an all-zero mask row. stop_at_eos=False: every token of each
+    completion is kept (multi-turn episodes, one EOS per turn).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions: pass one prompt per "
@@ -57,7 +59,8 @@ def pad_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Se
         completions[i, :len(c)] = torch.tensor(list(c), dtype=torch.long)
     lengths = torch.tensor([len(c) for c in completion_ids])
     within = torch.arange(completions.shape[1])[None, :] < lengths[:, None]
-    completion_mask = completion_mask_from_eos(completions, eos_token_id) * within
+    completion_mask = (completion_mask_from_eos(completions, eos_token_id) * within if stop_at_eos
+                       else within.long())
     return {
         "input_ids": torch.cat([prompts, completions], 1).to(device),
         "attention_mask": torch.cat([prompt_mask, completion_mask], 1).to(device),

@@ -249,8 +249,8 @@ def test_unsupported_trl_fields_names_the_field_as_trls():
     from stages.trainers.grpo_trainer import GRPOConfig
 
     problems = unsupported_trl_fields(GRPOConfig, {"vllm_gpu_memory_utilization": 0.5, "beta": 0.1, "use_vllm": True,
-                                                   "max_tool_calling_iterations": 3})
-    assert [k for k, _ in problems] == ["vllm_gpu_memory_utilization", "max_tool_calling_iterations"]
+                                                   "log_completions_hub_repo": "me/x"})
+    assert [k for k, _ in problems] == ["vllm_gpu_memory_utilization", "log_completions_hub_repo"]
     assert re.search(r"GRPOConfig\.vllm_gpu_memory_utilization: TRL 1\.16's `vllm_gpu_memory_utilization` is not "
                      r"supported by stages\.trainers yet \(vLLM is reached as a separate .*colocated engine.*\); "
                      r"remove it", problems[0][1])
