@@ -7,7 +7,7 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"SFTConfig.dataset_kwargs"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
+"GRPOTrainer.tools"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
 lack. Values: why, and what to do instead.
 No TRL import here (torch-free).
 """
@@ -39,8 +39,6 @@ UNSUPPORTED: dict[str, str] = {
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
-    "SFTConfig.dataset_kwargs": "rows are always prepared; pass rows that already hold input_ids to skip it",
-    "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
     "RewardTrainer.compute_metrics": _NO_METRICS,
     "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,
     "DPOTrainer.compute_metrics": _NO_METRICS,
