@@ -6,7 +6,6 @@ from typing import Any, Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.trl_compat import TRL_VERSION
 from stages.trainers.method_fields import (
     TokenizerFields,
     activation_offloading_field,
@@ -14,6 +13,7 @@ from stages.trainers.method_fields import (
     pad_to_multiple_of_field,
     truncation_mode_field,
 )
+from stages.trainers.trl_compat import TRL_VERSION
 
 TrainingArguments = training_arguments()
 

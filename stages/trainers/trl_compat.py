@@ -39,10 +39,6 @@ UNSUPPORTED: dict[str, str] = {
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
-    "RewardTrainer.compute_metrics": _NO_METRICS,
-    "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "DPOTrainer.compute_metrics": _NO_METRICS,
-    "KTOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
     "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,

@@ -199,3 +199,32 @@ def test_sync_ref_model_mixes_the_reference_towards_the_policy(setup, tmp_path):
     assert all(torch.equal(seen[3][n], seen[2][n]) for n in start)
     with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
         _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)
+
+
+def test_compute_metrics_gets_trls_logits_and_input_ids(setup, tmp_path):
+    """As TRL 1.16: predictions are the policy's logits (B, T, V) of each eval batch's rows, label_ids their
+    input ids (prompt + completion); equal to a direct forward of each row."""
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"rows": float(len(prediction.label_ids))}
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    args = KTOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_eval_batch_size=2,
+                     precompute_ref_log_probs=False)
+    trainer = KTOTrainer(model, args=args, processing_class=tok, train_dataset=rows[:8], eval_dataset=rows[:3],
+                         compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    assert metrics["eval_rows"] == 3 and "eval_loss" in metrics
+    model.eval()
+    for k in range(3):
+        row = trainer.eval_dataset[k]
+        ids = row["prompt_ids"] + row["completion_ids"]
+        assert seen["labels"][k, :len(ids)].tolist() == ids
+        with torch.no_grad():
+            direct = model(torch.tensor([ids])).logits[0]
+        assert seen["predictions"][k, :len(ids)] == pytest.approx(direct.numpy(), abs=1e-4)
