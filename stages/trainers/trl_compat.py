@@ -22,7 +22,6 @@ TRL_VERSION = "1.16"
 _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'; GRPO: use_vllm "
          "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
 _TR_DPO = "this trainer's reference stays the starting model (TR-DPO's syncing: DPOConfig and KTOConfig)"
-_NO_METRICS = "evaluation returns the loss and the method's metrics only, no predictions for compute_metrics"
 
 UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
@@ -39,9 +38,6 @@ UNSUPPORTED: dict[str, str] = {
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
-    "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
-    "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
-    "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
     "GRPOConfig.max_tool_calling_iterations": "tool calling is not built (a separate issue)",
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
     "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",

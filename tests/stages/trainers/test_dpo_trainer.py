@@ -105,7 +105,7 @@ def test_compute_metrics_gets_trls_logits_and_input_ids(setup, tmp_path):
     order = [0, 1, 0, 1, 2, 2]  # batch 1: chosen 0, 1, rejected 0, 1; batch 2: chosen 2, rejected 2
     sides = ["chosen", "chosen", "rejected", "rejected", "chosen", "rejected"]
     model.eval()
-    for k, (i, side) in enumerate(zip(order, sides)):
+    for k, (i, side) in enumerate(zip(order, sides, strict=True)):
         ids = trainer.eval_dataset[i][f"{side}_input_ids"]
         assert seen["labels"][k, :len(ids)].tolist() == ids
         assert set(seen["labels"][k, len(ids):].tolist()) <= {tok.pad_token_id, -100}  # padding: in / across batches
