@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
 
 import torch
 from transformers import Trainer
@@ -33,9 +32,11 @@ from stages.trainers.inputs import (
     load_model,
     load_processing_class,
     looks_like_rewards,
+    map_eval,
     no_unknown_kwargs,
     refuse,
     renamed_kwarg,
+    rows_with_prompts,
 )
 from stages.trainers.method_fields import beta_for_epoch
 from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -43,16 +44,6 @@ from stages.trainers.online_generation import sample_online
 from stages.trainers.pair_batches import PairCollator, completion_token_counts, flush_metrics, sequence_logps
 from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
 from stages.trainers.reward_mean import CheckpointsRewardMean, implicit_rewards, reward_mean_for
-
-
-def prompt_rows(data, name: str) -> list[dict]:
-    """The rows of a checked dataset as a list; each must have a 'prompt' (the error names `name` and the row)."""
-    rows = list(data or [])
-    missing = [i for i, r in enumerate(rows) if "prompt" not in r]
-    if not rows or missing:
-        raise ValueError(f"{name}: online DPO needs rows with a 'prompt' column; {len(missing)} of "
-                         f"{len(rows)} rows lack it (first: row {missing[0] if missing else '-'})")
-    return rows
 
 
 def rank_pairs(scores: list[float | None]) -> tuple[list[tuple[int, int]], int]:
@@ -116,12 +107,9 @@ class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
             raise ValueError("OnlineDPOTrainer: reward_funcs is None; online DPO ranks its two samples with reward "
                              "functions: pass reward_funcs= (a callable, a list, a built-in name such as "
                              "'exact_match', or a reward model's folder), or set args.reward_model_path")
-        rows = prompt_rows(check_dataset(train_dataset, "train_dataset"), "train_dataset")
-        eval_dataset = check_dataset(eval_dataset, "eval_dataset", allow_dict=True)
-        if isinstance(eval_dataset, Mapping):
-            eval_dataset = {k: prompt_rows(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = prompt_rows(eval_dataset, "eval_dataset")
+        rows = rows_with_prompts(train_dataset, "train_dataset", method="online DPO")
+        eval_dataset = map_eval(check_dataset(eval_dataset, "eval_dataset", allow_dict=True), lambda data, name: (
+            None if data is None else rows_with_prompts(data, name, method="online DPO")), named=True)
         if "inputs" in (getattr(args, "include_for_metrics", None) or []):
             raise ValueError(f"OnlineDPOConfig.include_for_metrics = {args.include_for_metrics}: 'inputs' is not "
                              "available: online DPO's evaluation batches are prompts, the pairs are sampled from "
