@@ -36,7 +36,7 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                       "completion_only_loss, those of the completion), from the template's "
                                       "{% generation %} markers or the turns' positions")
     dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
-    dataset_kwargs: dict[str, Any] | None = param(
+    dataset_kwargs: dict[str, bool] | None = param(
         None, help="options of dataset preparation (TRL's); the one key is skip_prepare_dataset: true uses the rows "
         "as given: they hold input_ids, and optionally completion_mask / assistant_masks / labels (-100 where no "
         "loss); no tokenising, shuffling or packing", check=lambda v: isinstance(v, dict),
