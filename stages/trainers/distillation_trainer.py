@@ -214,7 +214,7 @@ class DistillationTrainer(Trainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if getattr(self.model, "training", True) else "eval"
         prefix = "eval_" if mode == "eval" else ""
         for key, values in self._metrics[mode].items():
             logs[f"{prefix}{key}"] = sum(values) / len(values)

@@ -18,6 +18,7 @@ which would cut a (2B, ...) batch's rejected half (TRL 1.16 loses them so).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def policy_logits(trainer, model, inputs: dict[str, torch.Tensor]) -> tuple[torc
 
 
 # (model, prepared inputs, compute_loss's outputs) -> (predictions, label_ids)
-Predict = Callable[[object, dict[str, torch.Tensor], object], tuple[torch.Tensor, object]]
+Predict = Callable[[Any, dict[str, torch.Tensor], Any], tuple[torch.Tensor, Any]]
 
 
 @torch.no_grad()
