@@ -228,3 +228,31 @@ def test_compute_metrics_gets_trls_logits_and_input_ids(setup, tmp_path):
         with torch.no_grad():
             direct = model(torch.tensor([ids])).logits[0]
         assert seen["predictions"][k, :len(ids)] == pytest.approx(direct.numpy(), abs=1e-4)
+
+
+def test_prediction_step_matches_trls_on_the_same_batch(setup, tmp_path):
+    """apo_zero_unpaired needs no KL rows (TRL pairs them differently), so the loss is comparable too."""
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    path, tok, _ = setup
+    rows = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?", "What is 1+1?", "What is 3+3?"],
+                              "completion": [" 5", " 9 or 10", " 2", " 7"], "label": [True, False, True, False]})
+    out = []
+    for config_cls, trainer_cls in ((trl.KTOConfig, trl.KTOTrainer), (KTOConfig, KTOTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(path), processing_class=tok,
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                                  gradient_checkpointing=False, loss_type="apo_zero_unpaired",
+                                                  precompute_ref_log_probs=False),
+                                  train_dataset=rows, eval_dataset=rows)
+            batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])
+            trainer.model.eval()
+            out.append(trainer.prediction_step(trainer.model, batch, prediction_loss_only=False))
+    (their_loss, their_logits, their_ids), (loss, logits, ids) = out
+    assert torch.equal(ids, their_ids) and torch.allclose(logits, their_logits, atol=1e-5)
+    assert loss.item() == pytest.approx(their_loss.item(), rel=1e-5)

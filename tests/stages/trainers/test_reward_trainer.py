@@ -223,3 +223,30 @@ def test_compute_metrics_gets_trls_predictions_the_rewards_of_a_direct_forward(s
     assert seen["predictions"] == pytest.approx(expected, abs=1e-5)
     assert metrics["eval_mean_prediction"] == pytest.approx(float(expected.mean()), abs=1e-5)
     assert "eval_loss" in metrics and "eval_accuracy" in metrics
+
+
+def test_compute_metrics_receives_what_trls_does(setup, tmp_path):
+    """The same reward model and pairs through TRL 1.16's RewardTrainer and ours: the same EvalPrediction
+    (rewards (2B, 1), chosen then rejected; label_ids empty) and eval_loss."""
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+
+    path, tok, _ = setup
+    pairs = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?"], "chosen": [" 5", " 8"],
+                               "rejected": [" 6", " 9 or 10"]})
+    out = []
+    for config_cls, trainer_cls in ((trl.RewardConfig, trl.RewardTrainer), (RewardConfig, RewardTrainer)):
+        seen: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(_model(path, tok), processing_class=tok, train_dataset=pairs, eval_dataset=pairs,
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                                  gradient_checkpointing=False, per_device_eval_batch_size=2),
+                                  compute_metrics=lambda e, s=seen: s.update(p=e.predictions, l=e.label_ids) or {})
+            seen["loss"] = trainer.evaluate()["eval_loss"]
+        out.append(seen)
+    theirs, ours = out
+    assert ours["p"].shape == theirs["p"].shape == (4, 1) and ours["l"] == theirs["l"] == ()
+    assert ours["p"] == pytest.approx(theirs["p"], abs=1e-6) and ours["loss"] == pytest.approx(theirs["loss"])
