@@ -101,7 +101,7 @@ def test_evaluation_is_the_divergence_on_held_out_prompts(setup, tmp_path):
 
     student, teacher, rows = setup
     held_out = builtin_rows("prompts", "prompt_only", num_train=16, num_eval=4, num_preference=8)[:3]
-    args = _args(tmp_path, max_steps=30, per_device_eval_batch_size=4)
+    args = _args(tmp_path, max_steps=30, per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=15)
     trainer = DistillationTrainer(student, teacher, args=args, train_dataset=rows, eval_dataset=held_out)
     before = trainer.evaluate()
     assert trainer.evaluate()["eval_loss"] == before["eval_loss"]
@@ -115,6 +115,7 @@ def test_evaluation_is_the_divergence_on_held_out_prompts(setup, tmp_path):
     assert before["eval_completions/mean_length"] == pytest.approx(batch["completion_mask"].sum(1).float().mean())
     assert "eval_divergence" in before
     trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [15, 30]
     assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
     train_lines = [h for h in trainer.state.log_history if "loss" in h]
     assert train_lines and all(not any(k.startswith("eval_") for k in h) for h in train_lines)

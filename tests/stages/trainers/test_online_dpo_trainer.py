@@ -148,7 +148,8 @@ def test_evaluation_samples_ranks_and_reports_eval_metrics_and_predictions(tmp_p
     model = AutoModelForCausalLM.from_pretrained(path)
     args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8,
                            per_device_eval_batch_size=4, learning_rate=1e-2, beta=0.5, max_new_tokens=8,
-                           logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0)
+                           logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
+                           eval_strategy="steps", eval_steps=2)
     trainer = OnlineDPOTrainer(model, reward_funcs=recording_digits, args=args, processing_class=tok,
                                train_dataset=rows, eval_dataset=rows[:6], compute_metrics=compute_metrics)
     before = trainer.evaluate()
@@ -168,7 +169,8 @@ def test_evaluation_samples_ranks_and_reports_eval_metrics_and_predictions(tmp_p
     trainer.train()
     after = trainer.evaluate()
     assert after["eval_loss"] != pytest.approx(0.6931, abs=1e-3)
-    assert [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h] == [after["eval_loss"]]
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 4, 4]  # eval_steps, then ours
+    assert [h for h in trainer.state.log_history if "eval_loss" in h][-1]["eval_loss"] == after["eval_loss"]
     train_lines = [h for h in trainer.state.log_history if "loss" in h]
     assert train_lines and all("scores/mean" in h and not any(k.startswith("eval_") for k in h)
                                for h in train_lines)
