@@ -29,7 +29,8 @@ class CompletionCollator:
     """Pads (or concatenates) features into a causal-LM batch with labels from loss masks.
 
     Features: `input_ids` (n,), and optionally `completion_mask` (n,) and `assistant_masks`
-    (n,) (1 where the loss applies), and `seq_lengths` (k,) or `position_ids` (n,)
+    (n,) (1 where the loss applies), `labels` (n,) (TRL's prepared rows: IGNORE_INDEX where no
+    loss, the token id elsewhere), and `seq_lengths` (k,) or `position_ids` (n,)
     describing several packed sequences in one feature (from `pack_dataset`).
 
     - completion_only_loss: loss only where `completion_mask` is 1 (all tokens if the
@@ -83,6 +84,8 @@ class CompletionCollator:
                                  "return_dict=True) using a chat template with {% generation %} markers, or set "
                                  "assistant_only_loss=False.")
             keep &= self._mask(index, f, "assistant_masks", n)
+        if f.get("labels") is not None:
+            keep &= self._labelled(index, f, ids)
         starts = _sequence_starts(index, f, n)
         if self.max_length is not None:
             ids, keep, starts = ids[:self.max_length], keep[:self.max_length], starts[:self.max_length]
@@ -95,6 +98,21 @@ class CompletionCollator:
             raise ValueError(f"feature {index}: '{name}' has {tuple(mask.shape)} entries but 'input_ids' has {n}; "
                              "masks must have one entry per token (re-tokenise the row)")
         return mask
+
+    @staticmethod
+    def _labelled(index: int, f: dict[str, Any], ids: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: where a feature's `labels` are not IGNORE_INDEX; there they must be the input ids."""
+        labels = torch.as_tensor(f["labels"], dtype=torch.long)
+        if labels.shape != ids.shape:
+            raise ValueError(f"feature {index}: 'labels' has {tuple(labels.shape)} entries but 'input_ids' has "
+                             f"{len(ids)}; give one label per token ({IGNORE_INDEX} where no loss)")
+        kept = labels != IGNORE_INDEX
+        if (labels[kept] != ids[kept]).any():
+            raise ValueError(f"feature {index}: 'labels' differ from 'input_ids' at positions "
+                             f"{torch.nonzero(kept & (labels != ids)).flatten().tolist()[:10]}; labels mark where "
+                             f"the loss applies (the token id there, {IGNORE_INDEX} elsewhere): the model learns "
+                             "each next input token")
+        return kept
 
     def _pad(self, rows: list[tuple[torch.Tensor, ...]], packed: bool) -> dict[str, torch.Tensor]:
         """Rows of (ids, labels, starts), each (n_i,), into (B, T) tensors; T = max n_i rounded up."""

@@ -8,7 +8,7 @@ what they share.
 """
 from stages.losses.bradley_terry import reward_loss
 from stages.losses.distillation import distillation_loss, generalized_jsd
-from stages.losses.likelihood import IGNORE_INDEX, SFT_LOSSES, sft_loss, sft_loss_from_logps
+from stages.losses.likelihood import IGNORE_INDEX, SFT_LOSSES, sft_loss, sft_loss_from_logps, token_counts
 from stages.losses.preference import (
     DPO_LOSSES,
     F_DIVERGENCES,
@@ -55,4 +55,4 @@ __all__ = ["DPO_LOSSES", "F_DIVERGENCES", "GRPO_AGGREGATIONS", "GRPO_POLICY_TERM
            "kl_k1", "kl_k3", "kto_loss", "masked_whiten", "normalized_sum_advantages", "objective_problems",
            "off_policy_sequence_mask", "per_token_rewards", "ppo_loss", "preference_loss", "resolve_objective",
            "reward_loss", "rloo_advantages", "rloo_loss", "sampler_importance_weights", "sft_loss",
-           "sft_loss_from_logps", "sft_objective", "truncated_importance_weights", "vespo_weights"]
+           "sft_loss_from_logps", "sft_objective", "token_counts", "truncated_importance_weights", "vespo_weights"]

@@ -53,9 +53,19 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_items_in_batch: 
     num_tokens = mask.sum()
     denom = num_items_in_batch if num_items_in_batch is not None else num_tokens.clamp(min=1)
     loss = token_loss.sum() / denom
+    return loss, token_counts(logits.detach(), labels)
+
+
+def token_counts(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"num_tokens": labelled positions, "correct_tokens": those whose argmax is the label}: scalars.
+
+    logits: (B, T, V); labels: (B, T), IGNORE_INDEX where no loss; position t predicts labels[t + 1].
+    """
     with torch.no_grad():
-        correct = ((shift_logits.argmax(-1) == shift_labels) & mask).sum()
-    return loss, {"num_tokens": num_tokens.detach(), "correct_tokens": correct}
+        shift_labels = labels[:, 1:]
+        mask = shift_labels != IGNORE_INDEX
+        correct = ((logits[:, :-1].argmax(-1) == shift_labels) & mask).sum()
+    return {"num_tokens": mask.sum(), "correct_tokens": correct}
 
 
 def sft_loss_from_logps(logps: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None,

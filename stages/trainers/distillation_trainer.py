@@ -5,7 +5,8 @@ the run seed, the step and the prompt); the student and the frozen teacher then 
 prompt + completion, and at every completion position the student's next-token distribution is
 pulled towards the teacher's by `stages.losses.distillation_loss` (beta = 1: the reverse KL, so
 the student learns where its own samples go wrong). The teacher must share the student's
-vocabulary and tokenizer: it scores the student's token ids as they are.
+vocabulary and tokenizer: it scores the student's token ids as they are. Evaluation does the same on the
+`eval_dataset` prompts (a fixed draw, no update): `eval_loss` is the divergence there, as TRL's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from stages.losses import distillation_loss
 from stages.precision import autocast_forward, trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.distillation_config import DistillationConfig
+from stages.trainers.eval_predictions import EVAL_DRAW
 from stages.trainers.grpo_trainer import completion_tensors, rows_collator
 from stages.trainers.inputs import (
     apply_peft,
@@ -33,7 +35,9 @@ from stages.trainers.inputs import (
     disable_dropout,
     load_model,
     load_processing_class,
+    map_eval,
     refuse,
+    rows_with_prompts,
 )
 from stages.trainers.online_extras import (
     PromptBatchSampler,
@@ -104,14 +108,11 @@ class DistillationTrainer(Trainer):
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, *, data_collator=None):
-        refuse("DistillationTrainer", eval_dataset=eval_dataset, tools=tools)
+        refuse("DistillationTrainer", tools=tools)
         args = args or default_args(DistillationConfig, model, "Distillation")
-        rows = list(check_dataset(train_dataset, "train_dataset") or [])
-        missing = [i for i, r in enumerate(rows) if "prompt" not in r]
-        if not rows or missing:
-            where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
-            raise ValueError(f"train_dataset: distillation needs rows with a 'prompt' column; {len(missing)} of "
-                             f"{len(rows)} rows lack it{where}")
+        rows = rows_with_prompts(train_dataset, "train_dataset", method="distillation")
+        eval_dataset = map_eval(check_dataset(eval_dataset, "eval_dataset", allow_dict=True), lambda data, name: (
+            None if data is None else rows_with_prompts(data, name, method="distillation")), named=True)
         key = "teacher_model" if teacher_model is not None else "DistillationConfig.teacher_model_name_or_path"
         source = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if source is None:
@@ -130,10 +131,10 @@ class DistillationTrainer(Trainer):
         use_fp32_cpu_attention(teacher)
         collate: Any = data_collator or rows_collator  # prompt rows pass through; sampled in training_step
         super().__init__(model=model, args=args, data_collator=collate,
-                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
-                         optimizers=optimizers)
+                         processing_class=processing_class, train_dataset=rows, eval_dataset=eval_dataset,
+                         callbacks=callbacks, optimizers=optimizers)
         self.teacher_model = teacher.eval().requires_grad_(False)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def get_train_dataloader(self) -> DataLoader:
         a = self.args
@@ -161,24 +162,27 @@ class DistillationTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     @torch.no_grad()
-    def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """One completion per prompt from the student: a rollout batch (`stages.trainers.rollout.pad_rollout`)."""
+    def make_batch(self, rows: list[dict], *, evaluation: bool = False) -> dict[str, torch.Tensor]:
+        """One completion per prompt from the student: a rollout batch (`stages.trainers.rollout.pad_rollout`).
+        The draw is the step's, or with `evaluation` the fixed EVAL_DRAW; the lengths go to that mode's metrics."""
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         student = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(student, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=1,
-                             seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+                             seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
+                             precision=trainer_precision(a))
+        metrics = self._metrics["eval" if evaluation else "train"]
         eos = eos_token_ids(tok, student)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         batch = completion_tensors([gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids,
                                    eos_token_id=eos, pad_token_id=pad_id)
         batch = pad_to_multiple(batch, a.pad_to_multiple_of, pad_id)
         lengths = batch["completion_mask"].sum(1).float()
-        self._metrics["completions/mean_length"].append(lengths.mean().item())
-        self._metrics["completions/truncated_ratio"].append(batch.pop("truncated").float().mean().item())
-        if a.log_completions and self.state.global_step % max(int(a.logging_steps), 1) == 0:
+        metrics["completions/mean_length"].append(lengths.mean().item())
+        metrics["completions/truncated_ratio"].append(batch.pop("truncated").float().mean().item())
+        if a.log_completions and not evaluation and self.state.global_step % max(int(a.logging_steps), 1) == 0:
             rows_out = completion_sample([prompts[i] for i in gens.prompt_index], gens.completions,
                                          [None] * len(gens.completions), limit=a.num_completions_to_print,
                                          unique_prompts=a.log_unique_prompts)
@@ -194,14 +198,27 @@ class DistillationTrainer(Trainer):
         loss, metrics = distillation_loss(student, teacher, beta=a.beta, temperature=a.sampling.temperature,
                                           num_items_in_batch=num_items_in_batch)
         loss = loss * self.accelerator.num_processes  # DDP averages the ranks' gradients; the step wants their sum
+        mode = self._metrics["train" if model.training else "eval"]
         for key, value in metrics.items():
-            self._metrics[key].append(self.accelerator.gather_for_metrics(value.detach().float()).mean().item())
+            mode[key].append(self.accelerator.gather_for_metrics(value.detach().float()).mean().item())
         return (loss, {"logits": student}) if return_outputs else loss
 
+    @torch.no_grad()
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Eval on a batch of prompts: the student samples one completion each (`make_batch`'s evaluation draw);
+        the loss is the divergence from the teacher, the mean over this batch's completion positions."""
+        batch = self.make_batch(inputs, evaluation=True)
+        positions = batch["completion_mask"].sum().float().clamp(min=1)
+        with self.compute_loss_context_manager():  # compute_loss scales by the processes for DDP: undone here
+            loss = self.compute_loss(model, batch, num_items_in_batch=positions * self.accelerator.num_processes)
+        return loss.detach(), None, None
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        for key, values in self._metrics.items():
-            logs[key] = sum(values) / len(values)
-        self._metrics.clear()
+        mode = "train" if getattr(self.model, "training", True) else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        for key, values in self._metrics[mode].items():
+            logs[f"{prefix}{key}"] = sum(values) / len(values)
+        self._metrics[mode].clear()
         super().log(logs, start_time)
 
 

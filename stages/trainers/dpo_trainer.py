@@ -27,7 +27,8 @@ from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
-from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.eval_predictions import PairPredictions, loss_and_predictions
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs
 from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import (
@@ -35,7 +36,6 @@ from stages.trainers.pair_batches import (
     PairCollator,
     completion_token_counts,
     flush_metrics,
-    loss_only_prediction_step,
     token_logps,
     tokenize_pairs,
     tokenized_dataset,
@@ -88,14 +88,13 @@ def with_balance_key(rows: list[dict], column: str | None) -> list[dict]:
 
 
 
-class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivations, Trainer):
+class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, OffloadsActivations, Trainer):
     ref_columns = REF_COLUMNS
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
-        refuse("DPOTrainer", compute_metrics=compute_metrics)
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             DPOConfig, "DPO", model, args, train_dataset, eval_dataset, processing_class)
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
@@ -116,7 +115,8 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         super().__init__(model=model, args=args, data_collator=data_collator or PairCollator(
             processing_class.pad_token_id, pad_multiple(args.pad_to_multiple_of)), processing_class=processing_class,
             train_dataset=prepare(train_dataset),
-            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers)
+            eval_dataset=map_eval(eval_dataset, prepare), compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         if args.precompute_ref_log_probs and not args.reference_free and not self._has_ref_columns():
@@ -195,7 +195,9 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         return (loss, {"logps": logps}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        return loss_only_prediction_step(self, model, inputs)
+        """Eval: the loss, and for compute_metrics TRL's predictions: the policy's logits (2B, T, V) of the chosen
+        then rejected rows, with their input ids as label_ids (stages.trainers.eval_predictions)."""
+        return loss_and_predictions(self, model, self._prepare_inputs(inputs), prediction_loss_only)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

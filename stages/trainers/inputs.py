@@ -226,11 +226,25 @@ def check_dataset(data, name: str, *, allow_dict: bool = False):
                     f"list of row dicts{hint}")
 
 
-def map_eval(eval_dataset, prepare):
-    """`prepare` applied to the eval dataset, or to each dataset of a dict of them (keys kept)."""
+def map_eval(eval_dataset, prepare, *, named: bool = False):
+    """`prepare` applied to the eval dataset, or to each dataset of a dict of them (keys kept); with `named`,
+    `prepare(dataset, name)`, name "eval_dataset" or "eval_dataset[key]" (for error messages)."""
     if isinstance(eval_dataset, Mapping):
-        return {key: prepare(value) for key, value in eval_dataset.items()}
-    return prepare(eval_dataset)
+        return {key: prepare(value, f"eval_dataset[{key!r}]") if named else prepare(value)
+                for key, value in eval_dataset.items()}
+    return prepare(eval_dataset, "eval_dataset") if named else prepare(eval_dataset)
+
+
+def rows_with_prompts(data, name: str, *, method: str) -> list[dict]:
+    """The rows of an online trainer's dataset (checked by `check_dataset`) as a list; each must have a 'prompt'
+    (the error names `name`, `method` and the first row without one)."""
+    rows = list(check_dataset(data, name) or [])
+    missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+    if not rows or missing:
+        where = f" (first: row {missing[0]})" if missing else " (the dataset is empty)"
+        raise ValueError(f"{name}: {method} needs rows with a 'prompt' column; {len(missing)} of {len(rows)} rows "
+                         f"lack it{where}")
+    return rows
 
 
 def renamed_kwarg(kwargs: dict[str, Any], old: str, new: str, value, *, trainer: str):

@@ -22,11 +22,12 @@ from stages.losses import kto_loss
 from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.tensors import pad
-from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.eval_predictions import loss_and_predictions
+from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
-from stages.trainers.pair_batches import flush_metrics, loss_only_prediction_step, sequence_logps, tokenized_dataset
+from stages.trainers.pair_batches import flush_metrics, sequence_logps, tokenized_dataset
 from stages.trainers.ref_sync import sync_reference
 from stages.trainers.reference_model import (
     PrecomputedReference,
@@ -143,7 +144,6 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
     def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None):
-        refuse("KTOTrainer", compute_metrics=compute_metrics)
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             KTOConfig, "KTO", model, args, train_dataset, eval_dataset, processing_class)
 
@@ -166,7 +166,7 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator or KTOCollator(
             processing_class.pad_token_id, args.max_length, pad_multiple(args.pad_to_multiple_of)),
             processing_class=processing_class, train_dataset=train, eval_dataset=map_eval(eval_dataset, prepare),
-            callbacks=callbacks, optimizers=optimizers)
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self.uses_kl = args.loss_type in KTO_LOSSES_WITH_KL
         if args.precompute_ref_log_probs and not self._has_ref_columns():
             self._precompute_reference(ref_model)
@@ -271,7 +271,9 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
                 m[f"logps/{name}"].append(logps[select].mean().item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        return loss_only_prediction_step(self, model, inputs)
+        """Eval: the loss, and for compute_metrics TRL's predictions: the policy's logits (B, T, V) of the batch's
+        rows, with their input ids as label_ids (stages.trainers.eval_predictions)."""
+        return loss_and_predictions(self, model, self._prepare_inputs(inputs), prediction_loss_only)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

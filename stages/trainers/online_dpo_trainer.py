@@ -5,10 +5,13 @@ seeded from the run seed, the step and the prompt), ranks them with the reward f
 `reward_funcs`; weights `reward_weights`), and trains on the pair with the same objectives as DPO
 (`stages.losses.preference_loss`) against the reference (a frozen copy, or the adapter-disabled base
 under PEFT). `missing_eos_penalty` lowers the score of completions cut before EOS; `beta` may change
-per epoch (a list). Ties and unscored pairs get no loss. The details: docs/trainers.md.
+per epoch (a list). Ties and unscored pairs get no loss. Evaluation samples and ranks pairs of the
+`eval_dataset` prompts the same way (a fixed draw) and reports their loss and scores under `eval_`;
+`compute_metrics` gets the pairs' logits (`stages.trainers.eval_predictions`). The details: docs/trainers.md.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -20,6 +23,7 @@ from stages.losses import preference_loss, resolve_objective
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
 from stages.sharding import unwrap
+from stages.trainers.eval_predictions import EVAL_DRAW, PairPredictions, loss_and_predictions
 from stages.trainers.inputs import (
     apply_peft,
     check_dataset,
@@ -28,9 +32,11 @@ from stages.trainers.inputs import (
     load_model,
     load_processing_class,
     looks_like_rewards,
+    map_eval,
     no_unknown_kwargs,
     refuse,
     renamed_kwarg,
+    rows_with_prompts,
 )
 from stages.trainers.method_fields import beta_for_epoch
 from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -78,15 +84,14 @@ def pair_features(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: li
     return out
 
 
-class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
+class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
     loss_is_scaled_for_ga = True  # a sum over the micro-batch's pairs / the whole step's pairs (see compute_loss)
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args: OnlineDPOConfig | None = None,
                  data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), preprocess_logits_for_metrics=None, **deprecated):
-        refuse("OnlineDPOTrainer", eval_dataset=eval_dataset, reward_processing_classes=reward_processing_classes,
-               compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        refuse("OnlineDPOTrainer", reward_processing_classes=reward_processing_classes)
         reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
                                      trainer="OnlineDPOTrainer")
         no_unknown_kwargs("OnlineDPOTrainer", deprecated)
@@ -102,11 +107,13 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
             raise ValueError("OnlineDPOTrainer: reward_funcs is None; online DPO ranks its two samples with reward "
                              "functions: pass reward_funcs= (a callable, a list, a built-in name such as "
                              "'exact_match', or a reward model's folder), or set args.reward_model_path")
-        rows = list(check_dataset(train_dataset, "train_dataset") or [])
-        missing = [i for i, r in enumerate(rows) if "prompt" not in r]
-        if not rows or missing:
-            raise ValueError(f"train_dataset: online DPO needs rows with a 'prompt' column; {len(missing)} of "
-                             f"{len(rows)} rows lack it (first: row {missing[0] if missing else '-'})")
+        rows = rows_with_prompts(train_dataset, "train_dataset", method="online DPO")
+        eval_dataset = map_eval(check_dataset(eval_dataset, "eval_dataset", allow_dict=True), lambda data, name: (
+            None if data is None else rows_with_prompts(data, name, method="online DPO")), named=True)
+        if "inputs" in (getattr(args, "include_for_metrics", None) or []):
+            raise ValueError(f"OnlineDPOConfig.include_for_metrics = {args.include_for_metrics}: 'inputs' is not "
+                             "available: online DPO's evaluation batches are prompts, the pairs are sampled from "
+                             "them; remove 'inputs' (compute_metrics gets the pairs' input ids as label_ids)")
         processing_class = load_processing_class(model, processing_class, args)
         model = apply_peft(load_model(model, args), peft_config)
         if ref_model is not None:
@@ -117,15 +124,16 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or list,  # prompts pass through
-                         processing_class=processing_class, train_dataset=rows, callbacks=callbacks,
-                         optimizers=optimizers)
+                         processing_class=processing_class, train_dataset=rows, eval_dataset=eval_dataset,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self.objectives = [(name, resolve_objective(name)) for name in args.objective_names]
         self.loss_weights = args.loss_weights or [1.0] * len(self.objectives)
         self.ref_model = frozen_reference(self.model, ref_model)
         self.pair_collator = PairCollator(processing_class.pad_token_id)
         self.eos_ids = set(eos_token_ids(processing_class, unwrap(self.model)))
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ (stages.trainers.reward_mean)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The optimizer step's micro-batches of prompts -> pair batches, each carrying "step_pairs": the
@@ -140,26 +148,29 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         return batches, num_items
 
     @torch.no_grad()
-    def make_pairs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def make_pairs(self, rows: list[dict], *, evaluation: bool = False) -> dict[str, torch.Tensor]:
         """Sample two completions per prompt, score and rank them: a `PairCollator` batch of one pair per
-        prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
+        prompt, "weight" 0 on the pairs dropped (tied or unscored). The samples' draw is the step's, or with
+        `evaluation` the fixed EVAL_DRAW (evaluations then differ only by the policy); their scores go to that
+        mode's metrics."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
-                             seed=stable_seed(a.seed, self.state.global_step),
+                             seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
                              precision=trainer_precision(a))
+        metrics = self._metrics["eval" if evaluation else "train"]
         index = gens.prompt_index
         scores, _ = self.reward_functions([prompts[i] for i in index], gens.completions, **gens.reward_columns(rows))
         scores = penalise_missing_eos(scores, [bool(self.eos_ids & set(ids)) for ids in gens.completion_ids],
                                       a.missing_eos_penalty)
         pairs, dropped = rank_pairs(scores)
-        self._metrics["pairs/dropped"].append(dropped)
+        metrics["pairs/dropped"].append(dropped)
         scored = [v for v in scores if v is not None]
         if scored:
-            self._metrics["scores/mean"].append(sum(scored) / len(scored))
+            metrics["scores/mean"].append(sum(scored) / len(scored))
         if pairs:
-            self._metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
-            self._metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
+            metrics["scores/chosen"].append(sum(scores[c] for c, _ in pairs) / len(pairs))
+            metrics["scores/rejected"].append(sum(scores[r] for _, r in pairs) / len(pairs))
         kept = dict(pairs)
         features = []
         for k in range(0, len(scores), 2):  # prompt-major: one pair per prompt, kept or weight 0
@@ -181,8 +192,9 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         weight = inputs["weight"]  # (B,): 0 for a tied or unscored pair (kept so every rank runs backward)
         bco_delta = None
         if self.reward_mean is not None:  # bco_pair's running δ over the kept pairs' implicit rewards
-            rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.beta)
-            self.reward_mean.update(rewards[weight.repeat(2) > 0], self.accelerator.gather)
+            if model.training:
+                rewards = implicit_rewards(logps, ref_chosen, ref_rejected, self.beta)
+                self.reward_mean.update(rewards[weight.repeat(2) > 0], self.accelerator.gather)
             bco_delta = self.reward_mean.value
         loss, stats = preference_loss(self.objectives, self.loss_weights, logps, completion_token_counts(inputs),
                                       ref_chosen, ref_rejected, weight=weight, beta=self.beta,
@@ -192,14 +204,28 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         loss = loss * weight.numel() / inputs["step_pairs"].clamp(min=1) * self.accelerator.num_processes
         if "rewards/accuracies" in stats:
             stats["win_rate"] = stats.pop("rewards/accuracies")
+        metrics = self._metrics["train" if model.training else "eval"]
         for key, value in stats.items():  # every rank gathers every key, kept pairs or not
             total, count = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None]).sum(0)
             if count > 0:  # kept pairs on some rank: their mean; a dropped pair weighs nothing
-                self._metrics[key].append((total / count).item())
+                metrics[key].append((total / count).item())
         return (loss, {"logps": logps}) if return_outputs else loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Eval on a batch of prompts: two samples each (`make_pairs`' evaluation draw), ranked by the reward
+        functions; the loss is the mean over the kept pairs (NaN when none: left out of eval_loss), the
+        predictions the pairs' logits (stages.trainers.eval_predictions)."""
+        pairs = self.make_pairs(inputs, evaluation=True)
+        kept = pairs["weight"].gt(0).sum().float()
+        pairs["step_pairs"] = kept * self.accelerator.num_processes  # compute_loss: the mean over this batch's pairs
+        loss, predictions, labels = loss_and_predictions(self, model, pairs, prediction_loss_only)
+        return (loss if kept > 0 else torch.full_like(loss, math.nan)), predictions, labels
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        dropped = self._metrics.pop("pairs/dropped", [])
-        flush_metrics(self._metrics, logs)
-        logs["pairs/dropped"] = float(sum(dropped))
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        dropped = self._metrics[mode].pop("pairs/dropped", [])
+        flush_metrics(self._metrics[mode], logs, prefix)
+        if dropped or mode == "train":
+            logs[f"{prefix}pairs/dropped"] = float(sum(dropped))
         super().log(logs, start_time)

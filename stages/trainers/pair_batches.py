@@ -9,7 +9,7 @@ hidden states through `stages.kernels.chunked_logprobs` where the model allows (
 `stages.losses.preference_loss` combines the named objectives on those sums.
 
 The small trainer plumbing the preference trainers share (a tokenised `datasets.Dataset`,
-a loss-only prediction step, metric averaging) sits at the end.
+metric averaging) sits at the end; their evaluation's predictions: `stages.trainers.eval_predictions`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import Trainer
 
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
@@ -141,17 +140,6 @@ def tokenized_dataset(rows, marker: str, tokenize: Callable[..., list[dict]], *,
     from stages.data import tokenize as tokenizing
 
     return tokenizing.tokenized_dataset(rows, tokenize, marker=marker, tokenizer=tokenizer, num_proc=num_proc)
-
-
-@torch.no_grad()
-def loss_only_prediction_step(trainer: Trainer, model, inputs) -> tuple[torch.Tensor, None, None]:
-    """`prediction_step` for trainers whose batches carry no `labels`: the loss only.
-
-    (Trainer's own would run a bare forward, find no labels, and report no eval_loss.)
-    """
-    inputs = trainer._prepare_inputs(inputs)
-    with trainer.compute_loss_context_manager():
-        return trainer.compute_loss(model, inputs).detach(), None, None
 
 
 def flush_metrics(metrics: dict[str, list[float]], logs: dict[str, float], prefix: str = "") -> None:

@@ -22,6 +22,7 @@ from stages.precision import use_fp32_cpu_attention
 from stages.reward_model import load_reward_model, pair_row, score_head, sequence_rewards, with_pad_token
 from stages.sharding import unwrap
 from stages.tensors import pad
+from stages.trainers.eval_predictions import PairPredictions, loss_and_predictions
 from stages.trainers.inputs import (
     apply_eos_to_model,
     apply_peft,
@@ -29,7 +30,6 @@ from stages.trainers.inputs import (
     load_model,
     map_eval,
     offline_inputs,
-    refuse,
 )
 from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
@@ -114,15 +114,13 @@ def _mean(values: list[float]) -> float:
 _REDUCE = {"reward_min": min, "reward_max": max}
 
 
-class RewardTrainer(OffloadsActivations, Trainer):
+class RewardTrainer(PairPredictions, OffloadsActivations, Trainer):
     loss_is_scaled_for_ga = False  # the loss is a mean over pairs: Trainer divides by accumulation steps
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
                  quantization_config=None, peft_config=None):
-        refuse("RewardTrainer", compute_metrics=compute_metrics,
-               preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             RewardConfig, "Reward", model, args, train_dataset, eval_dataset, processing_class)
         model = load_model(model, args, quantization_config,
@@ -150,8 +148,9 @@ class RewardTrainer(OffloadsActivations, Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator or RewardCollator(
             processing_class.pad_token_id, pad_multiple(args.pad_to_multiple_of)), processing_class=processing_class,
             train_dataset=prepare(train_dataset),
-            eval_dataset=map_eval(eval_dataset, prepare), callbacks=callbacks, optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
+            eval_dataset=map_eval(eval_dataset, prepare), compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -166,13 +165,10 @@ class RewardTrainer(OffloadsActivations, Trainer):
         return (loss, {"rewards": rewards.detach()}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Eval: the loss, and the (B, 2) chosen/rejected rewards as predictions (there are no labels)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, out = self.compute_loss(model, inputs, return_outputs=True)
-        if prediction_loss_only:
-            return loss.detach(), None, None
-        return loss.detach(), torch.stack(out["rewards"].chunk(2), dim=1), None
+        """Eval: the loss, and as predictions the rewards (2B, 1) of the batch's chosen then rejected rows; no
+        labels (an empty tuple): TRL's EvalPrediction (stages.trainers.eval_predictions)."""
+        return loss_and_predictions(self, model, self._prepare_inputs(inputs), prediction_loss_only,
+                                    lambda _, __, out: (out["rewards"].reshape(-1, 1), ()))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from stages.fields import WARMUP_RATIO, check_fields, deprecated, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
@@ -13,8 +13,11 @@ from stages.trainers.method_fields import (
     pad_to_multiple_of_field,
     truncation_mode_field,
 )
+from stages.trainers.trl_compat import TRL_VERSION
 
 TrainingArguments = training_arguments()
+
+DATASET_KWARGS = ("skip_prepare_dataset",)  # the keys of SFTConfig.dataset_kwargs (TRL 1.16's)
 
 
 @refuses_trl_fields
@@ -33,6 +36,11 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                       "completion_only_loss, those of the completion), from the template's "
                                       "{% generation %} markers or the turns' positions")
     dataset_text_field: str = param("text", help="column holding raw text in text-only rows")
+    dataset_kwargs: dict[str, bool] | None = param(
+        None, help="options of dataset preparation (TRL's); the one key is skip_prepare_dataset: true uses the rows "
+        "as given: they hold input_ids, and optionally completion_mask / assistant_masks / labels (-100 where no "
+        "loss); no tokenising, shuffling or packing", check=lambda v: isinstance(v, dict),
+        rule="must be a mapping, e.g. {skip_prepare_dataset: true}")
     dataset_num_proc: int | None = num_proc_field()
     packing: bool = param(False, help="pack rows into max_length sequences, padding-free")
     padding_free: bool = param(False, help="join each batch's rows into one row without padding (sequences kept "
@@ -50,5 +58,27 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
                                 check=lambda v: v >= 0, rule="must be >= 0")
     max_seq_length: int | None = deprecated("max_length", "the old name of max_length")
 
+    @property
+    def skip_prepare_dataset(self) -> bool:
+        """dataset_kwargs' skip_prepare_dataset: the rows are used as given (already tokenised)."""
+        return bool((self.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+
     def validate(self) -> list[tuple[str, str]]:
-        return check_fields(self, SFTConfig)
+        return check_fields(self, SFTConfig) + dataset_kwargs_problems(self.dataset_kwargs)
+
+
+def dataset_kwargs_problems(value: Any) -> list[tuple[str, str]]:
+    """Unknown keys of SFTConfig.dataset_kwargs, or a skip_prepare_dataset that is not a bool."""
+    if not isinstance(value, dict):
+        return []  # check_fields reports it
+    problems = []
+    unknown = sorted(set(value) - set(DATASET_KWARGS))
+    if unknown:
+        problems.append(("dataset_kwargs", f"= {value!r}: unknown key(s) {unknown} in SFTConfig.dataset_kwargs; "
+                         f"TRL {TRL_VERSION}'s only key is skip_prepare_dataset (true: the rows already hold "
+                         "input_ids and are used as given); remove the others"))
+    skip = value.get("skip_prepare_dataset", False)
+    if not isinstance(skip, bool):
+        problems.append(("dataset_kwargs", f"= {value!r}: SFTConfig.dataset_kwargs.skip_prepare_dataset must be "
+                         "true or false"))
+    return problems

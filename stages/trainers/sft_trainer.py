@@ -26,10 +26,10 @@ from stages.data.collators import CompletionCollator
 from stages.data.packing import pack_dataset
 from stages.data.tokenize import tokenize_sft, tokenized_dataset
 from stages.logprobs import head_argmax, head_logprobs, lm_head_for_chunking, selected_hidden
-from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps
+from stages.losses import IGNORE_INDEX, sft_loss, sft_loss_from_logps, token_counts
 from stages.precision import use_fp32_cpu_attention
 from stages.sharding import unwrap
-from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs, refuse
+from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs
 from stages.trainers.method_fields import pad_multiple
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -43,9 +43,11 @@ class SFTTrainer(OffloadsActivations, Trainer):
                  eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None, formatting_func=None):
-        refuse("SFTTrainer", compute_loss_func=compute_loss_func)
         args, train_dataset, eval_dataset, processing_class = offline_inputs(
             SFTConfig, "SFT", model, args, train_dataset, eval_dataset, processing_class)
+        if compute_loss_func is not None and args.loss_type != "nll":
+            raise ValueError(f"SFTTrainer: compute_loss_func given with SFTConfig.loss_type = {args.loss_type!r}: the "
+                             "function replaces the loss, so loss_type would do nothing; drop one of them")
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         apply_eos_to_model(model, processing_class, args)
         self.formatting_func = formatting_func
@@ -65,7 +67,8 @@ class SFTTrainer(OffloadsActivations, Trainer):
             eval_dataset=map_eval(eval_dataset, lambda rows: self._prepare(
                 rows, processing_class, args, args.packing if args.eval_packing is None else args.eval_packing,
                 shuffle=False)),
-            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+            optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -79,6 +82,8 @@ class SFTTrainer(OffloadsActivations, Trainer):
 
         if rows is None:
             return None
+        if args.skip_prepare_dataset:
+            return _as_prepared(rows)
         tokenize = partial(tokenize_sft, tokenizer, max_length=args.max_length, text_field=args.dataset_text_field,
                            formatting_func=self.formatting_func, assistant_only=args.assistant_only_loss)
         dataset = tokenized_dataset(rows, partial(_tokenize_checked, tokenize, args.max_length), marker="input_ids",
@@ -90,9 +95,15 @@ class SFTTrainer(OffloadsActivations, Trainer):
         return dataset
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """SFT's loss (`stages.losses`), or with `compute_loss_func` (transformers' argument) that function's
+        value on the model's outputs (logits included), the (B, T) unshifted labels and num_items_in_batch."""
         labels = inputs.pop("labels")
         head = lm_head_for_chunking(model) if self.args.use_chunked_logprobs else None
-        if head is not None:
+        if self.compute_loss_func is not None:
+            outputs = model(**inputs, use_cache=False)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            stats = token_counts(outputs.logits.detach(), labels)
+        elif head is not None:
             targets = labels[:, 1:]
             select = targets != IGNORE_INDEX
             hidden, outputs = selected_hidden(model, inputs, select)
@@ -126,6 +137,23 @@ class SFTTrainer(OffloadsActivations, Trainer):
                 self._last_log_time = now
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+
+def _as_prepared(rows):
+    """Rows used as given (SFTConfig.dataset_kwargs skip_prepare_dataset): each must hold input_ids already."""
+    import datasets
+
+    if isinstance(rows, datasets.IterableDataset):
+        return rows  # streamed: checked by the collator as batches come
+    columns = rows.column_names if isinstance(rows, datasets.Dataset) else None
+    for i, row in enumerate(rows if columns is None else [dict.fromkeys(columns)]):
+        if "input_ids" not in row:
+            where = "the dataset" if columns is not None else f"row {i}"
+            raise ValueError(f"SFTConfig.dataset_kwargs = {{'skip_prepare_dataset': True}}, but {where} has no "
+                             f"'input_ids' (columns {sorted(row)}): rows are used as given, so they must be "
+                             "tokenised already (input_ids, optionally completion_mask / assistant_masks / labels); "
+                             "drop skip_prepare_dataset to have the trainer prepare them")
+    return rows if columns is not None else datasets.Dataset.from_list(list(rows))
 
 
 def _tokenize_checked(tokenize, max_length: int, rows: list[dict], *, start: int = 0) -> list[dict]:

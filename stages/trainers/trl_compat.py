@@ -7,7 +7,7 @@ listed here is never silently ignored: a trainer argument we accept by name only
 given, and a config key gets the error of `unsupported_trl_fields` (configs and params.yaml).
 
 Keys: "name" for every TRL trainer or config that has it, "Class.name" for one (e.g.
-"SFTConfig.dataset_kwargs"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
+"GRPOTrainer.tools"); a "Class.name" we have with a narrower type than TRL's is listed for the part we
 lack. Values: why, and what to do instead.
 No TRL import here (torch-free).
 """
@@ -22,7 +22,6 @@ TRL_VERSION = "1.16"
 _VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'; GRPO: use_vllm "
          "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
 _TR_DPO = "this trainer's reference stays the starting model (TR-DPO's syncing: DPOConfig and KTOConfig)"
-_NO_METRICS = "evaluation returns the loss and the method's metrics only, no predictions for compute_metrics"
 
 UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
@@ -39,15 +38,6 @@ UNSUPPORTED: dict[str, str] = {
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
     "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
-    "SFTConfig.dataset_kwargs": "rows are always prepared; pass rows that already hold input_ids to skip it",
-    "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
-    "RewardTrainer.compute_metrics": _NO_METRICS,
-    "RewardTrainer.preprocess_logits_for_metrics": _NO_METRICS,
-    "DPOTrainer.compute_metrics": _NO_METRICS,
-    "KTOTrainer.compute_metrics": _NO_METRICS,
-    "OnlineDPOTrainer.eval_dataset": "online DPO has no offline evaluation loss; evaluate the saved model",
-    "OnlineDPOTrainer.compute_metrics": _NO_METRICS,
-    "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
     "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
     "GRPOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
@@ -62,7 +52,6 @@ UNSUPPORTED: dict[str, str] = {
                                                           "vllm",
     "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
     "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
-    "DistillationTrainer.eval_dataset": "distillation has no evaluation loop here; evaluate the saved model",
     "DistillationTrainer.tools": "tool calling is not built",
 }
 

@@ -127,3 +127,18 @@ def test_truncation_of_packed_features_cuts_their_sequences():
     assert torch.equal(out["input_ids"], t([[1, 2, 3, 7, 8, 9]]))
     assert torch.equal(out["position_ids"], t([[0, 1, 0, 0, 1, 2]]))
     assert torch.equal(out["labels"], t([[X, 2, X, X, 8, 9]]))
+
+
+def test_a_labels_column_marks_the_loss_tokens_with_the_masks():
+    """TRL's prepared rows carry `labels` (-100 where no loss): they restrict the loss like a mask, combined with
+    completion_mask; labels that are not the input ids there, or of another length, are refused by row."""
+    features = [{"input_ids": [5, 6, 7, 8], "labels": [X, 6, 7, 8], "completion_mask": [0, 0, 1, 1]},
+                {"input_ids": [9, 10, 11], "labels": [X, 10, X]}]
+    out = CompletionCollator(PAD)(features)
+    assert torch.equal(out["labels"], t([[X, X, 7, 8], [X, 10, X, X]]))
+    out = CompletionCollator(PAD, completion_only_loss=False)(features)
+    assert torch.equal(out["labels"], t([[X, 6, 7, 8], [X, 10, X, X]]))
+    with pytest.raises(ValueError, match=r"feature 1: 'labels' differ from 'input_ids' at positions \[1\]"):
+        CompletionCollator(PAD)([features[0], {"input_ids": [9, 10], "labels": [X, 12]}])
+    with pytest.raises(ValueError, match=r"feature 0: 'labels' has \(2,\) entries but 'input_ids' has 3"):
+        CompletionCollator(PAD)([{"input_ids": [9, 10, 11], "labels": [X, 10]}])

@@ -73,3 +73,14 @@ def test_unknown_sft_loss_type_is_named():
 
     with pytest.raises(ValueError, match="sft.loss_type = 'dpo': expected one of nll, dft"):
         sft_loss(torch.zeros(1, 2, 3), torch.tensor([[0, 1]]), loss_type="dpo")
+
+
+def test_token_counts_score_each_position_against_the_next_label():
+    """logits (1, 4, 3): position t predicts labels[t + 1]; labels [_, 2, X, 0] -> positions 0 and 2 count; their
+    argmaxes are 2 (right) and 1 (wrong): 2 tokens, 1 correct. The last position predicts nothing."""
+    from stages.losses import token_counts
+
+    logits = torch.tensor([[[0.0, 0.0, 5.0], [9.0, 0.0, 0.0], [0.0, 3.0, 0.0], [7.0, 0.0, 0.0]]])
+    labels = torch.tensor([[1, 2, IGNORE_INDEX, 0]])
+    counts = token_counts(logits, labels)
+    assert (counts["num_tokens"].item(), counts["correct_tokens"].item()) == (2, 1)

@@ -90,3 +90,39 @@ def test_accumulation_gives_the_one_batch_gradient(setup, tmp_path):
     scale = max(g.abs().max().item() for g in one.values())
     assert scale > 0
     assert all(torch.allclose(two[n], g, atol=1e-5 * scale, rtol=1e-4) for n, g in one.items())
+
+
+def test_evaluation_is_the_divergence_on_held_out_prompts(setup, tmp_path):
+    """eval_dataset, as TRL's: the student samples each held-out prompt (a fixed draw, so two evaluations agree)
+    and eval_loss is the mean divergence from the teacher over the completion positions, equal to the loss
+    computed directly on that batch; the batch's metrics arrive under eval_; training lowers it."""
+    from stages.losses import distillation_loss
+    from stages.trainers.distillation_trainer import completion_logits
+
+    student, teacher, rows = setup
+    held_out = builtin_rows("prompts", "prompt_only", num_train=16, num_eval=4, num_preference=8)[:3]
+    args = _args(tmp_path, max_steps=30, per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=15)
+    trainer = DistillationTrainer(student, teacher, args=args, train_dataset=rows, eval_dataset=held_out)
+    before = trainer.evaluate()
+    assert trainer.evaluate()["eval_loss"] == before["eval_loss"]
+    batch = trainer.make_batch(held_out, evaluation=True)
+    trainer._metrics["eval"].clear()  # make_batch above recorded its lengths as evaluation's
+    with torch.no_grad():
+        direct, _ = distillation_loss(completion_logits(trainer.model, batch),
+                                      completion_logits(trainer.teacher_model, batch), beta=args.beta,
+                                      temperature=args.sampling.temperature)
+    assert before["eval_loss"] == pytest.approx(direct.item(), rel=1e-5) and before["eval_loss"] > 0
+    assert before["eval_completions/mean_length"] == pytest.approx(batch["completion_mask"].sum(1).float().mean())
+    assert "eval_divergence" in before
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [15, 30]
+    assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
+    train_lines = [h for h in trainer.state.log_history if "loss" in h]
+    assert train_lines and all(not any(k.startswith("eval_") for k in h) for h in train_lines)
+
+
+def test_eval_rows_need_prompts(setup, tmp_path):
+    student, teacher, rows = setup
+    with pytest.raises(ValueError, match=r"eval_dataset: distillation needs rows with a 'prompt' column; 1 of 1 "):
+        DistillationTrainer(student, teacher, args=_args(tmp_path), train_dataset=rows,
+                            eval_dataset=[{"question": "1+1"}])

@@ -83,3 +83,58 @@ def test_bad_preference_input(setup, tmp_path):
         _args(tmp_path, label_smoothing=0.5)
     with pytest.raises(ValueError, match="loss_type = 'nope': supported: sigmoid"):
         _args(tmp_path, loss_type="nope")
+
+
+def test_compute_metrics_gets_trls_logits_and_input_ids(setup, tmp_path):
+    """As TRL 1.16: predictions are the policy's logits (2B, T, V) of each eval batch's chosen then rejected rows,
+    label_ids their input ids; 3 pairs in batches of 2 keep every row, and the logits are a direct forward's."""
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"rows": float(len(prediction.label_ids))}
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    trainer = DPOTrainer(model, args=_args(tmp_path, per_device_eval_batch_size=2), processing_class=tok,
+                         train_dataset=rows[:4], eval_dataset=rows[:3], compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    assert metrics["eval_rows"] == 6 and "eval_loss" in metrics and "eval_rewards/accuracies" in metrics
+    order = [0, 1, 0, 1, 2, 2]  # batch 1: chosen 0, 1, rejected 0, 1; batch 2: chosen 2, rejected 2
+    sides = ["chosen", "chosen", "rejected", "rejected", "chosen", "rejected"]
+    model.eval()
+    for k, (i, side) in enumerate(zip(order, sides, strict=True)):
+        ids = trainer.eval_dataset[i][f"{side}_input_ids"]
+        assert seen["labels"][k, :len(ids)].tolist() == ids
+        assert set(seen["labels"][k, len(ids):].tolist()) <= {tok.pad_token_id, -100}  # padding: in / across batches
+        with torch.no_grad():
+            direct = model(torch.tensor([ids])).logits[0]
+        assert seen["predictions"][k, :len(ids)] == pytest.approx(direct.numpy(), abs=1e-4)
+
+
+def test_prediction_step_matches_trls_on_the_same_batch(setup, tmp_path):
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    pairs = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?"], "chosen": [" 5", " 8"],
+                               "rejected": [" 6", " 9 or 10"]})
+    out = []
+    for config_cls, trainer_cls in ((trl.DPOConfig, trl.DPOTrainer), (DPOConfig, DPOTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(path), processing_class=tok,
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                                  gradient_checkpointing=False, precompute_ref_log_probs=False),
+                                  train_dataset=pairs, eval_dataset=pairs)
+            batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(2)])
+            trainer.model.eval()
+            out.append(trainer.prediction_step(trainer.model, batch, prediction_loss_only=False))
+    (their_loss, their_logits, their_ids), (loss, logits, ids) = out
+    assert torch.equal(ids, their_ids) and torch.allclose(logits, their_logits, atol=1e-5)
+    assert loss.item() == pytest.approx(their_loss.item(), rel=1e-5)

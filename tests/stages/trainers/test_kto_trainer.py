@@ -199,3 +199,60 @@ def test_sync_ref_model_mixes_the_reference_towards_the_policy(setup, tmp_path):
     assert all(torch.equal(seen[3][n], seen[2][n]) for n in start)
     with pytest.raises(ValueError, match="sync_ref_model = true with precompute_ref_log_probs = true"):
         _args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True)
+
+
+def test_compute_metrics_gets_trls_logits_and_input_ids(setup, tmp_path):
+    """As TRL 1.16: predictions are the policy's logits (B, T, V) of each eval batch's rows, label_ids their
+    input ids (prompt + completion); equal to a direct forward of each row."""
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"rows": float(len(prediction.label_ids))}
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    args = KTOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_eval_batch_size=2,
+                     precompute_ref_log_probs=False)
+    trainer = KTOTrainer(model, args=args, processing_class=tok, train_dataset=rows[:8], eval_dataset=rows[:3],
+                         compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    assert metrics["eval_rows"] == 3 and "eval_loss" in metrics
+    model.eval()
+    for k in range(3):
+        row = trainer.eval_dataset[k]
+        ids = row["prompt_ids"] + row["completion_ids"]
+        assert seen["labels"][k, :len(ids)].tolist() == ids
+        with torch.no_grad():
+            direct = model(torch.tensor([ids])).logits[0]
+        assert seen["predictions"][k, :len(ids)] == pytest.approx(direct.numpy(), abs=1e-4)
+
+
+def test_prediction_step_matches_trls_on_the_same_batch(setup, tmp_path):
+    """apo_zero_unpaired needs no KL rows (TRL pairs them differently), so the loss is comparable too."""
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    path, tok, _ = setup
+    rows = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?", "What is 1+1?", "What is 3+3?"],
+                              "completion": [" 5", " 9 or 10", " 2", " 7"], "label": [True, False, True, False]})
+    out = []
+    for config_cls, trainer_cls in ((trl.KTOConfig, trl.KTOTrainer), (KTOConfig, KTOTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(path), processing_class=tok,
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                                  gradient_checkpointing=False, loss_type="apo_zero_unpaired",
+                                                  precompute_ref_log_probs=False),
+                                  train_dataset=rows, eval_dataset=rows)
+            batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])
+            trainer.model.eval()
+            out.append(trainer.prediction_step(trainer.model, batch, prediction_loss_only=False))
+    (their_loss, their_logits, their_ids), (loss, logits, ids) = out
+    assert torch.equal(ids, their_ids) and torch.allclose(logits, their_logits, atol=1e-5)
+    assert loss.item() == pytest.approx(their_loss.item(), rel=1e-5)

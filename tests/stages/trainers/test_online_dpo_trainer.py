@@ -121,3 +121,66 @@ def test_trls_sampling_fields_reach_the_sampler():
     assert s.min_p == 0.1
     with pytest.raises(ValueError, match=r"min_p = 1.5: must be in \[0, 1\) or null"):
         OnlineDPOConfig(output_dir="unused", min_p=1.5, report_to="none")
+
+
+def test_evaluation_samples_ranks_and_reports_eval_metrics_and_predictions(tmp_path):
+    """eval_dataset: each held-out prompt is sampled twice (a fixed draw) and ranked by the reward; the loss of
+    the kept pairs is eval_loss (ln 2 before any update: policy == reference), the scores arrive under eval_, and
+    compute_metrics gets the pairs' logits (2B, T, V) and input ids, as DPOTrainer's. Training moves eval_loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = builtin_rows("prompts", "prompt_only", num_preference=10)
+    scored: list[float] = []
+
+    def recording_digits(prompts, completions, **columns):
+        values = digits(prompts, completions)
+        scored.extend(values)
+        return values
+
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"pair_rows": float(len(prediction.label_ids))}
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=8,
+                           per_device_eval_batch_size=4, learning_rate=1e-2, beta=0.5, max_new_tokens=8,
+                           logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
+                           eval_strategy="steps", eval_steps=2)
+    trainer = OnlineDPOTrainer(model, reward_funcs=recording_digits, args=args, processing_class=tok,
+                               train_dataset=rows, eval_dataset=rows[:6], compute_metrics=compute_metrics)
+    before = trainer.evaluate()
+    assert before["eval_loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert before["eval_pair_rows"] == 12  # 6 prompts x (chosen, rejected); the last batch of 2 prompts kept whole
+    assert before["eval_scores/mean"] == pytest.approx((sum(scored[:8]) / 8 + sum(scored[8:12]) / 4) / 2)
+    assert {"eval_win_rate", "eval_pairs/dropped", "eval_scores/chosen"} <= set(before)
+    assert trainer.evaluate()["eval_scores/mean"] == before["eval_scores/mean"]  # the fixed draw
+    model.eval()
+    pairs = trainer.make_pairs(rows[:4], evaluation=True)  # the first eval batch again: the same draw
+    ids = pairs["input_ids"]
+    assert torch.equal(torch.as_tensor(seen["labels"][:8, :ids.shape[1]]), ids)
+    with torch.no_grad():
+        direct = model(input_ids=ids, attention_mask=pairs["attention_mask"]).logits
+    assert torch.allclose(torch.as_tensor(seen["predictions"][:8, :ids.shape[1]]), direct, atol=1e-4)
+    trainer._metrics["eval"].clear()  # make_pairs above recorded its scores as evaluation's
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_loss"] != pytest.approx(0.6931, abs=1e-3)
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 4, 4]  # eval_steps, then ours
+    assert [h for h in trainer.state.log_history if "eval_loss" in h][-1]["eval_loss"] == after["eval_loss"]
+    train_lines = [h for h in trainer.state.log_history if "loss" in h]
+    assert train_lines and all("scores/mean" in h and not any(k.startswith("eval_") for k in h)
+                               for h in train_lines)
+
+
+def test_eval_rows_need_prompts(tmp_path):
+    path = build_tiny(tmp_path / "tiny")
+    args = OnlineDPOConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    rows = builtin_rows("prompts", "prompt_only", num_preference=4)
+    with pytest.raises(ValueError, match=r"eval_dataset\['held'\]: online DPO needs rows with a 'prompt' column; "
+                                         r"1 of 2 rows lack it \(first: row 1\)"):
+        OnlineDPOTrainer(str(path), reward_funcs=digits, args=args, train_dataset=rows,
+                         eval_dataset={"held": [rows[0], {"question": "1+1"}]})

@@ -188,3 +188,65 @@ def test_reward_model_prob_is_the_squashed_score_and_keeps_the_verified_reward_f
     assert scores["exact_match"] == [1.0] * 4 + [0.0] * 4
     assert min(totals[:4]) >= 1.0 > ScoreParams().min_score > max(totals[4:])
     assert sigmoid(1000.0) == 1.0 and sigmoid(-1000.0) == 0.0  # no overflow
+
+
+def test_compute_metrics_gets_trls_predictions_the_rewards_of_a_direct_forward(setup, tmp_path):
+    """As TRL 1.16: predictions are each eval batch's rewards (2B, 1), chosen rows then rejected; label_ids is
+    empty. 5 pairs in batches of 2: the last batch's single pair keeps both rows (accelerate would trim a plain
+    gather to 1 row); preprocess_logits_for_metrics sees each batch and what it returns is what arrives."""
+    path, tok, rows = setup
+    seen: dict = {"batches": []}
+
+    def preprocess(logits, labels):
+        seen["batches"].append((tuple(logits.shape), labels))
+        return logits * 2
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"mean_prediction": float(prediction.predictions.mean())}
+
+    model = _model(path, tok)
+    trainer = RewardTrainer(model, args=_args(tmp_path, per_device_eval_batch_size=2), processing_class=tok,
+                            train_dataset=rows[:8], eval_dataset=rows[:5], compute_metrics=compute_metrics,
+                            preprocess_logits_for_metrics=preprocess)
+    metrics = trainer.evaluate()
+    assert seen["batches"] == [((4, 1), ()), ((4, 1), ()), ((2, 1), ())] and seen["labels"] == ()
+    expected = []
+    model.eval()
+    with torch.no_grad():
+        for start in (0, 2, 4):
+            batch = trainer._prepare_inputs(trainer.data_collator([trainer.eval_dataset[i]
+                                                                   for i in range(start, min(start + 2, 5))]))
+            expected.append(sequence_rewards(model, batch["input_ids"], batch["attention_mask"], pairs=True))
+    expected = 2 * torch.cat(expected).reshape(-1, 1).numpy()
+    assert seen["predictions"].shape == (10, 1)
+    assert seen["predictions"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["eval_mean_prediction"] == pytest.approx(float(expected.mean()), abs=1e-5)
+    assert "eval_loss" in metrics and "eval_accuracy" in metrics
+
+
+def test_compute_metrics_receives_what_trls_does(setup, tmp_path):
+    """The same reward model and pairs through TRL 1.16's RewardTrainer and ours: the same EvalPrediction
+    (rewards (2B, 1), chosen then rejected; label_ids empty) and eval_loss."""
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+
+    path, tok, _ = setup
+    pairs = Dataset.from_dict({"prompt": ["What is 2+3?", "What is 4+4?"], "chosen": [" 5", " 8"],
+                               "rejected": [" 6", " 9 or 10"]})
+    out = []
+    for config_cls, trainer_cls in ((trl.RewardConfig, trl.RewardTrainer), (RewardConfig, RewardTrainer)):
+        seen: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(_model(path, tok), processing_class=tok, train_dataset=pairs, eval_dataset=pairs,
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                                  gradient_checkpointing=False, per_device_eval_batch_size=2),
+                                  compute_metrics=lambda e, s=seen: s.update(p=e.predictions, l=e.label_ids) or {})
+            seen["loss"] = trainer.evaluate()["eval_loss"]
+        out.append(seen)
+    theirs, ours = out
+    assert ours["p"].shape == theirs["p"].shape == (4, 1) and ours["l"] == theirs["l"] == ()
+    assert ours["p"] == pytest.approx(theirs["p"], abs=1e-6) and ours["loss"] == pytest.approx(theirs["loss"])

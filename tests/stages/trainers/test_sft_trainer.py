@@ -21,9 +21,9 @@ def _trainer(setup, tmp_path, **kw):
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path)
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=40, per_device_train_batch_size=32, learning_rate=3e-3,
-                     logging_steps=5, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
-                     seed=0, **kw)
+    kw = {"max_steps": 40, "per_device_train_batch_size": 32, "logging_steps": 5, **kw}
+    args = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-3, report_to="none", use_cpu=True,
+                     save_strategy="no", disable_tqdm=True, seed=0, **kw)
     return SFTTrainer(model, args, processing_class=tok, train_dataset=rows), tok
 
 
@@ -170,3 +170,102 @@ def test_completion_only_loss_none_is_trls_auto(setup, tmp_path):
         labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
         row_labels[value] = (labels != -100).sum().item()
     assert row_labels[None] == row_labels[True] < row_labels[False]
+
+
+# ------------------------------------------------------------------ TRL's compute_loss_func and dataset_kwargs
+
+def _shifted_ce(outputs, labels, num_items_in_batch=None):
+    """transformers' contract: the summed next-token cross-entropy over labelled positions / num_items_in_batch."""
+    logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum())
+
+
+def test_compute_loss_func_replaces_the_loss_and_its_value_is_logged(setup, tmp_path):
+    """The function gets the model's outputs (logits), the unshifted labels and the step's labelled-token count;
+    what it returns is the loss that trains and is logged. The same cross-entropy through it equals our fast
+    (chunked) path on the same batch, and 3x it is 3x the loss."""
+    seen = []
+
+    def tripled(outputs, labels, num_items_in_batch=None):
+        seen.append((outputs.logits.shape, labels.clone(), num_items_in_batch))
+        loss = 3 * _shifted_ce(outputs, labels, num_items_in_batch)
+        seen.append(loss.item())
+        return loss
+
+    trainer, _ = _trainer(setup, tmp_path, max_steps=1, logging_steps=1, per_device_train_batch_size=8)
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(8)]))
+    with torch.no_grad():
+        fast = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=None).item()
+        trainer.compute_loss_func = _shifted_ce
+        via_function = trainer.compute_loss(trainer.model, dict(batch)).item()
+    assert via_function == pytest.approx(fast, rel=1e-5)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, rows = setup
+    torch.manual_seed(0)
+    trainer = SFTTrainer(AutoModelForCausalLM.from_pretrained(path), trainer.args, train_dataset=rows,
+                         processing_class=AutoTokenizer.from_pretrained(path), compute_loss_func=tripled)
+    trainer.train()
+    (shape, labels, num_items), value = seen[0], seen[1]
+    assert shape[:2] == labels.shape and shape[2] == trainer.model.config.vocab_size
+    assert (labels == -100).any() and num_items == (labels[:, 1:] != -100).sum()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert logged["loss"] == pytest.approx(value, rel=1e-4)
+    assert 0 <= logged["mean_token_accuracy"] <= 1 and logged["num_tokens"] == num_items
+
+
+def test_compute_loss_func_matches_trls_on_the_same_batch(setup, tmp_path):
+    trl = pytest.importorskip("trl")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, rows = setup
+    out = []
+    for config_cls, trainer_cls in ((trl.SFTConfig, trl.SFTTrainer), (SFTConfig, SFTTrainer)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(AutoModelForCausalLM.from_pretrained(path), train_dataset=Dataset.from_list(rows[:4]),
+                                  args=config_cls(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                  bf16=False, gradient_checkpointing=False, max_length=64),
+                                  processing_class=AutoTokenizer.from_pretrained(path), compute_loss_func=_shifted_ce)
+        batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+        with torch.no_grad():
+            out.append(trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(7)).item())
+    assert out[1] == pytest.approx(out[0], rel=1e-5)
+
+
+def test_compute_loss_func_with_dft_is_refused(setup, tmp_path):
+    with pytest.raises(ValueError, match=r"compute_loss_func given with SFTConfig.loss_type = 'dft'"):
+        SFTTrainer(str(setup[0]), SFTConfig(output_dir=str(tmp_path), loss_type="dft", report_to="none",
+                                            use_cpu=True), train_dataset=setup[1][:2], compute_loss_func=_shifted_ce)
+
+
+def test_skip_prepare_dataset_uses_the_rows_as_given(setup, tmp_path):
+    """TRL's dataset_kwargs={"skip_prepare_dataset": True}: tokenised rows pass untouched (no re-tokenising,
+    shuffling or packing); a `labels` column (-100 where no loss, TRL's prepared rows) decides the loss tokens."""
+    from datasets import Dataset
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}, {"input_ids": [10, 11, 12],
+                                                                             "labels": [-100, 11, 12]}]
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, packing=True, shuffle_dataset=True,
+                     dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = SFTTrainer(str(setup[0]), args, train_dataset=Dataset.from_list(rows), eval_dataset=rows)
+    assert trainer.train_dataset.to_list() == rows and trainer.eval_dataset.to_list() == rows
+    batch = trainer.data_collator(rows)
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8, 9], [-100, 11, 12, -100, -100]]
+    bad = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 99]}]
+    with pytest.raises(ValueError, match=r"'labels' differ from 'input_ids' at positions \[2\]"):
+        trainer.data_collator(bad)
+
+
+def test_skip_prepare_dataset_needs_tokenised_rows_and_unknown_keys_are_named(setup, tmp_path):
+    with pytest.raises(ValueError, match=r"skip_prepare_dataset.*row 0 has no 'input_ids' \(columns \['comp"):
+        _trainer(setup, tmp_path, dataset_kwargs={"skip_prepare_dataset": True})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['add_special_tokens'\] in SFTConfig.dataset_kwargs"):
+        SFTConfig(output_dir=str(tmp_path), dataset_kwargs={"add_special_tokens": False})
+    assert not SFTConfig(output_dir=str(tmp_path), dataset_kwargs={"skip_prepare_dataset": False}).skip_prepare_dataset

@@ -228,7 +228,7 @@ def test_trainer_arguments_listed_as_unsupported_are_refused_by_name(pairs):
                 with pytest.raises(ValueError, match=rf"{owner}\.{name}: TRL 1\.16's `{name}` is not supported"):
                     cls(None, **{name: object()})
                 checked += 1
-    assert checked >= 10
+    assert checked >= 1  # the loop saw refusals (fewer as the remaining gaps close)
 
 
 def test_stages_trainers_exports_what_from_trl_import_gives(pairs):
@@ -264,8 +264,7 @@ def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default(
     [(key, message)] = unsupported_trl_fields(SFTConfig, {"use_liger_kernel": True})
     assert key == "use_liger_kernel" and "Liger kernels are not built" in message
     assert unsupported_trl_fields("SFTConfig", ["use_liger_kernel", "dataset_kwargs", "packing"]) == [
-        ("use_liger_kernel", trl_compat.unsupported_message("SFTConfig.use_liger_kernel", "use_liger_kernel")),
-        ("dataset_kwargs", trl_compat.unsupported_message("SFTConfig.dataset_kwargs", "dataset_kwargs"))]
+        ("use_liger_kernel", trl_compat.unsupported_message("SFTConfig.use_liger_kernel", "use_liger_kernel"))]
 
 
 def test_a_field_of_our_own_is_never_refused():
