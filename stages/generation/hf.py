@@ -27,7 +27,7 @@ CHOICES = ("auto", "hf", "decoder")
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
-             progress: bool = False, backend: str = "auto") -> Generations:
+             progress: bool = False, backend: str = "auto", tools: list | None = None) -> Generations:
     """Completions of ``prompts`` from an HF causal LM (see :func:`stages.generation.generate`).
 
     ``model`` may also be a model folder / hub id (loaded on CPU in float32, with its tokenizer
@@ -46,7 +46,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (prompts per generate call)")
     eos = eos_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    rendered = [render_prompt(tokenizer, p, t) for p, t in zip(prompts, tools or [None] * len(prompts), strict=True)]
     prompt_ids = [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]] if prompts else []
     for i, ids in enumerate(prompt_ids):
         if not ids:
