@@ -93,7 +93,7 @@ def _check_messages(name: str, value: Any, *, last_role: str | tuple[str, ...] |
     if ends and last["role"] not in ends:
         return (f"field '{name}' must end with a message of role {' or '.join(map(repr, ends))}, ends with "
                 f"{last['role']!r}")
-    if ends and not (last.get("content") or "").strip() and not last.get("tool_calls"):
+    if ends and not (last.get("content") or "").strip() and not last.get("tool_calls") and last["role"] != "tool":
         return f"field '{name}[{len(value) - 1}].content' is empty"
     return ""
 

@@ -227,7 +227,7 @@ def require_tool_template(tokenizer, model: str | None = None) -> None:
     render tool-calling conversations (`tool_template_problem`), with the fix."""
     why = tool_template_problem(tokenizer)
     if why:
-        from stages.builtin.chat_templates import CHATML_TOOLS
+        from stages.builtin.chat_templates import CHATML_TOOLS, TINY_TOOLS
 
         model = model or repr(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)
         raise ValueError(
@@ -235,8 +235,8 @@ def require_tool_template(tokenizer, model: str | None = None) -> None:
             f"template of {model} cannot render them: {why}. Training on it would drop the tools from the "
             "text. Fix: set chat_template_path (sft.chat_template_path in params, SFTConfig.chat_template_path, "
             "...) to a template that renders tools= and tool_calls; for a ChatML tokenizer (<|im_start|>, "
-            f"<|im_end|>: SmolLM2, Qwen2) use align's {CHATML_TOOLS} (stages.builtin.chat_templates.CHATML_TOOLS)"
-            "; or drop the tool columns and messages from the rows.")
+            f"<|im_end|>: SmolLM2, Qwen2) use align's {CHATML_TOOLS} (stages.builtin.chat_templates.CHATML_TOOLS), "
+            f"for builtin:tiny {TINY_TOOLS} (TINY_TOOLS); or drop the tool columns and messages from the rows.")
 
 
 def read_chat_template(path: str, tokenizer, owner: str) -> str:

@@ -28,7 +28,8 @@ BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES},
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str = "auto",
-             batch_size: int = 64, progress: bool = False, **backend_options) -> Generations:
+             batch_size: int = 64, progress: bool = False, tools: list | None = None,
+             **backend_options) -> Generations:
     """``sampling.n`` completions for each of ``prompts`` (strings or chat message lists).
 
     Args:
@@ -41,6 +42,8 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
         backend: a ``BACKENDS`` key.
         batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm").
         progress: log rate-limited progress lines with an ETA (``stages.basics``).
+        tools: P values of the prompts' rows' ``tools`` column (None where a row has none), shown by the
+            chat template with each conversational prompt (``stages.data.tool_calls``).
         **backend_options: passed to the backend, e.g. ``base_url=`` for "vllm".
 
     Returns:
@@ -51,6 +54,9 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a stages.generation.SamplingParams; got {type(sampling).__name__} "
                          "(build one: SamplingParams(max_new_tokens=..., n=..., do_sample=...))")
+    if tools is not None and len(tools) != len(prompts):
+        raise ValueError(f"tools has {len(tools)} entries for {len(prompts)} prompts; give one per prompt (None "
+                         "where a prompt has no tools)")
     return BACKENDS[backend](model, tokenizer, list(prompts), sampling, batch_size=batch_size, progress=progress,
-                             **backend_options)
+                             tools=tools, **backend_options)
 

@@ -163,12 +163,16 @@ class TokenPrompt:
     text: str
 
 
-def render_and_tokenize(tokenizer, prompts: list) -> tuple[list[str], list[list[int]]]:
-    """(rendered texts, token ids) of prompts: strings and message lists rendered with the chat template and
-    tokenised without special tokens; `TokenPrompt`s taken as they are."""
+def render_and_tokenize(tokenizer, prompts: list, tools: list | None = None) -> tuple[list[str], list[list[int]]]:
+    """(rendered texts, token ids) of prompts: strings and message lists rendered with the chat template (with
+    each prompt's `tools`, None for none) and tokenised without special tokens; `TokenPrompt`s taken as they are."""
     from stages.data.tokenize import render_prompt
 
-    rendered = [p.text if isinstance(p, TokenPrompt) else render_prompt(tokenizer, p) for p in prompts]
+    per_prompt = tools if tools is not None else [None] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"tools: {len(per_prompt)} entries for {len(prompts)} prompts (one list per prompt, or None)")
+    rendered = [p.text if isinstance(p, TokenPrompt) else render_prompt(tokenizer, p, t)
+                for p, t in zip(prompts, per_prompt, strict=True)]
     todo = [i for i, p in enumerate(prompts) if not isinstance(p, TokenPrompt)]
     ids: list[list[int]] = [list(p.ids) if isinstance(p, TokenPrompt) else [] for p in prompts]
     if todo:

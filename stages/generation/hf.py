@@ -33,7 +33,7 @@ CHOICES = ("auto", "hf", "decoder")
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
-             progress: bool = False, backend: str = "auto") -> Generations:
+             progress: bool = False, backend: str = "auto", tools: list | None = None) -> Generations:
     """Completions of ``prompts`` from an HF causal LM (see :func:`stages.generation.generate`).
 
     ``model`` may also be a model folder / hub id (loaded on CPU in float32, with its tokenizer
@@ -52,7 +52,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (prompts per generate call)")
     eos = eos_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts)
+    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts, tools)
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")

@@ -60,7 +60,7 @@ def serve_command(model_path: str, *, host: str = "127.0.0.1", port: int = 8000,
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch_size: int = 64,
              progress: bool = False, base_url: str | None = None, api_key: str | None = None,
              served_model_name: str | None = None, timeout: float = 600.0, max_retries: int = 4,
-             backoff: float = 1.0, protocol: str = "vllm") -> Generations:
+             backoff: float = 1.0, protocol: str = "vllm", tools: list | None = None) -> Generations:
     """Completions of ``prompts`` from a running vLLM server (see :func:`stages.generation.generate`).
 
     Args:
@@ -94,7 +94,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                      max_retries=max_retries, backoff=backoff)
     name = served_model_name or str(model)
     eos = eos_token_ids(tokenizer, _LocalModel(model))
-    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts)
+    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts, tools)
 
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol = {protocol!r}: one of {', '.join(PROTOCOLS)}")

@@ -286,7 +286,7 @@ class Outputs:
 
 def generate_outputs(model, tokenizer, rows: list[dict], sampling: SamplingParams, *, batch_size: int) -> Outputs:
     gens = generation.generate(model, tokenizer, [r["prompt"] for r in rows], sampling, batch_size=batch_size,
-                               progress=True)
+                               progress=True, tools=[r.get("tools") for r in rows])
     return Outputs(gens.completions, gens.reasoning, [len(ids) for ids in gens.completion_ids])
 
 

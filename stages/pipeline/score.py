@@ -143,8 +143,9 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
         # another process, or cut at other boundaries gives the same completions
         sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
                                   top_p=g.top_p, top_k=g.top_k, seed=stable_seed(p.run.seed, 0))  # draw 0
-        return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]],
-                        sampling, backend=g.backend, batch_size=g.batch_size, **backend_options(g, sft))
+        return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]], sampling,
+                        backend=g.backend, batch_size=g.batch_size, tools=[r.get("tools") for r in rows[start:stop]],
+                        **backend_options(g, sft))
 
     return rows, sample, rewards, tokenizer, g.backend, p.run.seed
 

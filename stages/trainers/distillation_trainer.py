@@ -170,7 +170,8 @@ class DistillationTrainer(Trainer):
         a, tok = self.args, self.processing_class
         student = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(student, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=1,
+        rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
+        gens = sample_online(student, tok, rendered, a.sampling, n=1,
                              seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
                              precision=trainer_precision(a))
         metrics = self._metrics["eval" if evaluation else "train"]

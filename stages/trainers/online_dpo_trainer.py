@@ -40,6 +40,7 @@ from stages.trainers.inputs import (
 )
 from stages.trainers.method_fields import beta_for_epoch
 from stages.trainers.online_dpo_config import OnlineDPOConfig  # noqa: F401 (the config of this trainer, re-exported)
+from stages.trainers.online_extras import render_prompts
 from stages.trainers.online_generation import sample_online
 from stages.trainers.pair_batches import PairCollator, completion_token_counts, flush_metrics, sequence_logps
 from stages.trainers.reference_model import frozen_reference, reference_model, reference_sequence_logps
@@ -155,7 +156,8 @@ class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
         mode's metrics."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
+        rendered = render_prompts(tok, prompts, None, [r.get("tools") for r in rows])  # with each row's tools
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, rendered, a.sampling, n=2,
                              seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
                              precision=trainer_precision(a))
         metrics = self._metrics["eval" if evaluation else "train"]

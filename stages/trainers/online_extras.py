@@ -13,6 +13,9 @@ import math
 import torch
 from torch import nn
 
+from stages.data.templates import require_tool_template
+from stages.data.tool_calls import parsed_messages, tool_schemas
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,14 +67,25 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int | str | None, 
     return out
 
 
-def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) -> list:
-    """Prompts for the sampler: with chat_template_kwargs, each conversational prompt (a message list) rendered here
-    with the chat template, its generation prompt and those keyword arguments (a string prompt is left as it is);
-    without, the prompts unchanged (the sampler applies the template's defaults)."""
-    if not chat_template_kwargs:
+def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None, tools: list | None = None) -> list:
+    """Prompts for the sampler: with chat_template_kwargs, or tools, each conversational prompt (a message list)
+    rendered here with the chat template, its generation prompt, those keyword arguments and its row's tools
+    (`tools`: one `tools` column value per prompt, None where a row has none; a template that cannot show them
+    is refused, `stages.data.templates.require_tool_template`); a string prompt is left as it is. Without
+    either, the prompts unchanged (the sampler applies the template's defaults)."""
+    tools = tools if tools is not None else [None] * len(prompts)
+    if not chat_template_kwargs and not any(tools):
         return list(prompts)
-    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
-            if isinstance(p, list) else p for p in prompts]
+    out = []
+    for prompt, row_tools in zip(prompts, tools, strict=True):
+        if isinstance(prompt, list):
+            if row_tools:
+                require_tool_template(tokenizer)
+                prompt = parsed_messages(prompt)
+            prompt = tokenizer.apply_chat_template(prompt, tools=tool_schemas(row_tools), tokenize=False,
+                                                   add_generation_prompt=True, **(chat_template_kwargs or {}))
+        out.append(prompt)
+    return out
 
 
 def completion_sample(prompts: list, completions: list[str], rewards: list[float | None], *, limit: int | None,

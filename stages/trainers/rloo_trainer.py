@@ -80,8 +80,8 @@ class RLOOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
-                             n=a.num_generations,
+        rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
+        gens = sample_online(policy, tok, rendered, a.sampling, n=a.num_generations,
                              seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
@@ -154,7 +154,8 @@ class RLOOTrainer(GRPOTrainer):
         for start in range(0, len(rows), size):
             chunk = rows[start:start + size]
             prompts = [r["prompt"] for r in chunk]
-            gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=n,
+            rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in chunk])
+            gens = sample_online(policy, tok, rendered, a.sampling, n=n,
                                  seed=stable_seed(a.seed, self.state.global_step, 1),  # not a training draw
                                  precision=trainer_precision(a))
             assert self.reward_functions is not None  # RLOO always has reward functions (checked in __init__)

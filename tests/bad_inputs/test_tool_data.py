@@ -90,3 +90,18 @@ def test_a_template_that_cannot_render_tools_is_refused_naming_the_model(capsys,
     assert rows and all(r["tools"] == [ADD] for r in rows)
     assert all([m["role"] for m in r["completion"]] == ["assistant", "tool", "assistant"] for r in rows)
     assert all(r["completion"][0]["tool_calls"][0]["function"]["name"] == "add" for r in rows)
+
+
+def test_the_builtin_task_with_tools_needs_a_template_that_renders_them(capsys, tmp_path, params_for):
+    """data.builtin.tools: true on builtin:tiny, whose own template writes content only: refused, naming TINY_TOOLS;
+    with sft.chat_template_path set to it, preprocess writes the calls and the schema."""
+    from stages.builtin.chat_templates import TINY_TOOLS
+
+    params = params_for({"data": {"builtin": {"tools": True}}})
+    assert_rejected(capsys, params, "preprocess", r"cannot render them", r"for builtin:tiny " + escape(TINY_TOOLS),
+                    code=1)
+    assert main(["preprocess", "--params", str(params), "--set", f"sft.chat_template_path={TINY_TOOLS}"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "artifacts" / "preprocess" / "sft_train.jsonl").open()]
+    with_calls = [r for r in rows if r["completion"][0].get("tool_calls")]
+    assert with_calls and all(r["tools"][0]["function"]["name"] == "add" for r in rows)
+    assert [m["role"] for m in with_calls[0]["completion"]] == ["assistant", "tool", "assistant"]

@@ -199,3 +199,13 @@ def test_prompts_render_with_their_tools(chatml):
 def test_both_templates_pass_the_probe(chatml):
     _, tok = chatml
     assert tool_template_problem(tok) == ""
+
+
+def test_the_readme_row_is_valid():
+    """README's "Tool-calling data" example, parsed from README itself."""
+    from tests.conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split("### Tool-calling data\n", 1)[1]
+    row = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    assert detect_format(row) == "messages" and validate("messages", row) == ""
+    assert [m["role"] for m in normalise("messages", row)["completion"]] == ["assistant", "tool", "assistant"]

@@ -127,3 +127,22 @@ def test_unpaired_rows_render_tools_and_calls(chatml_tools):
     assert '"description": "Add two integers."' in tok.decode(out[0]["prompt_ids"])
     assert tok.decode(out[0]["completion_ids"]) == ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 1}}'
                                                     '</tool_call><|im_end|>\n')
+
+
+def test_online_prompts_are_rendered_with_their_rows_tools(chatml_tools):
+    """What RLOO, online DPO and distillation hand their sampler: a prompt row's tools in its rendering; prompts
+    without tools, and plain strings, as they were."""
+    from stages.trainers.online_extras import render_prompts
+
+    tok = chatml_tools
+    prompts = [conversation(1)[:1], conversation(2)[:1], "3 + 1 ="]
+    out = render_prompts(tok, prompts, None, [[ADD], None, None])
+    assert out[0] == tok.apply_chat_template(prompts[0], tools=[ADD], tokenize=False, add_generation_prompt=True)
+    assert '"name": "add"' in out[0] and out[0].endswith("<|im_start|>assistant\n")
+    assert out[1] == tok.apply_chat_template(prompts[1], tokenize=False, add_generation_prompt=True)
+    assert out[2] == "3 + 1 ="
+    assert render_prompts(tok, prompts, None, [None, None, None]) == prompts  # no tools: the sampler renders
+    plain = architectures.train_tokenizer(eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
+                                          chat_template=architectures.CHATML)
+    with pytest.raises(ValueError, match="cannot render them"):
+        render_prompts(plain, prompts, None, [[ADD], None, None])
