@@ -121,7 +121,7 @@ def check_template(tokenizer, chat_template: str | None, model_name: str) -> str
            "for a ChatML tokenizer stages.builtin.chat_templates.CHATML_TOOLS)")
     if not template:
         raise ValueError(f"{owner}: the tokenizer has no chat template, so tools cannot be shown or called; {fix}")
-    messages = [{"role": "user", "content": "u"},
+    messages: list[dict] = [{"role": "user", "content": "u"},
                 {"role": "assistant", "content": None,
                  "tool_calls": [{"type": "function", "function": {"name": "name_7f3a", "arguments": {"k": "v_9c2e"}}}]},
                 {"role": "tool", "name": "name_7f3a", "content": "out_5d1b"}]
@@ -181,7 +181,8 @@ class Agent:
     def _environments(self, rows: list[dict], g: int) -> list | None:
         if not self.factories:
             return None
-        envs, cursor = [], {}
+        envs: list = []
+        cursor: dict[Any, int] = {}
         for row in rows:
             name = row.get("environment") if self.multi else None
             if name not in self.factories:
@@ -235,7 +236,7 @@ class Agent:
                        reasoning=[None] * len(episodes))
         if envs is not None:
             columns["environments"] = envs
-        logprobs = None if any(e.logprobs is None for e in episodes) else [e.logprobs for e in episodes]
+        logprobs = None if any(e.logprobs is None for e in episodes) else [e.logprobs or [] for e in episodes]
         return Rollout(prompts, prompt_ids, [e.completion_ids for e in episodes], logprobs,
                        [e.tool_mask for e in episodes], [e.messages for e in episodes], columns)
 
