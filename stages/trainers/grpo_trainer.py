@@ -71,7 +71,14 @@ from stages.trainers.rollout import (
     position_ids,
     sampler_logps,
 )
-from stages.trainers.tool_rollout import Agent, Rollout, custom_rollout, from_generations, token_prompts
+from stages.trainers.tool_rollout import (
+    Agent,
+    Rollout,
+    custom_rollout,
+    from_generations,
+    token_prompts,
+    tool_metrics,
+)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -451,28 +458,13 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                 return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
 
             rollout = self.agent.run(rows, g, generate)
-            self._log_tools(self.agent.runner.take_counts(), len(rollout.completion_ids))
+            for key, value in tool_metrics(self.accelerator, self.agent.runner, len(rollout.completion_ids)).items():
+                self._metrics[key].append(value)
             return rollout
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
                              n=g, seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         return from_generations(gens, rows, prompts)
-
-    def _log_tools(self, counts: dict[str, int], episodes: int) -> None:
-        """tools/calls, tools/errors, tools/timeouts, tools/parse_errors (summed over processes, per generation),
-        and TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (faults per call)."""
-        keys = ("calls", "errors", "timeouts", "parse_errors")
-        local = torch.tensor([counts[k] for k in keys] + [episodes], dtype=torch.float64, device=self.args.device)
-        total = self.accelerator.reduce(local, reduction="sum").tolist()
-        for key, value in zip(keys, total, strict=False):
-            self._metrics[f"tools/{key}"].append(value)
-        calls, faults = total[0], total[1] + total[2] + total[3]
-        self._metrics["tools/call_frequency"].append(calls / max(total[4], 1))
-        self._metrics["tools/failure_frequency"].append(faults / calls if calls else 0.0)
-        if faults:
-            logger.warning("tools: %d of %d calls failed this generation (%d raised or unknown, %d timed out, %d "
-                           "malformed); the model read each error as the tool's output", faults, calls, total[1],
-                           total[2], total[3])
 
     def advantages(self, rewards: torch.Tensor, valid: torch.Tensor, per_function: dict[str, list],
                    num_generations: int) -> torch.Tensor:

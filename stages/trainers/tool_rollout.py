@@ -241,6 +241,27 @@ class Agent:
                        [e.tool_mask for e in episodes], [e.messages for e in episodes], columns)
 
 
+def tool_metrics(accelerator, runner: ToolRunner, episodes: int) -> dict[str, float]:
+    """The runner's counts since the last call, summed over processes: tools/calls, tools/errors, tools/timeouts,
+    tools/parse_errors, and TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (faults
+    per call). A generation with faults also logs a warning."""
+    import torch
+
+    counts = runner.take_counts()
+    keys = ("calls", "errors", "timeouts", "parse_errors")
+    local = torch.tensor([counts[k] for k in keys] + [episodes], dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(local, reduction="sum").tolist()
+    out = {f"tools/{key}": value for key, value in zip(keys, total, strict=False)}
+    calls, faults = total[0], total[1] + total[2] + total[3]
+    out["tools/call_frequency"] = calls / max(total[4], 1)
+    out["tools/failure_frequency"] = faults / calls if calls else 0.0
+    if faults:
+        logger.warning("tools: %d of %d calls failed this generation (%d raised or unknown, %d timed out, %d "
+                       "malformed); the model read each error as the tool's output", faults, calls, total[1],
+                       total[2], total[3])
+    return out
+
+
 def token_prompts(tokenizer, contexts: list[list[int]]) -> list[TokenPrompt]:
     """Episode contexts as prompts the generation backends take as they are."""
     return [TokenPrompt(tuple(c), tokenizer.decode(c)) for c in contexts]

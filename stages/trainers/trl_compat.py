@@ -61,9 +61,7 @@ UNSUPPORTED: dict[str, str] = {
     "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
                                                           "vllm",
     "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
-    "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
     "DistillationTrainer.eval_dataset": "distillation has no evaluation loop here; evaluate the saved model",
-    "DistillationTrainer.tools": "tool calling is not built",
 }
 
 

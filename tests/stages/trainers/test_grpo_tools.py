@@ -202,3 +202,27 @@ def test_templates_that_cannot_show_tools_are_refused(tmp_path):
     path = build_tiny(tmp_path / "tiny")
     with pytest.raises(ValueError, match=r"model '.*tiny'.*cannot render a tool call.*CHATML_TOOLS"):
         GRPOTrainer(str(path), reward_funcs=right_answer, args=_args(tmp_path), train_dataset=ROWS, tools=tm.TOOLS)
+
+
+def test_distillation_with_tools_teaches_the_model_tokens_only(tool_model, tmp_path):  # noqa: F811
+    """DistillationTrainer(tools=...) runs the same episodes (one per prompt); the student is pulled towards the
+    teacher at its own tokens only: the tool turns are context."""
+    from stages.trainers.distillation_trainer import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                              max_completion_length=40, learning_rate=1e-3, logging_steps=1, report_to="none",
+                              use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, temperature=0.5,
+                              tool_timeout=1.0, shuffle_dataset=False)
+    trainer = DistillationTrainer(str(tool_model), teacher_model=str(tool_model), args=args, train_dataset=ROWS,
+                                  tools=tm.TOOLS)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert log["tools/calls"] == 4 and log["tools/errors"] == 1 and log["tools/timeouts"] == 1 \
+        and log["tools/parse_errors"] == 1 and math.isfinite(log["loss"])
+    batch = trainer.make_batch(ROWS[:1])
+    tok = trainer.processing_class
+    width = batch["completion_mask"].shape[1]
+    taught = batch["input_ids"][0, -width:][batch["completion_mask"][0].bool()].tolist()
+    assert tok.decode(taught) == \
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>5<|im_end|>'
+    assert batch["attention_mask"][0, -width:].sum() > batch["completion_mask"][0].sum()  # the tool turn is read
