@@ -401,15 +401,17 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         return batch
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict], g: int) -> tuple[dict[str, torch.Tensor], tuple]:
-        """`make_batch`'s batch for g completions per prompt, unlogged, and (rewards (N,), valid (N,), each
-        function's scores, the N prompts, the N completions)."""
+    def rollout(self, rows: list[dict], g: int, metrics: dict[str, list[float]] | None = None
+                ) -> tuple[dict[str, torch.Tensor], tuple]:
+        """`make_batch`'s batch for g completions per prompt, unlogged (but for the tool counts, which go to
+        `metrics`, default the training metrics), and (rewards (N,), valid (N,), each function's scores, the N
+        prompts, the N completions)."""
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
         start = time.perf_counter()
-        r = self.sample(policy, rows, g)
+        r = self.sample(policy, rows, g, self._metrics if metrics is None else metrics)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -445,7 +447,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self._tick("training_s", time.perf_counter() - start)
         return batch, (rewards, valid, per_function, r.prompts, r.completions)
 
-    def sample(self, policy, rows: list[dict], g: int) -> Rollout:
+    def sample(self, policy, rows: list[dict], g: int, metrics: dict[str, list[float]]) -> Rollout:
         """g completions per row: the user's rollout_func, multi-turn episodes with tools, or one sampled turn."""
         a, tok = self.args, self.processing_class
         if self.rollout_func is not None:
@@ -459,7 +461,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
             rollout = self.agent.run(rows, g, generate)
             for key, value in tool_metrics(self.accelerator, self.agent.runner, len(rollout.completion_ids)).items():
-                self._metrics[key].append(value)
+                metrics[key].append(value)
             return rollout
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
@@ -701,7 +703,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         try:
             self.state.global_step = -1  # a fixed draw: evaluations differ only by the policy
             for i in range(self.args.process_index * per_call, len(rows), per_call * self.args.world_size):
-                batch, scores = self.rollout(rows[i:i + per_call], g)
+                batch, scores = self.rollout(rows[i:i + per_call], g, metrics)
                 with torch.no_grad():
                     logps = completion_logps(model, batch, temperature=a.sampling.temperature,
                                              chunked=a.use_chunked_logprobs)["logps"]
