@@ -226,3 +226,30 @@ def test_distillation_with_tools_teaches_the_model_tokens_only(tool_model, tmp_p
     assert tok.decode(taught) == \
         '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>5<|im_end|>'
     assert batch["attention_mask"][0, -width:].sum() > batch["completion_mask"][0].sum()  # the tool turn is read
+
+
+class Quiet:
+    """A second environment, without tools or reward of its own."""
+
+    def reset(self, **_) -> None:
+        return None
+
+
+def test_a_dict_of_environments_is_chosen_per_row(tool_model, tmp_path):  # noqa: F811
+    rows = [{**ROWS[0], "environment": "count"}, {**ROWS[1], "environment": "quiet"}]
+    seen = []
+
+    def envs_seen(completions, environments, environment, **_):
+        seen.append([(type(e).__name__, name) for e, name in zip(environments, environment, strict=True)])
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tool_model), reward_funcs=envs_seen, args=_args(tmp_path, per_device_train_batch_size=4),
+                          train_dataset=rows, environment_factory={"count": Counter, "quiet": Quiet})
+    trainer.train()
+    assert seen[0] == [("Counter", "count")] * 2 + [("Quiet", "quiet")] * 2
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert "rewards/Counter/mean" in log  # scored on its own episodes only; Quiet's rows are None for it
+    with pytest.raises(ValueError, match=r"environment = 'other', not one of environment_factory's \['count'"):
+        GRPOTrainer(str(tool_model), reward_funcs=envs_seen, args=_args(tmp_path, per_device_train_batch_size=4),
+                    train_dataset=[{**ROWS[0], "environment": "other"}] * 2,
+                    environment_factory={"count": Counter, "quiet": Quiet}).train()
