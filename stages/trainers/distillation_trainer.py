@@ -122,6 +122,8 @@ class DistillationTrainer(Trainer):
         processing_class = load_processing_class(model, processing_class, args)
         self.agent = Agent(processing_class, tools=tools, environment_factory=None, args=args,
                            model_name=str(getattr(model, "name_or_path", model))) if tools else None
+        if self.agent is not None:
+            self.agent.check_rows(rows, "train_dataset")
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         teacher = load_teacher(source, args)
         check_teacher(model, teacher, processing_class, source, key)

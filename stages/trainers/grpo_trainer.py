@@ -273,6 +273,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self.agent = Agent(processing_class, tools=tools, environment_factory=environment_factory, args=args,
                            model_name=str(getattr(model, "name_or_path", model))) \
             if tools or environment_factory is not None else None
+        if self.agent is not None:
+            self.agent.check_rows(rows, "train_dataset")
         env_rewards = self.agent.reward_functions() if self.agent is not None else []
         if reward_funcs is None and not env_rewards and args.reward_head != "shared":
             raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "

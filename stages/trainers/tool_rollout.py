@@ -170,6 +170,14 @@ class Agent:
         self.runner = ToolRunner(timeout=args.tool_timeout, mode=args.tool_mode)
         self.environments: list | None = None  # the latest rollout's, per completion
 
+    def check_rows(self, rows: list[dict], key: str) -> None:
+        """Tools are shown through the chat template: every prompt must be a message list (found before training)."""
+        bad = next((i for i, r in enumerate(rows) if "prompt" in r and not isinstance(r["prompt"], list)), None)
+        if bad is not None:
+            raise ValueError(f"{key}[{bad}]['prompt'] is a {type(rows[bad]['prompt']).__name__}: with tools or an "
+                             "environment, prompts must be chat messages ([{'role': 'user', 'content': ...}]), which "
+                             "the chat template renders with the tools' schemas")
+
     def reward_functions(self) -> list[tuple[str, Callable]]:
         """(name, reward function) for each environment class with get_reward: scores its own episodes only."""
         def make(kind):

@@ -253,3 +253,9 @@ def test_a_dict_of_environments_is_chosen_per_row(tool_model, tmp_path):  # noqa
         GRPOTrainer(str(tool_model), reward_funcs=envs_seen, args=_args(tmp_path, per_device_train_batch_size=4),
                     train_dataset=[{**ROWS[0], "environment": "other"}] * 2,
                     environment_factory={"count": Counter, "quiet": Quiet}).train()
+
+
+def test_plain_text_prompts_with_tools_are_refused_before_training(tool_model, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=r"train_dataset\[1\]\['prompt'\] is a str: with tools"):
+        GRPOTrainer(str(tool_model), reward_funcs=right_answer, args=_args(tmp_path), tools=tm.TOOLS,
+                    train_dataset=[ROWS[0], {"prompt": "Add 2 and 3.", "answer": "5"}])
