@@ -76,6 +76,7 @@ from stages.trainers.tool_rollout import (
     Rollout,
     custom_rollout,
     from_generations,
+    placeholder_rows,
     token_prompts,
     tool_metrics,
 )
@@ -264,6 +265,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                                      trainer="GRPOTrainer")
         no_unknown_kwargs("GRPOTrainer", deprecated)
         args = args or default_args(GRPOConfig, model, "GRPO")
+        if train_dataset is None and environment_factory is not None:
+            train_dataset = placeholder_rows(environment_factory, args)
         rows = prompt_rows(train_dataset, "train_dataset", needs_prompt=environment_factory is None)
         processing_class = load_processing_class(model, processing_class, args)
         if rollout_func is not None and (tools or environment_factory is not None):

@@ -105,6 +105,19 @@ def custom_rollout(rollout_func: Callable, trainer, rows: list[dict], g: int, to
 # tools and environments
 # ---------------------------------------------------------------------------------------------------------------
 
+def placeholder_rows(environment_factory, args) -> list[dict]:
+    """TRL's rows when an environment owns the data (no train_dataset): one generation's worth of empty prompts,
+    which each episode's reset() fills; max_steps sets the length."""
+    if isinstance(environment_factory, dict):
+        raise ValueError("train_dataset is None with a dict of environments: each row's 'environment' column picks "
+                         "its environment, so pass a train_dataset with that column (or a single factory)")
+    if args.max_steps <= 0:
+        raise ValueError(f"train_dataset is None (the environment's reset() supplies the prompts) and max_steps = "
+                         f"{args.max_steps}: set max_steps > 0, the length of training")
+    n = args.per_device_train_batch_size * args.resolved_steps_per_generation // args.num_generations
+    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(max(n, 1))]
+
+
 def _methods(instance) -> list[Callable]:
     """An environment's tools: its public methods other than reset and get_reward (listed on the class, so
     properties are not evaluated)."""

@@ -259,3 +259,35 @@ def test_plain_text_prompts_with_tools_are_refused_before_training(tool_model, t
     with pytest.raises(ValueError, match=r"train_dataset\[1\]\['prompt'\] is a str: with tools"):
         GRPOTrainer(str(tool_model), reward_funcs=right_answer, args=_args(tmp_path), tools=tm.TOOLS,
                     train_dataset=[ROWS[0], {"prompt": "Add 2 and 3.", "answer": "5"}])
+
+
+class Asker:
+    """An environment that owns the data: reset() returns the question."""
+
+    def reset(self, **_) -> str:
+        return "Add 2 and 3."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+
+def test_without_a_dataset_the_environment_supplies_the_prompts(tool_model, tmp_path):  # noqa: F811
+    seen = []
+
+    def record(prompts, completions, **_):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tool_model), reward_funcs=record, args=_args(tmp_path, per_device_train_batch_size=4),
+                          environment_factory=Asker)
+    trainer.train()
+    assert seen == [[{"role": "user", "content": "Add 2 and 3."}]] * 4  # 2 placeholder rows x 2 samples
+    with pytest.raises(ValueError, match="max_steps = -1: set max_steps > 0"):
+        GRPOTrainer(str(tool_model), reward_funcs=record, environment_factory=Asker,
+                    args=_args(tmp_path, max_steps=-1, num_train_epochs=1))
