@@ -68,15 +68,18 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 def parse_hermes(text: str) -> ParsedTurn:
     """`<tool_call>{json}</tool_call>` blocks; the rest of the text is the content."""
-    calls, errors, kept, end = [], [], [], 0
+    calls: list[dict] = []
+    errors: list[str] = []
+    kept: list[str] = []
+    end = 0
     for k, match in enumerate(_HERMES.finditer(text), 1):
         kept.append(text[end:match.start()])
         end = match.end()
         call, error = _hermes_call(match.group(1).strip(), k)
-        if call:
+        if call is not None:
             calls.append(call)
         else:  # a malformed call stays in the content: the transcript shows what the model wrote
-            errors.append(error)
+            errors.append(str(error))
             kept.append(match.group(0))
     tail = text[end:]
     if "<tool_call>" in tail:
@@ -110,7 +113,7 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     if not isinstance(obj, dict):  # pragma: no cover - the regex above saw an object start
         return ParsedTurn("", errors=["tool call 1: not a JSON object"])
     call, error = _call(obj.get("name"), obj.get("parameters", obj.get("arguments")), "tool call 1")
-    return ParsedTurn("", [call] if call else [], [] if call else [error])
+    return ParsedTurn("", [call] if call is not None else [], [str(error)] if call is None else [])
 
 
 FORMATS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}

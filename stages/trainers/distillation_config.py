@@ -10,13 +10,14 @@ from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields
 from stages.trainers.online_options import OnlineOptions
+from stages.trainers.tool_fields import ToolFields
 
 TrainingArguments = training_arguments()
 
 
 @refuses_trl_fields
 @dataclass
-class DistillationConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments):
+class DistillationConfig(MethodConfig, OnlineOptions, SamplingFields, ToolFields, TrainingArguments):
     """The student samples one completion per prompt; the loss is the divergence from the teacher at every
     completion position (`stages.losses.distillation_loss`)."""
 

@@ -25,6 +25,7 @@ from stages.logprobs import final_hidden, lm_head_for_chunking
 from stages.losses import distillation_loss
 from stages.precision import autocast_forward, trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
+from stages.tools.episodes import transcript
 from stages.trainers.distillation_config import DistillationConfig
 from stages.trainers.eval_predictions import EVAL_DRAW
 from stages.trainers.grpo_trainer import completion_tensors, rows_collator
@@ -48,6 +49,7 @@ from stages.trainers.online_extras import (
 )
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.rollout import position_ids
+from stages.trainers.tool_rollout import Agent, Rollout, from_generations, token_prompts, tool_metrics
 
 
 def completion_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -108,7 +110,6 @@ class DistillationTrainer(Trainer):
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, *, data_collator=None):
-        refuse("DistillationTrainer", tools=tools)
         args = args or default_args(DistillationConfig, model, "Distillation")
         rows = rows_with_prompts(train_dataset, "train_dataset", method="distillation")
         eval_dataset = map_eval(check_dataset(eval_dataset, "eval_dataset", allow_dict=True), lambda data, name: (
@@ -119,6 +120,10 @@ class DistillationTrainer(Trainer):
             raise ValueError("DistillationTrainer: no teacher; pass teacher_model= (a folder, an id or a model) or "
                              "set DistillationConfig.teacher_model_name_or_path")
         processing_class = load_processing_class(model, processing_class, args)
+        self.agent = Agent(processing_class, tools=tools, environment_factory=None, args=args,
+                           model_name=str(getattr(model, "name_or_path", model))) if tools else None
+        if self.agent is not None:
+            self.agent.check_rows(rows, "train_dataset")
         model = apply_peft(load_model(model, args, quantization_config), peft_config)
         teacher = load_teacher(source, args)
         check_teacher(model, teacher, processing_class, source, key)
@@ -169,26 +174,45 @@ class DistillationTrainer(Trainer):
 
         a, tok = self.args, self.processing_class
         student = self.accelerator.unwrap_model(self.model)
-        prompts = [r["prompt"] for r in rows]
-        rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
-        gens = sample_online(student, tok, rendered, a.sampling, n=1,
-                             seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
-                             precision=trainer_precision(a))
+        r = self.sample(student, rows, evaluation=evaluation)
         metrics = self._metrics["eval" if evaluation else "train"]
         eos = eos_token_ids(tok, student)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-        batch = completion_tensors([gens.prompt_ids[i] for i in gens.prompt_index], gens.completion_ids,
-                                   eos_token_id=eos, pad_token_id=pad_id)
+        batch = completion_tensors(r.prompt_ids, r.completion_ids, eos_token_id=eos, pad_token_id=pad_id,
+                                   tool_mask=r.tool_mask)
+        if "tool_mask" in batch:  # tool outputs are context the student reads, not positions it is taught
+            batch["completion_mask"] = batch["completion_mask"] * batch.pop("tool_mask")
         batch = pad_to_multiple(batch, a.pad_to_multiple_of, pad_id)
         lengths = batch["completion_mask"].sum(1).float()
         metrics["completions/mean_length"].append(lengths.mean().item())
         metrics["completions/truncated_ratio"].append(batch.pop("truncated").float().mean().item())
         if a.log_completions and not evaluation and self.state.global_step % max(int(a.logging_steps), 1) == 0:
-            rows_out = completion_sample([prompts[i] for i in gens.prompt_index], gens.completions,
-                                         [None] * len(gens.completions), limit=a.num_completions_to_print,
+            texts = [transcript(c) if isinstance(c, list) else c for c in r.completions]
+            rows_out = completion_sample(r.prompts, texts, [None] * len(texts), limit=a.num_completions_to_print,
                                          unique_prompts=a.log_unique_prompts)
             log_completion_sample(rows_out, self.state.global_step)
         return {k: v.to(a.device) for k, v in batch.items()}
+
+    def sample(self, student, rows: list[dict], *, evaluation: bool = False) -> Rollout:
+        """One completion per prompt from the student: one sampled turn, or an episode with the tools. The draw is
+        the step's, or with `evaluation` the fixed EVAL_DRAW."""
+        a, tok = self.args, self.processing_class
+        draw = EVAL_DRAW if evaluation else self.state.global_step
+        if self.agent is not None:
+            def generate(contexts, n, round_):
+                gens = sample_online(student, tok, token_prompts(tok, contexts), a.sampling, n=n,
+                                     seed=stable_seed(a.seed, draw, round_), precision=trainer_precision(a))
+                return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
+
+            rollout = self.agent.run(rows, 1, generate)
+            for key, value in tool_metrics(self.accelerator, self.agent.runner, len(rows)).items():
+                self._metrics["eval" if evaluation else "train"][key].append(value)
+            return rollout
+        prompts = [r["prompt"] for r in rows]
+        rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
+        gens = sample_online(student, tok, rendered, a.sampling, n=1, seed=stable_seed(a.seed, draw),
+                             precision=trainer_precision(a))
+        return from_generations(gens, rows, prompts)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args

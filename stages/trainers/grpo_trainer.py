@@ -71,7 +71,15 @@ from stages.trainers.rollout import (
     position_ids,
     sampler_logps,
 )
-from stages.trainers.tool_rollout import Agent, Rollout, custom_rollout, from_generations, token_prompts
+from stages.trainers.tool_rollout import (
+    Agent,
+    Rollout,
+    custom_rollout,
+    from_generations,
+    placeholder_rows,
+    token_prompts,
+    tool_metrics,
+)
 
 REWARD_HEAD_FILE = "reward_head.safetensors"
 logger = logging.getLogger(__name__)
@@ -257,6 +265,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                                      trainer="GRPOTrainer")
         no_unknown_kwargs("GRPOTrainer", deprecated)
         args = args or default_args(GRPOConfig, model, "GRPO")
+        if train_dataset is None and environment_factory is not None:
+            train_dataset = placeholder_rows(environment_factory, args)
         rows = prompt_rows(train_dataset, "train_dataset", needs_prompt=environment_factory is None)
         processing_class = load_processing_class(model, processing_class, args)
         if rollout_func is not None and (tools or environment_factory is not None):
@@ -266,6 +276,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self.agent = Agent(processing_class, tools=tools, environment_factory=environment_factory, args=args,
                            model_name=str(getattr(model, "name_or_path", model))) \
             if tools or environment_factory is not None else None
+        if self.agent is not None:
+            self.agent.check_rows(rows, "train_dataset")
         env_rewards = self.agent.reward_functions() if self.agent is not None else []
         if reward_funcs is None and not env_rewards and args.reward_head != "shared":
             raise ValueError("reward_funcs is None: GRPO needs at least one reward function (e.g. "
@@ -394,15 +406,17 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         return batch
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict], g: int) -> tuple[dict[str, torch.Tensor], tuple]:
-        """`make_batch`'s batch for g completions per prompt, unlogged, and (rewards (N,), valid (N,), each
-        function's scores, the N prompts, the N completions)."""
+    def rollout(self, rows: list[dict], g: int, metrics: dict[str, list[float]] | None = None
+                ) -> tuple[dict[str, torch.Tensor], tuple]:
+        """`make_batch`'s batch for g completions per prompt, unlogged (but for the tool counts, which go to
+        `metrics`, default the training metrics), and (rewards (N,), valid (N,), each function's scores, the N
+        prompts, the N completions)."""
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
         start = time.perf_counter()
-        r = self.sample(policy, rows, g)
+        r = self.sample(policy, rows, g, self._metrics if metrics is None else metrics)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -438,7 +452,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self._tick("training_s", time.perf_counter() - start)
         return batch, (rewards, valid, per_function, r.prompts, r.completions)
 
-    def sample(self, policy, rows: list[dict], g: int) -> Rollout:
+    def sample(self, policy, rows: list[dict], g: int, metrics: dict[str, list[float]]) -> Rollout:
         """g completions per row: the user's rollout_func, multi-turn episodes with tools, or one sampled turn."""
         a, tok = self.args, self.processing_class
         if self.rollout_func is not None:
@@ -451,28 +465,13 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                 return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
 
             rollout = self.agent.run(rows, g, generate)
-            self._log_tools(self.agent.runner.take_counts(), len(rollout.completion_ids))
+            for key, value in tool_metrics(self.accelerator, self.agent.runner, len(rollout.completion_ids)).items():
+                metrics[key].append(value)
             return rollout
         prompts = [r["prompt"] for r in rows]
         gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
                              n=g, seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         return from_generations(gens, rows, prompts)
-
-    def _log_tools(self, counts: dict[str, int], episodes: int) -> None:
-        """tools/calls, tools/errors, tools/timeouts, tools/parse_errors (summed over processes, per generation),
-        and TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (faults per call)."""
-        keys = ("calls", "errors", "timeouts", "parse_errors")
-        local = torch.tensor([counts[k] for k in keys] + [episodes], dtype=torch.float64, device=self.args.device)
-        total = self.accelerator.reduce(local, reduction="sum").tolist()
-        for key, value in zip(keys, total, strict=False):
-            self._metrics[f"tools/{key}"].append(value)
-        calls, faults = total[0], total[1] + total[2] + total[3]
-        self._metrics["tools/call_frequency"].append(calls / max(total[4], 1))
-        self._metrics["tools/failure_frequency"].append(faults / calls if calls else 0.0)
-        if faults:
-            logger.warning("tools: %d of %d calls failed this generation (%d raised or unknown, %d timed out, %d "
-                           "malformed); the model read each error as the tool's output", faults, calls, total[1],
-                           total[2], total[3])
 
     def advantages(self, rewards: torch.Tensor, valid: torch.Tensor, per_function: dict[str, list],
                    num_generations: int) -> torch.Tensor:
@@ -709,7 +708,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         try:
             self.state.global_step = -1  # a fixed draw: evaluations differ only by the policy
             for i in range(self.args.process_index * per_call, len(rows), per_call * self.args.world_size):
-                batch, scores = self.rollout(rows[i:i + per_call], g)
+                batch, scores = self.rollout(rows[i:i + per_call], g, metrics)
                 with torch.no_grad():
                     logps = completion_logps(model, batch, temperature=a.sampling.temperature,
                                              chunked=a.use_chunked_logprobs)["logps"]

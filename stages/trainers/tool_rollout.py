@@ -105,6 +105,19 @@ def custom_rollout(rollout_func: Callable, trainer, rows: list[dict], g: int, to
 # tools and environments
 # ---------------------------------------------------------------------------------------------------------------
 
+def placeholder_rows(environment_factory, args) -> list[dict]:
+    """TRL's rows when an environment owns the data (no train_dataset): one generation's worth of empty prompts,
+    which each episode's reset() fills; max_steps sets the length."""
+    if isinstance(environment_factory, dict):
+        raise ValueError("train_dataset is None with a dict of environments: each row's 'environment' column picks "
+                         "its environment, so pass a train_dataset with that column (or a single factory)")
+    if args.max_steps <= 0:
+        raise ValueError(f"train_dataset is None (the environment's reset() supplies the prompts) and max_steps = "
+                         f"{args.max_steps}: set max_steps > 0, the length of training")
+    n = args.per_device_train_batch_size * args.resolved_steps_per_generation // args.num_generations
+    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(max(n, 1))]
+
+
 def _methods(instance) -> list[Callable]:
     """An environment's tools: its public methods other than reset and get_reward (listed on the class, so
     properties are not evaluated)."""
@@ -121,7 +134,7 @@ def check_template(tokenizer, chat_template: str | None, model_name: str) -> str
            "for a ChatML tokenizer stages.builtin.chat_templates.CHATML_TOOLS)")
     if not template:
         raise ValueError(f"{owner}: the tokenizer has no chat template, so tools cannot be shown or called; {fix}")
-    messages = [{"role": "user", "content": "u"},
+    messages: list[dict] = [{"role": "user", "content": "u"},
                 {"role": "assistant", "content": None,
                  "tool_calls": [{"type": "function", "function": {"name": "name_7f3a", "arguments": {"k": "v_9c2e"}}}]},
                 {"role": "tool", "name": "name_7f3a", "content": "out_5d1b"}]
@@ -170,6 +183,14 @@ class Agent:
         self.runner = ToolRunner(timeout=args.tool_timeout, mode=args.tool_mode)
         self.environments: list | None = None  # the latest rollout's, per completion
 
+    def check_rows(self, rows: list[dict], key: str) -> None:
+        """Tools are shown through the chat template: every prompt must be a message list (found before training)."""
+        bad = next((i for i, r in enumerate(rows) if "prompt" in r and not isinstance(r["prompt"], list)), None)
+        if bad is not None:
+            raise ValueError(f"{key}[{bad}]['prompt'] is a {type(rows[bad]['prompt']).__name__}: with tools or an "
+                             "environment, prompts must be chat messages ([{'role': 'user', 'content': ...}]), which "
+                             "the chat template renders with the tools' schemas")
+
     def reward_functions(self) -> list[tuple[str, Callable]]:
         """(name, reward function) for each environment class with get_reward: scores its own episodes only."""
         def make(kind):
@@ -181,7 +202,8 @@ class Agent:
     def _environments(self, rows: list[dict], g: int) -> list | None:
         if not self.factories:
             return None
-        envs, cursor = [], {}
+        envs: list = []
+        cursor: dict[Any, int] = {}
         for row in rows:
             name = row.get("environment") if self.multi else None
             if name not in self.factories:
@@ -235,9 +257,30 @@ class Agent:
                        reasoning=[None] * len(episodes))
         if envs is not None:
             columns["environments"] = envs
-        logprobs = None if any(e.logprobs is None for e in episodes) else [e.logprobs for e in episodes]
+        logprobs = None if any(e.logprobs is None for e in episodes) else [e.logprobs or [] for e in episodes]
         return Rollout(prompts, prompt_ids, [e.completion_ids for e in episodes], logprobs,
                        [e.tool_mask for e in episodes], [e.messages for e in episodes], columns)
+
+
+def tool_metrics(accelerator, runner: ToolRunner, episodes: int) -> dict[str, float]:
+    """The runner's counts since the last call, summed over processes: tools/calls, tools/errors, tools/timeouts,
+    tools/parse_errors, and TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (faults
+    per call). A generation with faults also logs a warning."""
+    import torch
+
+    counts = runner.take_counts()
+    keys = ("calls", "errors", "timeouts", "parse_errors")
+    local = torch.tensor([counts[k] for k in keys] + [episodes], dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(local, reduction="sum").tolist()
+    out = {f"tools/{key}": value for key, value in zip(keys, total, strict=False)}
+    calls, faults = total[0], total[1] + total[2] + total[3]
+    out["tools/call_frequency"] = calls / max(total[4], 1)
+    out["tools/failure_frequency"] = faults / calls if calls else 0.0
+    if faults:
+        logger.warning("tools: %d of %d calls failed this generation (%d raised or unknown, %d timed out, %d "
+                       "malformed); the model read each error as the tool's output", faults, calls, total[1],
+                       total[2], total[3])
+    return out
 
 
 def token_prompts(tokenizer, contexts: list[list[int]]) -> list[TokenPrompt]:

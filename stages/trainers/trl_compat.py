@@ -51,8 +51,6 @@ UNSUPPORTED: dict[str, str] = {
     "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
                                                           "vllm",
     "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
-    "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
-    "DistillationTrainer.tools": "tool calling is not built",
 }
 
 

@@ -49,7 +49,8 @@ def test_the_mask_is_one_on_the_model_tokens_and_zero_on_the_tool_turn(loaded):
     answer = tok("5<|im_end|>", add_special_tokens=False)["input_ids"]
     assert ep.completion_ids == first + suffix + answer
     assert ep.tool_mask == [1] * len(first) + [0] * len(suffix) + [1] * len(answer)
-    assert tok.decode(suffix) == "\n<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(suffix) == ("\n<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n"
+                                  "<|im_start|>assistant\n")
     masked = [tok.decode([t]) for t, m in zip(ep.completion_ids, ep.tool_mask, strict=True) if m == 0]
     assert "".join(masked) == tok.decode(suffix) and sum(ep.tool_mask) == len(first) + len(answer)
     print(f"masked tokens: {len(suffix)} of {len(ep.completion_ids)} (model tokens {sum(ep.tool_mask)})")

@@ -202,3 +202,92 @@ def test_templates_that_cannot_show_tools_are_refused(tmp_path):
     path = build_tiny(tmp_path / "tiny")
     with pytest.raises(ValueError, match=r"model '.*tiny'.*cannot render a tool call.*CHATML_TOOLS"):
         GRPOTrainer(str(path), reward_funcs=right_answer, args=_args(tmp_path), train_dataset=ROWS, tools=tm.TOOLS)
+
+
+def test_distillation_with_tools_teaches_the_model_tokens_only(tool_model, tmp_path):  # noqa: F811
+    """DistillationTrainer(tools=...) runs the same episodes (one per prompt); the student is pulled towards the
+    teacher at its own tokens only: the tool turns are context."""
+    from stages.trainers.distillation_trainer import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                              max_completion_length=40, learning_rate=1e-3, logging_steps=1, report_to="none",
+                              use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, temperature=0.5,
+                              tool_timeout=1.0, shuffle_dataset=False)
+    trainer = DistillationTrainer(str(tool_model), teacher_model=str(tool_model), args=args, train_dataset=ROWS,
+                                  tools=tm.TOOLS)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert log["tools/calls"] == 4 and log["tools/errors"] == 1 and log["tools/timeouts"] == 1 \
+        and log["tools/parse_errors"] == 1 and math.isfinite(log["loss"])
+    batch = trainer.make_batch(ROWS[:1])
+    tok = trainer.processing_class
+    width = batch["completion_mask"].shape[1]
+    taught = batch["input_ids"][0, -width:][batch["completion_mask"][0].bool()].tolist()
+    assert tok.decode(taught) == \
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>5<|im_end|>'
+    assert batch["attention_mask"][0, -width:].sum() > batch["completion_mask"][0].sum()  # the tool turn is read
+
+
+class Quiet:
+    """A second environment, without tools or reward of its own."""
+
+    def reset(self, **_) -> None:
+        return None
+
+
+def test_a_dict_of_environments_is_chosen_per_row(tool_model, tmp_path):  # noqa: F811
+    rows = [{**ROWS[0], "environment": "count"}, {**ROWS[1], "environment": "quiet"}]
+    seen = []
+
+    def envs_seen(completions, environments, environment, **_):
+        seen.append([(type(e).__name__, name) for e, name in zip(environments, environment, strict=True)])
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tool_model), reward_funcs=envs_seen, args=_args(tmp_path, per_device_train_batch_size=4),
+                          train_dataset=rows, environment_factory={"count": Counter, "quiet": Quiet})
+    trainer.train()
+    assert seen[0] == [("Counter", "count")] * 2 + [("Quiet", "quiet")] * 2
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert "rewards/Counter/mean" in log  # scored on its own episodes only; Quiet's rows are None for it
+    with pytest.raises(ValueError, match=r"environment = 'other', not one of environment_factory's \['count'"):
+        GRPOTrainer(str(tool_model), reward_funcs=envs_seen, args=_args(tmp_path, per_device_train_batch_size=4),
+                    train_dataset=[{**ROWS[0], "environment": "other"}] * 2,
+                    environment_factory={"count": Counter, "quiet": Quiet}).train()
+
+
+def test_plain_text_prompts_with_tools_are_refused_before_training(tool_model, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=r"train_dataset\[1\]\['prompt'\] is a str: with tools"):
+        GRPOTrainer(str(tool_model), reward_funcs=right_answer, args=_args(tmp_path), tools=tm.TOOLS,
+                    train_dataset=[ROWS[0], {"prompt": "Add 2 and 3.", "answer": "5"}])
+
+
+class Asker:
+    """An environment that owns the data: reset() returns the question."""
+
+    def reset(self, **_) -> str:
+        return "Add 2 and 3."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+
+def test_without_a_dataset_the_environment_supplies_the_prompts(tool_model, tmp_path):  # noqa: F811
+    seen = []
+
+    def record(prompts, completions, **_):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tool_model), reward_funcs=record, args=_args(tmp_path, per_device_train_batch_size=4),
+                          environment_factory=Asker)
+    trainer.train()
+    assert seen == [[{"role": "user", "content": "Add 2 and 3."}]] * 4  # 2 placeholder rows x 2 samples
+    with pytest.raises(ValueError, match="max_steps = -1: set max_steps > 0"):
+        GRPOTrainer(str(tool_model), reward_funcs=record, environment_factory=Asker,
+                    args=_args(tmp_path, max_steps=-1, num_train_epochs=1))
