@@ -37,7 +37,6 @@ from stages.trainers.inputs import (
     load_model,
     load_processing_class,
     map_eval,
-    refuse,
     rows_with_prompts,
 )
 from stages.trainers.online_extras import (
