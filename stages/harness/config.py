@@ -21,8 +21,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
 from stages.methods import METHODS, Method, policy_methods
 from stages.reward_function_names import REWARD_BUILTINS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: F401
+from stages.sampling import SamplingParams
 from stages.trainers.arguments import as_declared, light_module
-from stages.trainers.generation_params import GenerationParams
+from stages.trainers.method_fields import (
+    CACHE_IMPLEMENTATION_HELP,
+    GENERATION_KWARGS_HELP,
+    MIN_P_HELP,
+    REPETITION_PENALTY_HELP,
+)
 
 # A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
 DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
@@ -183,6 +189,33 @@ def check_reward_functions(names: list[str], weights: list[float] | None) -> lis
         problems.append(("reward_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} reward "
                          "function(s); give one weight per function or null for all 1.0"))
     return problems
+
+
+@dataclass
+class GenerationParams:
+    """score.generation: how score samples (`stages.generation`); `sampling` gives it, with score.n, as the one
+    record the backend takes (`stages.sampling.SamplingParams`)."""
+
+    backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+        "auto", help="auto: the CPU decoder where stages.generation.decoder.why_not allows it, transformers "
+        "generate otherwise; hf: always transformers generate; decoder: always the CPU decoder (Llama, Mistral, "
+        "Qwen2/3 on CPU; fails with the reason otherwise); vllm: a vLLM server (OpenAI API) in its own environment")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    temperature: float = positive(1.0, "sampling temperature")
+    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
+    min_p: float | None = param(None, help=MIN_P_HELP, check=lambda v: 0 <= v < 1, rule="must be in [0, 1) or null")
+    repetition_penalty: float = positive(1.0, REPETITION_PENALTY_HELP)
+    generation_kwargs: dict | None = param(None, help=GENERATION_KWARGS_HELP)
+    cache_implementation: str | None = param(None, help=CACHE_IMPLEMENTATION_HELP)
+    batch_size: int = positive(64, "prompts per generate call")
+    vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
+    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
+
+    def sampling(self, n: int, seed: int) -> SamplingParams:
+        """`n` sampled completions per prompt, the call seeded `seed`."""
+        return SamplingParams(**{**dataclasses.asdict(self), "min_p": self.min_p or 0.0}, n=n, do_sample=True,
+                              seed=seed)
 
 
 @dataclass

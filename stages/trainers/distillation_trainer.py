@@ -168,7 +168,7 @@ class DistillationTrainer(Trainer):
         a, tok = self.args, self.processing_class
         student = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(student, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling, n=1,
+        gens = sample_online(student, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
                              seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         eos = eos_token_ids(tok, student)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]

@@ -8,7 +8,7 @@ backend "vllm") at `vllm_server_base_url`, or http://`vllm_server_host`:`vllm_se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
@@ -23,6 +23,8 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 @dataclass
 class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
+
+    SAMPLES = "num_generations"
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
                                  rule="must be >= 2 (advantages compare completions within a group)")
@@ -206,12 +208,9 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
             return f"http://{host}:{self.vllm_server_port}/v1"
         return "http://127.0.0.1:8000/v1"
 
-    @property
-    def sampling(self):
-        from dataclasses import replace
-
-        g = super().sampling
-        return replace(g, backend="vllm" if self.use_vllm else g.backend, vllm_url=self.vllm_url)
+    def sampling_settings(self) -> dict[str, Any]:
+        s = super().sampling_settings()
+        return {**s, "backend": "vllm" if self.use_vllm else s["backend"], "vllm_url": self.vllm_url}
 
 
 def _processes(config) -> int:

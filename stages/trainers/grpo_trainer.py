@@ -17,6 +17,7 @@ The details: docs/methods.md (GRPO) and docs/trainers.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -42,6 +43,7 @@ from stages.losses import (
 )
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
+from stages.sampling import SamplingParams
 from stages.sharding import unwrap
 from stages.trainers.completions_log import CompletionsLog
 from stages.trainers.grpo_config import GRPOConfig  # noqa: F401 (the config of this trainer, re-exported)
@@ -355,23 +357,23 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Generate, score and compute advantages (and old / reference log-probs) for these prompts; logged."""
-        batch, (rewards, valid, per_function, prompts, completions) = self.rollout(rows, self.args.num_generations)
+        batch, (rewards, valid, per_function, prompts, completions) = self.rollout(rows, self.args.sampling)
         self._log_generation(rewards, valid, per_function, batch, self.args.num_generations)
         self.completions_log.add(prompts, completions, per_function, batch["advantages"].tolist())
         return batch
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict], g: int) -> tuple[dict[str, torch.Tensor], tuple]:
-        """`make_batch`'s batch for g completions per prompt, unlogged, and (rewards (N,), valid (N,), each
-        function's scores, the N prompts, the N completions)."""
+    def rollout(self, rows: list[dict], sampling: SamplingParams) -> tuple[dict[str, torch.Tensor], tuple]:
+        """`make_batch`'s batch for `sampling` (`sampling.n` completions per prompt), unlogged, and (rewards (N,),
+        valid (N,), each function's scores, the N prompts, the N completions)."""
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
-        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
-                             n=g, seed=stable_seed(a.seed, self.state.global_step),
+        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), sampling,
+                             seed=stable_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
@@ -390,7 +392,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         start = time.perf_counter()
         valid = torch.tensor([t is not None for t in totals], device=a.device)
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
-        batch["advantages"] = self.advantages(rewards, valid, per_function, g)
+        batch["advantages"] = self.advantages(rewards, valid, per_function, sampling.n)
         loss_mask = batch["completion_mask"] * valid[:, None]
         if a.mask_truncated_completions:
             loss_mask = loss_mask * ~batch["truncated"][:, None]
@@ -631,7 +633,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         if rows is None:
             raise ValueError("evaluate() needs prompts: pass eval_dataset to GRPOTrainer or to evaluate()")
         a, start = self.args, time.perf_counter()
-        g = a.num_generations_eval or a.num_generations
+        sampling = dataclasses.replace(a.sampling, n=a.num_generations_eval or a.num_generations)
+        g = sampling.n
         per_call = max(1, a.per_device_eval_batch_size // g)
         if a.world_size > 1:  # every process scores the same number of batches (their statistics are gathered)
             rows = list(itertools.islice(itertools.cycle(rows), -(-len(rows) // (per_call * a.world_size))
@@ -643,7 +646,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         try:
             self.state.global_step = -1  # a fixed draw: evaluations differ only by the policy
             for i in range(self.args.process_index * per_call, len(rows), per_call * self.args.world_size):
-                batch, scores = self.rollout(rows[i:i + per_call], g)
+                batch, scores = self.rollout(rows[i:i + per_call], sampling)
                 with torch.no_grad():
                     logps = completion_logps(model, batch, temperature=a.sampling.temperature,
                                              chunked=a.use_chunked_logprobs)["logps"]

@@ -24,6 +24,7 @@ TrainingArguments = training_arguments()
 @dataclass
 class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     MAX_TOKENS: ClassVar[str] = "max_new_tokens"
+    SAMPLES = 2  # completions per prompt: the pair the reward functions rank
 
     beta: float | list[float] = beta_field(per_epoch=True)
     reward_model_path: str | None = param(None, help="a reward model's folder that ranks the samples when "

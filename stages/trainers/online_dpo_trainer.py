@@ -145,7 +145,7 @@ class OnlineDPOTrainer(CheckpointsRewardMean, Trainer):
         prompt, "weight" 0 on the pairs dropped (tied or unscored)."""
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling, n=2,
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, prompts, a.sampling,
                              seed=stable_seed(a.seed, self.state.global_step),
                              precision=trainer_precision(a))
         index = gens.prompt_index

@@ -20,6 +20,8 @@ TrainingArguments = training_arguments()
 class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
+    SAMPLES = "num_generations"  # the sampling record's n (SamplingFields.sampling)
+
     # What GRPOTrainer's shared machinery (which RLOOTrainer extends) reads: no self-rewarding head here, and the
     # loss is a mean over sequences, so no dapo token count and no per-token importance correction.
     reward_head: ClassVar[str] = "separate"

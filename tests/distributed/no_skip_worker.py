@@ -60,14 +60,12 @@ def low_ids_none_on_rank_1(prompts, completions, completion_ids, **_):
 def train(method: str, model_path: str, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_generation import GenerationParams
-
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     args = dict(output_dir=str(out / f"run-{method}"), max_steps=STEPS, learning_rate=0.5, optim="sgd",
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True,
                 save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, dataloader_num_workers=0,
-                generation=GenerationParams(max_new_tokens=MAX_NEW_TOKENS))
+                generation={"max_new_tokens": MAX_NEW_TOKENS})
     if method == "online_dpo":
         from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -97,12 +95,13 @@ def sample_target(model_path: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.basics import stable_seed
-    from stages.trainers.online_generation import GenerationParams, sample_online
+    from stages.sampling import SamplingParams
+    from stages.trainers.online_generation import sample_online
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     batch, position = target_batch(rank())
-    gens = sample_online(model, tok, batch, GenerationParams(max_new_tokens=MAX_NEW_TOKENS), n=2,
+    gens = sample_online(model, tok, batch, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, n=2, do_sample=True),
                          seed=stable_seed(0, 0))
     return {"position": position, "completion_ids": gens.completion_ids[2 * position:2 * position + 2]}
 

@@ -109,9 +109,7 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
         return RewardTrainer(model, args=RewardConfig(**args), processing_class=tok, train_dataset=pair_rows())
     model = AutoModelForCausalLM.from_pretrained(model_path)
     model = apply_lora(model, LORA) if lora else model
-    from stages.trainers.generation_params import GenerationParams
-
-    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
+    generation = {"max_new_tokens": NEW_TOKENS}  # the deprecated nested section, still read
     if method == "sft":
         from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
