@@ -14,13 +14,16 @@ Everything is generated deterministically from `seed`. Splits, all conversationa
   prompts    {"prompt": [user], "answer": str}                 prompt-only (for RL / scoring)
   eval       {"prompt": [user], "completion": [assistant]}     held out, correct references
   dev        same as eval, other prompts                       held out for model selection (tuning)
-With `reasoning`, assistant answers carry a `<think>` block with the column sums.
+With `reasoning`, assistant answers carry a `<think>` block with the column sums. With `tools`,
+demonstrations call a calculator and every row carries its schema (`stages.builtin.arithmetic_tools`).
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
 from typing import Any
+
+from stages.builtin import arithmetic_tools
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -86,7 +89,8 @@ def _wrong(rng: random.Random, a: int, b: int) -> tuple[int, str]:
 
 
 def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int, error_rate: float,
-             reasoning: bool, seed: int, num_dev: int = 0, prompt: str = PROMPT) -> dict[str, list[dict[str, Any]]]:
+             reasoning: bool, seed: int, num_dev: int = 0, prompt: str = PROMPT,
+             tools: bool = False) -> dict[str, list[dict[str, Any]]]:
     """All splits of the task. Eval and dev prompts never appear in any training split, nor in each other.
 
     The eval prompts are the first `num_eval` of the shuffled sums whatever `num_dev` is (the dev
@@ -103,26 +107,34 @@ def generate(*, num_train: int, num_preference: int, num_eval: int, digits: int,
     def text(value: int, steps: str) -> str:
         return answer_text(value, steps if reasoning else None)
 
+    def right(a: int, b: int) -> list[dict[str, Any]]:
+        """The correct assistant turns: the tool's episode, or the answer by hand."""
+        if tools:
+            return arithmetic_tools.with_tool([], a, b, str(a + b))
+        return _assistant(text(*add(a, b)))
+
+    def row(**columns: Any) -> dict[str, Any]:
+        return {**columns, "tools": [arithmetic_tools.ADD_SCHEMA]} if tools else columns
+
     sft = []
     for i in range(num_train):
         a, b = train_pairs[i % len(train_pairs)]
         if i and i % len(train_pairs) == 0:
             rng.shuffle(train_pairs)
         wrong = needs_carry(a, b) and rng.random() < error_rate
-        value, steps = add(a, b, drop_carry=wrong)
-        sft.append({"messages": _user(a, b, prompt) + _assistant(text(value, steps))})
+        turns = _assistant(text(*add(a, b, drop_carry=True))) if wrong else right(a, b)
+        sft.append(row(messages=_user(a, b, prompt) + turns))
 
     preference, unpaired, prompts = [], [], []
     for i in range(num_preference):
         a, b = train_pairs[rng.randrange(len(train_pairs))]
-        good, bad = text(*add(a, b)), text(*_wrong(rng, a, b))
-        preference.append({"prompt": _user(a, b, prompt), "chosen": _assistant(good), "rejected": _assistant(bad)})
-        unpaired.append({"prompt": _user(a, b, prompt), "completion": _assistant(good if i % 2 == 0 else bad),
-                         "label": i % 2 == 0})
-        prompts.append({"prompt": _user(a, b, prompt), "answer": str(a + b)})
+        good, bad = right(a, b), _assistant(text(*_wrong(rng, a, b)))
+        preference.append(row(prompt=_user(a, b, prompt), chosen=good, rejected=bad))
+        unpaired.append(row(prompt=_user(a, b, prompt), completion=good if i % 2 == 0 else bad, label=i % 2 == 0))
+        prompts.append(row(prompt=_user(a, b, prompt), answer=str(a + b)))
 
     def held_out(pairs_: list[tuple[int, int]]) -> list[dict[str, Any]]:
-        return [{"prompt": _user(a, b, prompt), "completion": _assistant(text(*add(a, b)))} for a, b in pairs_]
+        return [row(prompt=_user(a, b, prompt), completion=right(a, b)) for a, b in pairs_]
 
     return {"sft": sft, "preference": preference, "unpaired": unpaired, "prompts": prompts,
             "eval": held_out(eval_pairs), "dev": held_out(dev_pairs)}

@@ -96,6 +96,8 @@ class ArithmeticConfig:
     prompt: str = param("{a}+{b}", help="the user's message, with {a} and {b} for the operands (a chat model wants "
                         "words: 'What is {a}+{b}? Answer with the number only.')",
                         check=lambda v: "{a}" in v and "{b}" in v, rule="must contain {a} and {b}")
+    tools: bool = param(False, help="demonstrations call a calculator, add(a, b), and rows carry its schema in a "
+                        "'tools' column (stages.builtin.arithmetic_tools); a labeller error skips the call")
     seed: int = param(0, help="seed of the task generator")
 
 
