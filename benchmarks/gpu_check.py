@@ -116,7 +116,6 @@ def run_mode(mode: str, base: str, out: Path, rows: dict, steps: int, device: st
 
     from stages.data.formats import normalise
     from stages.trainers.dpo_trainer import DPOConfig, DPOTrainer
-    from stages.trainers.generation_params import GenerationParams
     from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
     from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
@@ -148,7 +147,7 @@ def run_mode(mode: str, base: str, out: Path, rows: dict, steps: int, device: st
 
     fresh()
     grpo = GRPOConfig(**{**args(out, f"{mode}-grpo", steps, 16, device), "include_num_input_tokens_seen": "no"},
-                      num_generations=4, beta=0.04, generation=GenerationParams(max_new_tokens=32))
+                      num_generations=4, beta=0.04, max_completion_length=32)
     trainer = GRPOTrainer(load(dpo_base, quantized, device), ["exact_match"], args=grpo, processing_class=tok,
                           train_dataset=rows["prompts"])
     got = measured(trainer)

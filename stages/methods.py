@@ -13,11 +13,8 @@ Adding a method (docs/architecture.md, "How to add a method"): its config `<name
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from stages.reward_function_names import VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS
+from dataclasses import dataclass
+from typing import Literal
 
 Kind = Literal["sft", "reward", "offline", "unpaired", "online", "rl", "distill"]
 
@@ -38,9 +35,8 @@ class Method:
     config: str  # "module:Class": its config, a TrainingArguments subclass with TRL's field names
     trainer: str  # "module:Class": its trainer, TRL's signature
     reference: bool  # trains against a frozen reference model (the starting weights, or the adapter disabled)
-    # the pipeline's defaults where they differ from the config's (chosen on the built-in task's dev split,
-    # docs/methods.md); keys of the config or of the pipeline's own keys of the section
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # its params section is `<Name>Section`, declared beside the config (stages.trainers.pipeline_section), with the
+    # pipeline's defaults where they differ from the config's
     trl: str | None = None  # TRL 1.16's counterpart, "module:Class" of its trainer (None: TRL has none)
 
     @property
@@ -74,35 +70,26 @@ class Method:
         return self.kind == "distill"
 
 
-_VERIFIED_FIRST = {"reward_functions": list(VERIFIED_FIRST), "reward_weights": list(VERIFIED_FIRST_WEIGHTS)}
 _T = "stages.trainers."
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("sft", "sft", _T + "sft_config:SFTConfig", _T + "sft_trainer:SFTTrainer", reference=False,
-           defaults={"learning_rate": 3e-3, "num_train_epochs": 3.0}, trl="trl:SFTTrainer"),
+           trl="trl:SFTTrainer"),
     Method("reward", "reward", _T + "reward_config:RewardConfig", _T + "reward_trainer:RewardTrainer",
-           reference=False, defaults={"learning_rate": 6e-4, "num_train_epochs": 8.0, "per_device_train_batch_size": 8},
-           trl="trl:RewardTrainer"),
+           reference=False, trl="trl:RewardTrainer"),
     Method("dpo", "offline", _T + "dpo_config:DPOConfig", _T + "dpo_trainer:DPOTrainer", reference=True,
-           defaults={"learning_rate": 5e-5}, trl="trl:DPOTrainer"),
+           trl="trl:DPOTrainer"),
     Method("kto", "unpaired", _T + "kto_config:KTOConfig", _T + "kto_trainer:KTOTrainer", reference=True,
-           defaults={"learning_rate": 5e-5}, trl="trl:KTOTrainer"),
+           trl="trl:KTOTrainer"),
     Method("online_dpo", "online", _T + "online_dpo_config:OnlineDPOConfig", _T + "online_dpo_trainer:OnlineDPOTrainer",
-           reference=True, defaults={"learning_rate": 1e-4, **_VERIFIED_FIRST},
-           trl="trl.experimental.online_dpo:OnlineDPOTrainer"),
+           reference=True, trl="trl.experimental.online_dpo:OnlineDPOTrainer"),
     Method("grpo", "rl", _T + "grpo_config:GRPOConfig", _T + "grpo_trainer:GRPOTrainer", reference=True,
-           defaults={"learning_rate": 3e-4, "per_device_train_batch_size": 128, "max_steps": 150,
-                     "reward_functions": ["exact_match"]}, trl="trl:GRPOTrainer"),
-    Method("ppo", "rl", _T + "ppo_config:PPOConfig", _T + "ppo_trainer:PPOTrainer", reference=True,
-           defaults={"learning_rate": 3e-5, **_VERIFIED_FIRST}),
-    # RLOO and distillation take GRPO's budget (150 steps of 32 prompts, 3e-4), not yet tuned on the dev split
+           trl="trl:GRPOTrainer"),
+    Method("ppo", "rl", _T + "ppo_config:PPOConfig", _T + "ppo_trainer:PPOTrainer", reference=True),
     Method("rloo", "rl", _T + "rloo_config:RLOOConfig", _T + "rloo_trainer:RLOOTrainer", reference=True,
-           defaults={"learning_rate": 3e-4, "per_device_train_batch_size": 128, "max_steps": 150,
-                     "reward_functions": ["exact_match"]}, trl="trl:RLOOTrainer"),
+           trl="trl:RLOOTrainer"),
     Method("distillation", "distill", _T + "distillation_config:DistillationConfig",
-           _T + "distillation_trainer:DistillationTrainer", reference=False,
-           defaults={"learning_rate": 1e-3, "per_device_train_batch_size": 32, "max_steps": 150},
-           trl="trl:DistillationTrainer"),
+           _T + "distillation_trainer:DistillationTrainer", reference=False, trl="trl:DistillationTrainer"),
 ]}
 
 

@@ -27,8 +27,8 @@ __all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
 BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate}
 
 
-def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str = "auto",
-             batch_size: int = 64, progress: bool = False, tools: list | None = None,
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str | None = None,
+             batch_size: int | None = None, progress: bool = False, tools: list | None = None,
              **backend_options) -> Generations:
     """``sampling.n`` completions for each of ``prompts`` (strings or chat message lists).
 
@@ -38,9 +38,11 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
         tokenizer: the model's tokenizer; it renders prompts (chat template + generation
             prompt) and decodes completions.
         prompts: P prompts.
-        sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt).
-        backend: a ``BACKENDS`` key.
-        batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm").
+        sampling: decoding parameters (greedy, sampling or beam search; ``n`` per prompt), the backend and
+            the prompts per call (``stages.sampling.SamplingParams``).
+        backend: a ``BACKENDS`` key; None: ``sampling.backend``.
+        batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm"); None:
+            ``sampling.batch_size``.
         progress: log rate-limited progress lines with an ETA (``stages.basics``).
         tools: P values of the prompts' rows' ``tools`` column (None where a row has none), shown by the
             chat template with each conversational prompt (``stages.data.tool_calls``).
@@ -49,14 +51,16 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backe
     Returns:
         Generations with P*n completions, all n of prompt 0 first, then prompt 1, ...
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"generation backend = {backend!r}: unknown; supported: {', '.join(BACKENDS)}")
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a stages.generation.SamplingParams; got {type(sampling).__name__} "
                          "(build one: SamplingParams(max_new_tokens=..., n=..., do_sample=...))")
     if tools is not None and len(tools) != len(prompts):
         raise ValueError(f"tools has {len(tools)} entries for {len(prompts)} prompts; give one per prompt (None "
                          "where a prompt has no tools)")
+    backend = sampling.backend if backend is None else backend
+    batch_size = sampling.batch_size if batch_size is None else batch_size
+    if backend not in BACKENDS:
+        raise ValueError(f"generation backend = {backend!r}: unknown; supported: {', '.join(BACKENDS)}")
     return BACKENDS[backend](model, tokenizer, list(prompts), sampling, batch_size=batch_size, progress=progress,
                              tools=tools, **backend_options)
 

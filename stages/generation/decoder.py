@@ -137,14 +137,14 @@ class Decoder:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  eos: list[int], pad_id: int,
-                 pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None, repeats: int = 1) -> torch.Tensor:
-        """The new tokens of left-padded prompts `input_ids` (P, T), each decoded as `repeats` consecutive rows:
-        (P·repeats, steps), steps <= max_new_tokens, rows that finished early padded with `pad_id` after their
-        EOS. A prompt's rows share one prefill (its cache and last logits are copied to each), so `repeats`
+                 pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None, n: int = 1) -> torch.Tensor:
+        """The new tokens of left-padded prompts `input_ids` (P, T), each decoded as `n` consecutive rows
+        (SamplingParams.n): (P·n, steps), steps <= max_new_tokens, rows that finished early padded with `pad_id`
+        after their EOS. A prompt's rows share one prefill (its cache and last logits are copied to each), so `n`
         samples of a prompt cost one prompt forward. `pick(step, logits)` returns each row's (B, 1) token from
         its (B, V) float32 logits; default: the argmax."""
         prompts, width = input_ids.shape
-        rows, device, capacity = prompts * repeats, input_ids.device, width + max_new_tokens
+        rows, device, capacity = prompts * n, input_ids.device, width + max_new_tokens
         valid = torch.zeros(prompts, capacity, dtype=torch.bool, device=device)
         valid[:, :width] = attention_mask.bool()
         valid[:, width:] = True
@@ -159,8 +159,8 @@ class Decoder:
         eye = torch.eye(width, dtype=torch.bool, device=device)
         prefill_mask = ((causal & valid[:, None, :width]) | eye)[:, None]
         logits = self._forward(input_ids, cache, 0, cos[:, :, :width], sin[:, :, :width], prefill_mask)
-        if repeats > 1:  # each prompt's rows from here on
-            cache, logits, valid, cos, sin = (t.repeat_interleave(repeats, dim) for t, dim in
+        if n > 1:  # each prompt's rows from here on
+            cache, logits, valid, cos, sin = (t.repeat_interleave(n, dim) for t, dim in
                                               ((cache, 2), (logits, 0), (valid, 0), (cos, 0), (sin, 0)))
         eos_ids = torch.tensor(eos, device=device)
         unfinished = torch.ones(rows, 1, dtype=torch.bool, device=device)

@@ -126,9 +126,9 @@ def why_not_decoder(model, s: SamplingParams, capacity: int, kwargs: dict, *, ch
     return why_not(model, capacity) if check_model else None
 
 
-def _decode(model, input_ids, attention_mask, repeats: int, s: SamplingParams, kwargs: dict, extra: dict,
+def _decode(model, input_ids, attention_mask, n: int, s: SamplingParams, kwargs: dict, extra: dict,
             eos: list[int], pad_id: int, backend: str, ran: set[str]) -> torch.Tensor:
-    """The new tokens of one batch of prompts, each as `repeats` consecutive rows: `decoder.Decoder` (lighter
+    """The new tokens of one batch of prompts, each as `n` consecutive rows: `decoder.Decoder` (lighter
     per step, one prefill per prompt) or HF's `model.generate` over the repeated rows, as `backend` says;
     the one used is added to `ran`."""
     from stages.generation.decoder import Decoder
@@ -145,8 +145,8 @@ def _decode(model, input_ids, attention_mask, repeats: int, s: SamplingParams, k
     ran.add("hf" if decoder is None else "decoder")
     if decoder is not None:
         pick = extra["logits_processor"][0].sample if extra else None
-        return decoder.generate(input_ids, attention_mask, s.max_new_tokens, eos, pad_id, pick, repeats=repeats)
-    input_ids, attention_mask = input_ids.repeat_interleave(repeats, 0), attention_mask.repeat_interleave(repeats, 0)
+        return decoder.generate(input_ids, attention_mask, s.max_new_tokens, eos, pad_id, pick, n=n)
+    input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs, **extra)[:, width:]
 
 

@@ -1,10 +1,11 @@
 """The params schema: one dataclass per `params.yaml` section, each field with its default, help and check.
 
-The training sections (`sft`, `reward`, `policy.<method>`) are the trainer configs themselves
-(`stages/trainers/<method>_config.py`, read torch-free: `stages.trainers.arguments`) plus the
-few keys only the pipeline has (`TrainingStage` and a stage's own). Every `TrainingArguments`
-key can be set there. Reading the file and `--set` overrides: `stages.harness.params_loader`; the
-checks that open the user's files and model folder: `stages.harness.preflight`.
+The training sections (`sft`, `reward`, `policy.<method>`) are the `<Method>Section` classes declared beside
+the trainer configs (`stages/trainers/<method>_config.py`, read torch-free; `stages.trainers.pipeline_section`):
+the config plus the few keys only the pipeline has (`TrainingStage` and a stage's own), and the pipeline's
+defaults where they differ from the config's. Every `TrainingArguments` key can be set there. Reading the file
+and `--set` overrides: `stages.harness.params_loader`; the checks that open the user's files and model folder:
+`stages.harness.preflight`.
 
 Adding a parameter: a field on the method's config (or on a section below for pipeline-only
 keys), then `align params --write` lists it in params.yaml.
@@ -21,8 +22,20 @@ from typing import TYPE_CHECKING, Any, Literal
 from stages.fields import WARMUP_RATIO, deprecated, fraction, non_negative, param, positive  # noqa: F401
 from stages.methods import METHODS, Method, policy_methods
 from stages.reward_function_names import REWARD_BUILTINS, VERIFIED_FIRST, VERIFIED_FIRST_WEIGHTS  # noqa: F401
-from stages.trainers.arguments import as_declared, light_module
-from stages.trainers.generation_params import GenerationParams
+from stages.sampling import SamplingParams
+from stages.trainers.arguments import light_module
+from stages.trainers.method_fields import (
+    CACHE_IMPLEMENTATION_HELP,
+    GENERATION_KWARGS_HELP,
+    MIN_P_HELP,
+    REPETITION_PENALTY_HELP,
+)
+from stages.trainers.pipeline_section import (  # noqa: F401 (re-exported)
+    STAGE_DEFAULTS,
+    LoraParams,
+    TrainingStage,
+    check_reward_functions,
+)
 
 # A Dask scheduler address as `distributed` takes it: [tcp:// | tls://]host:port (host a name, IPv4 or [IPv6]).
 DASK_ADDRESS = re.compile(r"(?:(?P<scheme>tcp|tls)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
@@ -150,41 +163,30 @@ class PreprocessConfig:
 
 
 @dataclass
-class LoraParams:
-    """LoRA / QLoRA adapters for a training stage (off by default: full fine-tuning)."""
+class GenerationParams:
+    """score.generation: how score samples (`stages.generation`); `sampling` gives it, with score.n, as the one
+    record the backend takes (`stages.sampling.SamplingParams`)."""
 
-    enabled: bool = param(False, help="train LoRA adapters instead of all weights")
-    r: int = positive(16, "adapter rank")
-    alpha: float = positive(32, "scaling numerator (scale = alpha / r)")
-    dropout: float = fraction(0.05, "dropout on the adapter input")
-    target_modules: list[str] = param(default_factory=lambda: ["all-linear"],
-                                      help="module names to adapt (e.g. q_proj, v_proj), or all-linear")
-    modules_to_save: list[str] = param(default_factory=list, help="modules trained in full and saved with the "
-                                       "adapter (e.g. embed_tokens, lm_head)")
-    quantization: Literal["none", "4bit", "8bit"] = param("none", help="QLoRA: load the base in 4 or 8 bits "
-                                                          "(bitsandbytes, CUDA only)")
+    backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+        "auto", help="auto: the CPU decoder where stages.generation.decoder.why_not allows it, transformers "
+        "generate otherwise; hf: always transformers generate; decoder: always the CPU decoder (Llama, Mistral, "
+        "Qwen2/3 on CPU; fails with the reason otherwise); vllm: a vLLM server (OpenAI API) in its own environment")
+    max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
+    temperature: float = positive(1.0, "sampling temperature")
+    top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
+    top_k: int = non_negative(0, "sample from the k most likely tokens only (0: off)")
+    min_p: float | None = param(None, help=MIN_P_HELP, check=lambda v: 0 <= v < 1, rule="must be in [0, 1) or null")
+    repetition_penalty: float = positive(1.0, REPETITION_PENALTY_HELP)
+    generation_kwargs: dict | None = param(None, help=GENERATION_KWARGS_HELP)
+    cache_implementation: str | None = param(None, help=CACHE_IMPLEMENTATION_HELP)
+    batch_size: int = positive(64, "prompts per generate call")
+    vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
+    vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
 
-    def validate(self) -> list[tuple[str, str]]:
-        if self.quantization != "none" and not self.enabled:
-            return [("quantization", f"= {self.quantization!r} with lora.enabled = false: a quantized base trains "
-                     "only through adapters (QLoRA); set lora.enabled: true, or quantization: none")]
-        return []
-
-
-def check_reward_functions(names: list[str], weights: list[float] | None) -> list[tuple[str, str]]:
-    """Config-time checks of a reward_functions / reward_weights pair (imports happen in the stage)."""
-    problems = []
-    if not names:
-        problems.append(("reward_functions", "= []: name at least one (" + ", ".join(REWARD_BUILTINS)
-                         + ", or a dotted path module:function)"))
-    for i, name in enumerate(names):
-        if name not in REWARD_BUILTINS and (":" not in name or not all(name.partition(":")[::2])):
-            problems.append((f"reward_functions[{i}]", f"= {name!r}: neither a built-in ("
-                             f"{', '.join(REWARD_BUILTINS)}) nor a dotted path module:function"))
-    if weights is not None and len(weights) != len(names):
-        problems.append(("reward_weights", f"= {weights}: {len(weights)} weight(s) for {len(names)} reward "
-                         "function(s); give one weight per function or null for all 1.0"))
-    return problems
+    def sampling(self, n: int, seed: int) -> SamplingParams:
+        """`n` sampled completions per prompt, the call seeded `seed`."""
+        return SamplingParams(**{**dataclasses.asdict(self), "min_p": self.min_p or 0.0}, n=n, do_sample=True,
+                              seed=seed)
 
 
 @dataclass
@@ -222,23 +224,6 @@ class ScoreParams:
         return problems
 
 
-@dataclass
-class TrainingStage:
-    """The keys every training section adds to its method config: how the pipeline loads and runs the model.
-
-    The trainer config (`stages/trainers/<method>_config.py`) is the rest of the section: every
-    `TrainingArguments` key and the method's own. The pipeline sets a few `TrainingArguments` keys itself
-    (PIPELINE_KEYS: the seed, the output folder, the device, the autocast)."""
-
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
-        "auto", help="autocast of the forward, fp32 master weights: auto (bf16 on GPUs that have it, no on CPU) | "
-        "no | bf16 (GPU or CPU) | fp16 (GPU only)")
-    gradient_checkpointing_every: int = positive(1, "with gradient_checkpointing: every k-th decoder block only")
-    lora: LoraParams = param(default_factory=LoraParams, help="LoRA / QLoRA adapters")
-    warmup_ratio: float | None = deprecated("warmup_steps", "the old name of warmup_steps (a share of the steps "
-                                            "when < 1)")
-
-
 # TrainingArguments keys the pipeline sets from elsewhere: {key: where the user sets it}.
 PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed": "run.seed",
                  "use_cpu": "run.device", "bf16": "<section>.mixed_precision", "fp16": "<section>.mixed_precision",
@@ -248,86 +233,6 @@ PIPELINE_KEYS = {"output_dir": "run.output_dir", "seed": "run.seed", "data_seed"
                  "model_init_kwargs": "model.dtype and model.trust_remote_code",
                  "trust_remote_code": "model.trust_remote_code",
                  "reward_model_path": "<section>.reward_functions (reward_model: stage reward's model)"}
-# The defaults every training section starts from where they differ from TrainingArguments' (the pipeline saves
-# and logs more often, keeps 2 checkpoints, warms up, and reports to run.report_to: stages/trackers.py).
-STAGE_DEFAULTS = {"lr_scheduler_type": "cosine", "warmup_steps": WARMUP_RATIO, "save_steps": 200,
-                  "save_total_limit": 2, "logging_steps": 20, "report_to": None,
-                  "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "num_train_epochs": 1.0}
-# What a key means in a section where the pipeline reads it differently from transformers.
-STAGE_HELP = {"report_to": "trackers of this stage: tensorboard, mlflow, dvclive, wandb, trackio, comet_ml, clearml, "
-                           "none, or a list (null: run.report_to)"}
-
-
-def section(config: str, *extra: type, **defaults: Any) -> type:
-    """A training section: the light `config` ("module:Class", the trainer config itself), the pipeline's
-    `extra` keys, and the pipeline's `defaults` for keys the config or `extra` declare (STAGE_DEFAULTS first).
-
-    Built at runtime (`make_dataclass`) because a section is the config plus the pipeline's keys and defaults,
-    and the config is declared once, in its own module; `TYPE_CHECKING` below spells the result out."""
-    module, _, name = config.partition(":")
-    base = getattr(light_module(module), name)
-    declared = {**base.__dataclass_fields__, **{k: f for e in extra for k, f in e.__dataclass_fields__.items()}}
-    fields = []
-    for key, value in {**STAGE_DEFAULTS, **defaults}.items():
-        f = declared[key]
-        meta = {**f.metadata, "help": STAGE_HELP.get(key, f.metadata.get("help", ""))}
-        default = (dataclasses.field(default_factory=lambda v=value: list(v), metadata=meta)
-                   if isinstance(value, list) else dataclasses.field(default=as_declared(value, f.type), metadata=meta))
-        fields.append((key, f.type, default))
-    cls = dataclasses.make_dataclass(name.replace("Config", "Section"), fields, bases=(*extra, TrainingStage, base))
-    cls.__module__ = __name__
-    cls.CONFIG = config
-    cls.__doc__ = f"A params section that is `{config.replace(':', '.')}` plus the pipeline's training keys."
-    return cls
-
-
-@dataclass
-class SFTStage:
-    formatting_func: str | None = param(None, help="module:function turning a row into a training text")
-    streaming: bool = param(False, help="stream the training rows instead of loading them (needs max_steps > 0)")
-    eval_samples: int = positive(32, "validation prompts of the online evaluation (eval_steps)")
-
-    def validate(self) -> list[tuple[str, str]]:
-        problems = super().validate()
-        if self.streaming and self.max_steps <= 0:
-            problems.append(("max_steps", f"= {self.max_steps}: streaming has no length; set sft.max_steps > 0"))
-        if self.streaming and self.packing:
-            problems.append(("packing", "= true: packing needs the whole dataset; turn off sft.streaming or packing"))
-        if self.formatting_func is not None and ":" not in self.formatting_func:
-            problems.append(("formatting_func", f"= {self.formatting_func!r}: expected module:function"))
-        return problems
-
-
-@dataclass
-class RewardStage:
-    eval_fraction: float = param(0.1, help="share of pairs held out for accuracy and calibration",
-                                 check=lambda v: 0 < v < 1, rule="must be in (0, 1)")
-    min_accuracy: float = fraction(0.85, "quality gate: the held-out pair accuracy's lower confidence bound "
-                                   "(reward.gate_confidence) below this fails the stage and stops everything "
-                                   "downstream (0: no gate; stages/gates.py). 0.85 at 95%: on 270 pairs a "
-                                   "measured 0.889 passes, and at least 16 pairs are needed", open_right=False)
-    gate_confidence: float = param(0.95, help="confidence of the gate's one-sided Wilson lower bound (0.5: judge "
-                                   "the accuracy itself)", check=lambda v: 0.5 <= v < 1, rule="must be in [0.5, 1)")
-    calibration_bins: int = positive(10, "bins of the reliability table (confidence in the preferred side, "
-                                     "σ(|r_c - r_r|) over [0.5, 1], vs how often it is right)")
-
-
-def _reward_functions(*default: str) -> Any:
-    return param(default_factory=lambda: list(default), help="reward functions: built-ins (" + ", ".join(
-        REWARD_BUILTINS) + ") or module:function dotted paths (the trainer's reward_funcs)")
-
-
-@dataclass
-class RewardKeys:
-    """The reward functions a method that samples builds by name (the trainer's reward_funcs; their weights: the
-    config's reward_weights). Default: the verifiable reward decides, the reward model breaks ties."""
-
-    reward_functions: list[str] = _reward_functions(*VERIFIED_FIRST)
-
-    def validate(self) -> list[tuple[str, str]]:
-        return super().validate() + check_reward_functions(self.reward_functions, self.reward_weights)
-
-
 def teacher_problems(section: str, path: str | None) -> list[tuple[str, str]]:
     """The checks of a teacher-learning method's teacher_model_name_or_path (when it is policy.method): named, as a
     model folder (e.g. an earlier run's merged policy) or a builtin: model. That it shares the student's tokenizer
@@ -342,26 +247,25 @@ def teacher_problems(section: str, path: str | None) -> list[tuple[str, str]]:
     return []
 
 
-# The pipeline's keys a section adds to its config, beyond TrainingStage's: by stage, and for the methods that
-# sample and score completions (the reward functions they build by name).
-STAGE_KEYS: dict[str, tuple[type, ...]] = {"sft": (SFTStage,), "reward": (RewardStage,)}
+def section_class(method: Method) -> type:
+    """The params section of a method of stages.methods: the `<Name>Section` its config module declares beside the
+    config (stages.trainers.pipeline_section), read torch-free."""
+    module, _, name = method.config.partition(":")
+    found = getattr(light_module(module), name.removesuffix("Config") + "Section", None)
+    if found is None:
+        raise TypeError(f"{module.replace('.', '/')}.py declares no {name.removesuffix('Config')}Section: a method's "
+                        f"config module declares its params section beside the config (docs/architecture.md, \"How "
+                        "to add a method\")")
+    return found
 
 
-def method_section(method: Method) -> type:
-    """The params section of a method of stages.methods: its config, the pipeline's keys, the pipeline's defaults."""
-    extra = STAGE_KEYS.get(method.name, ()) + ((RewardKeys,) if method.scores else ())
-    return section(method.config, *extra, **method.defaults)
+if TYPE_CHECKING:  # the two stages' sections, for the type checker (the policy methods': PolicyParams.__getattr__)
+    from stages.trainers.reward_config import RewardSection
+    from stages.trainers.sft_config import SFTSection
 
-
-if TYPE_CHECKING:  # what method_section() builds at runtime, spelled out for the type checker
-    from stages.trainers.reward_config import RewardConfig
-    from stages.trainers.sft_config import SFTConfig
-
-    class SFTSection(SFTStage, TrainingStage, SFTConfig): ...
-    class RewardSection(RewardStage, TrainingStage, RewardConfig): ...
     TRAINING_SECTIONS: dict[str, Any]
 else:
-    TRAINING_SECTIONS = {m.section: method_section(m) for m in METHODS.values()}
+    TRAINING_SECTIONS = {m.section: section_class(m) for m in METHODS.values()}
     SFTSection, RewardSection = TRAINING_SECTIONS["sft"], TRAINING_SECTIONS["reward"]
 
 POLICY_METHODS = policy_methods()

@@ -31,7 +31,7 @@ from stages.basics import Progress, stable_seed
 from stages.completion_text import answer_after_reasoning
 from stages.data import DataError, read_jsonl, write_jsonl
 from stages.data.tokenize import render_prompt
-from stages.generation import Generations, SamplingParams, generate
+from stages.generation import Generations, generate
 from stages.generation.common import build_generations, eos_token_ids
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.pipeline.prompts import backend_options, prompt_rows, reward_model_path
@@ -141,11 +141,10 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
                                          trust_remote_code=p.model.trust_remote_code) if g.backend != "vllm" else sft)
         # seeded per prompt (run seed, draw 0, the prompt's tokens): a shard sampled again after a crash, in
         # another process, or cut at other boundaries gives the same completions
-        sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=s.n, do_sample=True, temperature=g.temperature,
-                                  top_p=g.top_p, top_k=g.top_k, seed=stable_seed(p.run.seed, 0))  # draw 0
-        return generate(loaded[0], tokenizer, [r["prompt"] for r in rows[start:stop]], sampling,
-                        backend=g.backend, batch_size=g.batch_size, tools=[r.get("tools") for r in rows[start:stop]],
-                        **backend_options(g, sft))
+        sampling = g.sampling(s.n, seed=stable_seed(p.run.seed, 0))  # draw 0
+        options = backend_options(sampling, sft)
+        return generate(options.pop("model", loaded[0]), tokenizer, [r["prompt"] for r in rows[start:stop]],
+                        sampling, tools=[r.get("tools") for r in rows[start:stop]], **options)
 
     return rows, sample, rewards, tokenizer, g.backend, p.run.seed
 

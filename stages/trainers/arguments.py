@@ -2,11 +2,10 @@
 
 Each method config (`stages/trainers/<method>_config.py`) is one dataclass declared on
 `training_arguments()`: transformers' `TrainingArguments` when imported normally, as TRL's
-configs are. Params validation (`stages.harness.config`) must not import torch (4 s here; `align
-status` takes 0.2 s), so it executes the same config modules a second time, privately
-(`light_module`), on `LightTrainingArguments`: a torch-free dataclass with transformers' own
-fields, names, defaults and help, read from transformers' source with `ast`. One
-declaration serves both; tests/stages/trainers/test_arguments.py pins the two to each other.
+configs are, and `LightTrainingArguments` (transformers' own fields, names, defaults and help, read
+from transformers' source with `ast`, no torch) when params validation executes the same module a
+second time (`light_module`). Why, what it costs and what it measured: docs/architecture.md,
+"Configs read without torch".
 """
 from __future__ import annotations
 

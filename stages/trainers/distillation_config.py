@@ -10,6 +10,7 @@ from stages.fields import check_fields, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields
 from stages.trainers.online_options import OnlineOptions
+from stages.trainers.pipeline_section import TrainingStage, section, stage_default
 from stages.trainers.tool_fields import ToolFields
 
 TrainingArguments = training_arguments()
@@ -32,3 +33,12 @@ class DistillationConfig(MethodConfig, OnlineOptions, SamplingFields, ToolFields
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, DistillationConfig) + self.online_problems()
+
+
+@section
+class DistillationSection(TrainingStage, DistillationConfig):
+    """Section `policy.distillation`: stages.trainers.distillation_config.DistillationConfig plus the pipeline's
+    keys, and the pipeline's defaults where they differ from the config's (DistillationSection there, each with why)."""
+
+    learning_rate: float = stage_default(1e-3, "from benchmarks/distillation.py, not tuned on the dev split")
+    max_steps: int = stage_default(150, "GRPO's budget")

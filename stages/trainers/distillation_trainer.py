@@ -10,6 +10,7 @@ vocabulary and tokenizer: it scores the student's token ids as they are. Evaluat
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 from types import SimpleNamespace
@@ -199,7 +200,7 @@ class DistillationTrainer(Trainer):
         draw = EVAL_DRAW if evaluation else self.state.global_step
         if self.agent is not None:
             def generate(contexts, n, round_):
-                gens = sample_online(student, tok, token_prompts(tok, contexts), a.sampling, n=n,
+                gens = sample_online(student, tok, token_prompts(tok, contexts), dataclasses.replace(a.sampling, n=n),
                                      seed=stable_seed(a.seed, draw, round_), precision=trainer_precision(a))
                 return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
 
@@ -209,7 +210,7 @@ class DistillationTrainer(Trainer):
             return rollout
         prompts = [r["prompt"] for r in rows]
         rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
-        gens = sample_online(student, tok, rendered, a.sampling, n=1, seed=stable_seed(a.seed, draw),
+        gens = sample_online(student, tok, rendered, a.sampling, seed=stable_seed(a.seed, draw),
                              precision=trainer_precision(a))
         return from_generations(gens, rows, prompts)
 

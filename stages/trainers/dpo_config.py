@@ -27,6 +27,7 @@ from stages.trainers.method_fields import (
     precompute_ref_batch_size_field,
     truncation_mode_field,
 )
+from stages.trainers.pipeline_section import TrainingStage, section
 
 TrainingArguments = training_arguments()
 
@@ -82,3 +83,9 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))
         return problems
+
+
+@section
+class DPOSection(TrainingStage, DPOConfig):
+    """Section `policy.dpo`: stages.trainers.dpo_config.DPOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (DPOSection there, each with why)."""

@@ -8,11 +8,12 @@ backend "vllm") at `vllm_server_base_url`, or http://`vllm_server_host`:`vllm_se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
+from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 from stages.trainers.tool_fields import ToolFields
 
 TrainingArguments = training_arguments()
@@ -24,6 +25,8 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 @dataclass
 class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
+
+    SAMPLES = "num_generations"
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
                                  rule="must be >= 2 (advantages compare completions within a group)")
@@ -207,14 +210,24 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
             return f"http://{host}:{self.vllm_server_port}/v1"
         return "http://127.0.0.1:8000/v1"
 
-    @property
-    def sampling(self):
-        from dataclasses import replace
-
-        g = super().sampling
-        return replace(g, backend="vllm" if self.use_vllm else g.backend, vllm_url=self.vllm_url)
+    def sampling_settings(self) -> dict[str, Any]:
+        s = super().sampling_settings()
+        return {**s, "backend": "vllm" if self.use_vllm else s["backend"], "vllm_url": self.vllm_url}
 
 
 def _processes(config) -> int:
     """Data-parallel processes of a real config (TrainingArguments.world_size); 1 for a light one (params)."""
     return getattr(config, "world_size", 1) or 1
+
+
+@section
+class GRPOSection(RewardKeys, TrainingStage, GRPOConfig):
+    """Section `policy.grpo`: stages.trainers.grpo_config.GRPOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (GRPOSection there, each with why)."""
+
+    learning_rate: float = stage_default(3e-4, "chosen on the built-in task's dev split (docs/methods.md) at 150 steps")
+    per_device_train_batch_size: int = stage_default(128, "completions per step: 32 prompts x num_generations 4, the "
+                                                          "budget dev chose; the Python API keeps TrainingArguments' "
+                                                          "8, as TRL's GRPOConfig")
+    max_steps: int = stage_default(150, "the budget the learning rate was chosen at")
+    reward_functions: list[str] = stage_default(["exact_match"], "the built-in task's answers are checkable")

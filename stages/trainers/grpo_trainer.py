@@ -17,6 +17,7 @@ The details: docs/methods.md (GRPO) and docs/trainers.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -42,6 +43,7 @@ from stages.losses import (
 )
 from stages.precision import trainer_precision, use_fp32_cpu_attention
 from stages.reward_functions import build_reward_functions
+from stages.sampling import SamplingParams
 from stages.sharding import unwrap
 from stages.tools.episodes import transcript
 from stages.trainers.completions_log import CompletionsLog
@@ -399,24 +401,24 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Generate, score and compute advantages (and old / reference log-probs) for these prompts; logged."""
-        batch, (rewards, valid, per_function, prompts, completions) = self.rollout(rows, self.args.num_generations)
+        batch, (rewards, valid, per_function, prompts, completions) = self.rollout(rows, self.args.sampling)
         self._log_generation(rewards, valid, per_function, batch, self.args.num_generations)
         self.completions_log.add(prompts, [transcript(c) if isinstance(c, list) else c for c in completions],
                                  per_function, batch["advantages"].tolist())
         return batch
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict], g: int, metrics: dict[str, list[float]] | None = None
+    def rollout(self, rows: list[dict], sampling: SamplingParams, metrics: dict[str, list[float]] | None = None
                 ) -> tuple[dict[str, torch.Tensor], tuple]:
-        """`make_batch`'s batch for g completions per prompt, unlogged (but for the tool counts, which go to
-        `metrics`, default the training metrics), and (rewards (N,), valid (N,), each function's scores, the N
-        prompts, the N completions)."""
+        """`make_batch`'s batch for `sampling` (`sampling.n` completions per prompt), unlogged (but for the tool
+        counts, which go to `metrics`, default the training metrics), and (rewards (N,), valid (N,), each function's
+        scores, the N prompts, the N completions)."""
         from stages.generation.common import eos_token_ids
 
         a, tok = self.args, self.processing_class
         policy = self.accelerator.unwrap_model(self.model)
         start = time.perf_counter()
-        r = self.sample(policy, rows, g, self._metrics if metrics is None else metrics)
+        r = self.sample(policy, rows, sampling, self._metrics if metrics is None else metrics)
         self._tick("generation_s", time.perf_counter() - start)
 
         start = time.perf_counter()
@@ -432,7 +434,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         start = time.perf_counter()
         valid = torch.tensor([t is not None for t in totals], device=a.device)
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
-        batch["advantages"] = self.advantages(rewards, valid, per_function, g)
+        batch["advantages"] = self.advantages(rewards, valid, per_function, sampling.n)
         loss_mask = batch["completion_mask"] * valid[:, None]
         if "tool_mask" in batch:  # tool outputs are context: no loss, no log-probs in the ratio
             loss_mask = loss_mask * batch["tool_mask"]
@@ -452,25 +454,27 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         self._tick("training_s", time.perf_counter() - start)
         return batch, (rewards, valid, per_function, r.prompts, r.completions)
 
-    def sample(self, policy, rows: list[dict], g: int, metrics: dict[str, list[float]]) -> Rollout:
-        """g completions per row: the user's rollout_func, multi-turn episodes with tools, or one sampled turn."""
+    def sample(self, policy, rows: list[dict], sampling: SamplingParams, metrics: dict[str, list[float]]) -> Rollout:
+        """`sampling.n` completions per row: the user's rollout_func, multi-turn episodes with tools, or one sampled
+        turn."""
         a, tok = self.args, self.processing_class
         if self.rollout_func is not None:
-            return custom_rollout(self.rollout_func, self, rows, g, tok)
+            return custom_rollout(self.rollout_func, self, rows, sampling.n, tok)
         if self.agent is not None:
             def generate(contexts, n, round_):
-                gens = sample_online(policy, tok, token_prompts(tok, contexts), a.sampling, n=n,
+                gens = sample_online(policy, tok, token_prompts(tok, contexts), dataclasses.replace(sampling, n=n),
                                      seed=stable_seed(a.seed, self.state.global_step, round_),
                                      precision=trainer_precision(a))
                 return list(zip(gens.completion_ids, gens.logprobs or [None] * len(gens), strict=True))
 
-            rollout = self.agent.run(rows, g, generate)
+            rollout = self.agent.run(rows, sampling.n, generate)
             for key, value in tool_metrics(self.accelerator, self.agent.runner, len(rollout.completion_ids)).items():
                 metrics[key].append(value)
             return rollout
         prompts = [r["prompt"] for r in rows]
-        gens = sample_online(policy, tok, render_prompts(tok, prompts, a.chat_template_kwargs), a.sampling,
-                             n=g, seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
+        rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
+        gens = sample_online(policy, tok, rendered, sampling, seed=stable_seed(a.seed, self.state.global_step),
+                             precision=trainer_precision(a))
         return from_generations(gens, rows, prompts)
 
     def advantages(self, rewards: torch.Tensor, valid: torch.Tensor, per_function: dict[str, list],
@@ -696,7 +700,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         if rows is None:
             raise ValueError("evaluate() needs prompts: pass eval_dataset to GRPOTrainer or to evaluate()")
         a, start = self.args, time.perf_counter()
-        g = a.num_generations_eval or a.num_generations
+        sampling = dataclasses.replace(a.sampling, n=a.num_generations_eval or a.num_generations)
+        g = sampling.n
         per_call = max(1, a.per_device_eval_batch_size // g)
         if a.world_size > 1:  # every process scores the same number of batches (their statistics are gathered)
             rows = list(itertools.islice(itertools.cycle(rows), -(-len(rows) // (per_call * a.world_size))
@@ -708,7 +713,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         try:
             self.state.global_step = -1  # a fixed draw: evaluations differ only by the policy
             for i in range(self.args.process_index * per_call, len(rows), per_call * self.args.world_size):
-                batch, scores = self.rollout(rows[i:i + per_call], g, metrics)
+                batch, scores = self.rollout(rows[i:i + per_call], sampling, metrics)
                 with torch.no_grad():
                     logps = completion_logps(model, batch, temperature=a.sampling.temperature,
                                              chunked=a.use_chunked_logprobs)["logps"]

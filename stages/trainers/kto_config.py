@@ -16,6 +16,7 @@ from stages.trainers.method_fields import (
     pad_to_multiple_of_field,
     precompute_ref_batch_size_field,
 )
+from stages.trainers.pipeline_section import TrainingStage, section
 
 TrainingArguments = training_arguments()
 
@@ -42,3 +43,9 @@ class KTOConfig(MethodConfig, RefSyncFields, TrainingArguments):
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, KTOConfig) + self.ref_sync_problems()
+
+
+@section
+class KTOSection(TrainingStage, KTOConfig):
+    """Section `policy.kto`: stages.trainers.kto_config.KTOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (KTOSection there, each with why)."""

@@ -9,12 +9,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from stages.fields import param, positive
-from stages.trainers.generation_params import (
-    CACHE_IMPLEMENTATION_HELP,
-    GENERATION_KWARGS_HELP,
-    MIN_P_HELP,
-    REPETITION_PENALTY_HELP,
-)
 
 BETA_HELP = ("KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev split, "
              "docs/methods.md)")
@@ -98,6 +92,14 @@ def f_divergence_problems(divergence: str, names: list[str], *, light: bool) -> 
              f"loss_type also names {others}: use reverse_kl with those, or drop them")]
 
 
+# helps of the sampling settings the online configs (SamplingFields) and score's section (harness.config) share
+MIN_P_HELP = "drop tokens less likely than min_p times the most likely one (null: off)"
+REPETITION_PENALTY_HELP = ("penalise tokens already in the prompt or completion: positive logits divided by it, "
+                           "negative ones multiplied (1.0: off)")
+GENERATION_KWARGS_HELP = ("further arguments of HF generate (backend hf, e.g. no_repeat_ngram_size) or fields of the "
+                          "vLLM request (backend vllm); the sampling settings above are their own keys")
+CACHE_IMPLEMENTATION_HELP = "HF generate's KV cache: static, offloaded, ... (backend hf; null: the model's default)"
+
 # The sampling settings of the online configs, flat as in TRL (`max_completion_length` or `max_new_tokens` is the
 # config's own field, named as TRL names it there). The old nested `generation` section maps onto them.
 SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -108,9 +110,12 @@ SAMPLING_RENAMES = {"backend": "generation_backend", "temperature": "temperature
 
 @dataclass
 class SamplingFields:
-    """How the online trainers sample (`stages.generation`); `sampling` gives them as one GenerationParams."""
+    """How the online trainers sample (`stages.generation`), flat as in TRL; `sampling` gives them, with the
+    completions per prompt, as the one record the backend takes (`stages.sampling.SamplingParams`)."""
 
     MAX_TOKENS: ClassVar[str] = "max_completion_length"  # the config's field holding the generation budget
+    # completions per prompt: the config's field holding them (GRPO's num_generations), or their fixed number
+    SAMPLES: ClassVar[str | int] = 1
 
     generation_backend: Literal["auto", "hf", "decoder", "vllm"] = param(
         "auto", help="auto: the CPU decoder where it can run, else HF generate; hf: HF generate; decoder: the CPU "
@@ -130,14 +135,22 @@ class SamplingFields:
 
     @property
     def sampling(self):
-        from stages.trainers.generation_params import GenerationParams
+        """The sampling record of this config (`stages.sampling.SamplingParams`): n completions per prompt
+        (SAMPLES), sampled; the trainer sets each call's seed."""
+        from stages.sampling import SamplingParams
 
-        return GenerationParams(backend=self.generation_backend, max_new_tokens=getattr(self, self.MAX_TOKENS),
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                repetition_penalty=self.repetition_penalty, generation_kwargs=self.generation_kwargs,
-                                cache_implementation=self.cache_implementation,
-                                batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
-                                vllm_model=self.vllm_model)
+        return SamplingParams(**self.sampling_settings())
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """`sampling`'s fields from this config's; a config whose TRL fields also steer sampling (use_vllm,
+        generation_kwargs overrides) updates them."""
+        n = getattr(self, self.SAMPLES) if isinstance(self.SAMPLES, str) else self.SAMPLES
+        return dict(backend=self.generation_backend, max_new_tokens=getattr(self, self.MAX_TOKENS), n=n,
+                    do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty,
+                    generation_kwargs=self.generation_kwargs, cache_implementation=self.cache_implementation,
+                    batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
+                    vllm_model=self.vllm_model)
 
 
 def sampling_renames(max_tokens: str) -> dict[str, str]:

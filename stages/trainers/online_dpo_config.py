@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from stages.fields import check_fields, deprecated, param, positive
+from stages.reward_function_names import VERIFIED_FIRST_WEIGHTS
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
     SamplingFields,
@@ -16,6 +17,7 @@ from stages.trainers.method_fields import (
     objectives_problems,
     sampling_renames,
 )
+from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 
 TrainingArguments = training_arguments()
 
@@ -24,6 +26,7 @@ TrainingArguments = training_arguments()
 @dataclass
 class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     MAX_TOKENS: ClassVar[str] = "max_new_tokens"
+    SAMPLES = 2  # completions per prompt: the pair the reward functions rank
 
     beta: float | list[float] = beta_field(per_epoch=True)
     reward_model_path: str | None = param(None, help="a reward model's folder that ranks the samples when "
@@ -47,3 +50,14 @@ class OnlineDPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, OnlineDPOConfig) + objectives_problems(self)
         return problems
+
+
+@section
+class OnlineDPOSection(RewardKeys, TrainingStage, OnlineDPOConfig):
+    """Section `policy.online_dpo`: stages.trainers.online_dpo_config.OnlineDPOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (OnlineDPOSection there, each with why)."""
+
+    learning_rate: float = stage_default(1e-4, "chosen on the built-in task's dev split (docs/methods.md)")
+    reward_weights: list[float] | None = stage_default(list(VERIFIED_FIRST_WEIGHTS), "the verifiable reward decides, "
+                                                                                     "the reward model breaks ties "
+                                                                                     "(RewardKeys' default functions)")

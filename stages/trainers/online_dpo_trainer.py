@@ -157,7 +157,7 @@ class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
         a, tok = self.args, self.processing_class
         prompts = [r["prompt"] for r in rows]
         rendered = render_prompts(tok, prompts, None, [r.get("tools") for r in rows])  # with each row's tools
-        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, rendered, a.sampling, n=2,
+        gens = sample_online(self.accelerator.unwrap_model(self.model), tok, rendered, a.sampling,
                              seed=stable_seed(a.seed, EVAL_DRAW if evaluation else self.state.global_step),
                              precision=trainer_precision(a))
         metrics = self._metrics["eval" if evaluation else "train"]

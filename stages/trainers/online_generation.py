@@ -1,8 +1,9 @@
 """Sampling from the policy during training, shared by online DPO, GRPO and PPO (and `score`'s settings).
 
-`GenerationParams` is the sampling section (`policy.<method>.generation`, `score.generation`)
-and the `generation` field of the online trainers' configs; `sample_online` turns it into one
-`stages.generation.generate` call. Every online trainer (and `score`) seeds its sampling the same way:
+A trainer config's `sampling` (`stages.trainers.method_fields.SamplingFields`: backend, decoding settings and
+the completions per prompt, `n`, as one `stages.sampling.SamplingParams`) goes as it is into one
+`stages.generation.generate` call (`sample_online`), with the call's seed. Every online trainer (and `score`)
+seeds its sampling the same way:
 
     call seed   = stable_seed(run seed, draw)                      (stages.basics)
     prompt seed = stable_hash(call seed, the prompt's token ids)   (stages.generation.common.prompt_seed)
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.trainers.generation_params import GENERATION_BACKENDS, GenerationParams, backend_options  # noqa: F401 (re-exported)
+from stages.sampling import GENERATION_BACKENDS, SamplingParams, backend_options  # noqa: F401 (re-exported)
 
 
-def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: int, seed: int, precision: str = "no"):
-    """`n` sampled completions per prompt from `model` (unwrapped from DDP) with settings `g`: `Generations`.
+def sample_online(model, tokenizer, prompts: list, sampling: SamplingParams, *, seed: int, precision: str = "no"):
+    """`sampling.n` sampled completions per prompt from `model` (unwrapped from DDP), the call seeded `seed`:
+    `Generations`. `sampling` is the trainer config's (`SamplingFields.sampling`).
 
     precision: the autocast `model`'s forward already runs under (the trainer's, "no", "bf16", "fp16"):
     the whole call becomes one autocast region, so the weights are cast once, not at every decode step
@@ -31,18 +33,16 @@ def sample_online(model, tokenizer, prompts: list, g: GenerationParams, *, n: in
     which training does not update: the samples are off-policy once the policy has moved; their `logprobs` (the
     server's log-probs of what it sampled) are what GRPO's truncated importance sampling corrects with.
     """
-    from stages.generation import SamplingParams, generate
+    import dataclasses
+
+    from stages.generation import generate
     from stages.precision import cached_casts
 
-    sampling = SamplingParams(max_new_tokens=g.max_new_tokens, n=n, do_sample=True, temperature=g.temperature,
-                              top_p=g.top_p, top_k=g.top_k, min_p=g.min_p or 0.0,
-                              repetition_penalty=g.repetition_penalty, generation_kwargs=g.generation_kwargs,
-                              cache_implementation=g.cache_implementation, seed=seed)
     path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    options: dict[str, Any] = backend_options(g, path)
-    source = options.pop("model") if g.backend == "vllm" else model
-    with cached_casts(model, precision if g.backend != "vllm" else "no"):
-        return generate(source, tokenizer, prompts, sampling, backend=g.backend, batch_size=g.batch_size, **options)
+    options: dict[str, Any] = backend_options(sampling, path)
+    source = options.pop("model") if sampling.backend == "vllm" else model
+    with cached_casts(model, precision if sampling.backend != "vllm" else "no"):
+        return generate(source, tokenizer, prompts, dataclasses.replace(sampling, seed=seed), **options)
 
 
 def wait_for_server(base_url: str, *, timeout: float, poll: float = 2.0) -> None:

@@ -7,7 +7,6 @@ run time lives in `stages.trainers.online_extras`.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -82,19 +81,17 @@ class OnlineOptions:
         key = next((k for k, v in OVERRIDES.items() if v == name and k in given), None)
         return given[key] if key is not None else getattr(self, name)
 
-    @property
-    def sampling(self):
-        """SamplingFields' GenerationParams, with TRL's use_vllm and host/port applied."""
-        g = super().sampling  # type: ignore[misc]
+    def sampling_settings(self) -> dict[str, Any]:
+        """SamplingFields' settings, with generation_kwargs' overrides and TRL's use_vllm and host/port applied."""
+        s = super().sampling_settings()  # type: ignore[misc]
         rest = {k: v for k, v in (self.generation_kwargs or {}).items() if k not in OVERRIDES}
-        g = dataclasses.replace(g, temperature=self._setting("temperature"), top_p=self._setting("top_p"),
-                                top_k=self._setting("top_k"), max_new_tokens=self._setting("max_completion_length"),
-                                min_p=self._setting("min_p"), repetition_penalty=self._setting("repetition_penalty"),
-                                cache_implementation=self._setting("cache_implementation"),
-                                generation_kwargs=rest or None)
+        s.update(temperature=self._setting("temperature"), top_p=self._setting("top_p"), top_k=self._setting("top_k"),
+                 max_new_tokens=self._setting("max_completion_length"), min_p=self._setting("min_p") or 0.0,
+                 repetition_penalty=self._setting("repetition_penalty"),
+                 cache_implementation=self._setting("cache_implementation"), generation_kwargs=rest or None)
         if not self.use_vllm:
-            return g
-        url = g.vllm_url
+            return s
+        url = s["vllm_url"]
         if url == DEFAULT_VLLM_URL and (self.vllm_server_host, self.vllm_server_port) != ("127.0.0.1", 8000):
             url = f"http://{self.vllm_server_host}:{self.vllm_server_port}/v1"
-        return dataclasses.replace(g, backend="vllm", vllm_url=url)
+        return {**s, "backend": "vllm", "vllm_url": url}

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stages.fields import check_fields, deprecated, fraction, non_negative, param, positive
+from stages.reward_function_names import VERIFIED_FIRST_WEIGHTS
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
+from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 
 TrainingArguments = training_arguments()
 
@@ -51,3 +53,14 @@ class PPOConfig(MethodConfig, SamplingFields, TrainingArguments):
                              "makes num_ppo_epochs x num_mini_batches optimizer steps per rollout batch itself (raise "
                              "num_mini_batches to use less memory per step)"))
         return problems
+
+
+@section
+class PPOSection(RewardKeys, TrainingStage, PPOConfig):
+    """Section `policy.ppo`: stages.trainers.ppo_config.PPOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (PPOSection there, each with why)."""
+
+    learning_rate: float = stage_default(3e-5, "chosen on the built-in task's dev split (docs/methods.md)")
+    reward_weights: list[float] | None = stage_default(list(VERIFIED_FIRST_WEIGHTS), "the verifiable reward decides, "
+                                                                                     "the reward model breaks ties "
+                                                                                     "(RewardKeys' default functions)")

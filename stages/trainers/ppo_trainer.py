@@ -230,7 +230,7 @@ class PPOTrainer(OffPolicyWarning, Trainer):
         prompts = [r["prompt"] for r in rows]
         a = self.args
         # vllm: off-policy once training moves the policy; gens.logprobs (the sampler's) let the rollout correct it
-        gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.sampling, n=1,
+        gens = sample_online(unwrap(model).pretrained_model, self.processing_class, prompts, a.sampling,
                              seed=stable_seed(a.seed, self.state.global_step))
         totals, per_function = self.reward_fn(prompts, gens.completions, **gens.reward_columns(rows))
         # every rank gathers every key, also with nothing scored here (a skipped gather would pair with the next)

@@ -11,6 +11,7 @@ from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import SamplingFields, chunked_field
 from stages.trainers.online_options import OnlineOptions
+from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 
 TrainingArguments = training_arguments()
 
@@ -19,6 +20,8 @@ TrainingArguments = training_arguments()
 @dataclass
 class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
+
+    SAMPLES = "num_generations"  # the sampling record's n (SamplingFields.sampling)
 
     # What GRPOTrainer's shared machinery (which RLOOTrainer extends) reads: no self-rewarding head here, and the
     # loss is a mean over sequences, so no dapo token count and no per-token importance correction.
@@ -80,3 +83,15 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
             problems.append(("sync_ref_model", "= True with beta = 0: there is no reference to sync; set beta > 0 "
                              "or sync_ref_model: false"))
         return problems
+
+
+@section
+class RLOOSection(RewardKeys, TrainingStage, RLOOConfig):
+    """Section `policy.rloo`: stages.trainers.rloo_config.RLOOConfig plus the pipeline's keys, and the
+    pipeline's defaults where they differ from the config's (RLOOSection there, each with why)."""
+
+    learning_rate: float = stage_default(3e-4, "GRPO's, not yet tuned on the dev split")
+    per_device_train_batch_size: int = stage_default(128, "GRPO's budget (completions per step); the Python API keeps "
+                                                          "TrainingArguments' 8, as TRL's RLOOConfig")
+    max_steps: int = stage_default(150, "GRPO's budget")
+    reward_functions: list[str] = stage_default(["exact_match"], "the built-in task's answers are checkable")

@@ -11,6 +11,7 @@ replaces what RLOO does differently: the rollout batch's advantages and the loss
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -81,7 +82,7 @@ class RLOOTrainer(GRPOTrainer):
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in rows])
-        gens = sample_online(policy, tok, rendered, a.sampling, n=a.num_generations,
+        gens = sample_online(policy, tok, rendered, a.sampling,
                              seed=stable_seed(a.seed, self.state.global_step), precision=trainer_precision(a))
         self._tick("generation_s", time.perf_counter() - start)
 
@@ -146,7 +147,7 @@ class RLOOTrainer(GRPOTrainer):
         if not rows:
             raise ValueError("RLOOTrainer.evaluate: no eval_dataset (pass one to the trainer or to evaluate)")
         a, tok = self.args, self.processing_class
-        n = a.num_generations_eval or a.num_generations
+        sampling = dataclasses.replace(a.sampling, n=a.num_generations_eval or a.num_generations)
         policy = self.accelerator.unwrap_model(self.model)
         totals: list[float | None] = []
         functions: dict[str, list[float]] = {}
@@ -155,7 +156,7 @@ class RLOOTrainer(GRPOTrainer):
             chunk = rows[start:start + size]
             prompts = [r["prompt"] for r in chunk]
             rendered = render_prompts(tok, prompts, a.chat_template_kwargs, [r.get("tools") for r in chunk])
-            gens = sample_online(policy, tok, rendered, a.sampling, n=n,
+            gens = sample_online(policy, tok, rendered, sampling,
                                  seed=stable_seed(a.seed, self.state.global_step, 1),  # not a training draw
                                  precision=trainer_precision(a))
             assert self.reward_functions is not None  # RLOO always has reward functions (checked in __init__)

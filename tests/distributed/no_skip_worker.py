@@ -60,34 +60,33 @@ def low_ids_none_on_rank_1(prompts, completions, completion_ids, **_):
 def train(method: str, model_path: str, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.trainers.online_generation import GenerationParams
-
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     args = dict(output_dir=str(out / f"run-{method}"), max_steps=STEPS, learning_rate=0.5, optim="sgd",
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True,
-                save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, dataloader_num_workers=0,
-                generation=GenerationParams(max_new_tokens=MAX_NEW_TOKENS))
+                save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, dataloader_num_workers=0)
     if method == "online_dpo":
         from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
         trainer = OnlineDPOTrainer(model, reward_funcs=[("low_ids", low_ids_unless_rank_1)], processing_class=tok,
                                    train_dataset=prompts(), args=OnlineDPOConfig(**args, per_device_train_batch_size=4,
-                                                                                 beta=0.5))
+                                                                                 beta=0.5, max_new_tokens=MAX_NEW_TOKENS))
     elif method == "ppo":
         from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
 
         # chunked log-probs read lm_head outside the forward, which DDP rejects in PPO's backward ("Expected to
         # mark a variable ready only once"): not this test's subject (issue 14, item 6), so the logits path
         trainer = PPOTrainer(model, args=PPOConfig(**args, per_device_train_batch_size=4, num_ppo_epochs=1,
-                                                   num_mini_batches=2, use_chunked_logprobs=False),
+                                                   num_mini_batches=2, use_chunked_logprobs=False,
+                                                   max_completion_length=MAX_NEW_TOKENS),
                              processing_class=tok, train_dataset=prompts(), reward_funcs=low_ids_none_on_rank_1)
     else:
         from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
 
         trainer = GRPOTrainer(model, [("low_ids", low_ids_unless_rank_1)], processing_class=tok,
                               train_dataset=prompts(), args=GRPOConfig(**args, per_device_train_batch_size=8,
-                                                                       num_generations=4))
+                                                                       num_generations=4,
+                                                                       max_completion_length=MAX_NEW_TOKENS))
     trainer.train()
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
             "log_history": trainer.state.log_history}
@@ -97,12 +96,13 @@ def sample_target(model_path: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.basics import stable_seed
-    from stages.trainers.online_generation import GenerationParams, sample_online
+    from stages.sampling import SamplingParams
+    from stages.trainers.online_generation import sample_online
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     batch, position = target_batch(rank())
-    gens = sample_online(model, tok, batch, GenerationParams(max_new_tokens=MAX_NEW_TOKENS), n=2,
+    gens = sample_online(model, tok, batch, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, n=2, do_sample=True),
                          seed=stable_seed(0, 0))
     return {"position": position, "completion_ids": gens.completion_ids[2 * position:2 * position + 2]}
 

@@ -71,12 +71,13 @@ def test_rank_1_samples_a_prompt_as_one_process_does_alone(launched):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.basics import stable_seed
-    from stages.trainers.online_generation import GenerationParams, sample_online
+    from stages.sampling import SamplingParams
+    from stages.trainers.online_generation import sample_online
 
     model, out = launched
     tok, lm = AutoTokenizer.from_pretrained(model), AutoModelForCausalLM.from_pretrained(model)
     target = worker.prompts(1)[0]["prompt"]
-    alone = sample_online(lm, tok, [target], GenerationParams(max_new_tokens=worker.MAX_NEW_TOKENS), n=2,
+    alone = sample_online(lm, tok, [target], SamplingParams(max_new_tokens=worker.MAX_NEW_TOKENS, n=2, do_sample=True),
                           seed=stable_seed(0, 0)).completion_ids
     got = [json.loads((out / f"sample-rank{r}.json").read_text()) for r in (0, 1)]
     assert got[0]["position"] != got[1]["position"]

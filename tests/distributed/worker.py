@@ -109,9 +109,6 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
         return RewardTrainer(model, args=RewardConfig(**args), processing_class=tok, train_dataset=pair_rows())
     model = AutoModelForCausalLM.from_pretrained(model_path)
     model = apply_lora(model, LORA) if lora else model
-    from stages.trainers.generation_params import GenerationParams
-
-    generation = GenerationParams(max_new_tokens=NEW_TOKENS)
     if method == "sft":
         from stages.trainers.sft_trainer import SFTConfig, SFTTrainer
 
@@ -129,19 +126,20 @@ def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, 
     if method == "online_dpo":
         from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
-        return OnlineDPOTrainer(model, reward_funcs=REWARDS, args=OnlineDPOConfig(**args, beta=0.5, generation=generation),
-                                processing_class=tok, train_dataset=prompt_rows())
+        config = OnlineDPOConfig(**args, beta=0.5, max_new_tokens=NEW_TOKENS)
+        return OnlineDPOTrainer(model, reward_funcs=REWARDS, args=config, processing_class=tok,
+                                train_dataset=prompt_rows())
     if method.startswith("grpo"):
         from stages.trainers.grpo_trainer import GRPOConfig, GRPOTrainer
 
         args["per_device_train_batch_size"] = batch * GENERATIONS  # counts completions
-        config = GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo", generation=generation,
+        config = GRPOConfig(**args, num_generations=GENERATIONS, loss_type="grpo", max_completion_length=NEW_TOKENS,
                             beta=0.0 if method == "grpo_beta0" else 0.2)
         return GRPOTrainer(model, REWARDS, args=config, processing_class=tok, train_dataset=prompt_rows())
     if method == "ppo":
         from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
 
-        config = PPOConfig(**args, num_ppo_epochs=1, num_mini_batches=1, generation=generation)
+        config = PPOConfig(**args, num_ppo_epochs=1, num_mini_batches=1, max_completion_length=NEW_TOKENS)
         return PPOTrainer(model, args=config, processing_class=tok, train_dataset=prompt_rows(), reward_funcs=REWARDS)
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 

@@ -47,10 +47,11 @@ def test_sections_and_choices_come_from_the_records():
     assert POLICY_METHODS == (*policy, "none")
     assert typing.get_args(typing.get_type_hints(PolicyParams)["method"]) == POLICY_METHODS
     assert [f.name for f in dataclasses.fields(PolicyParams)] == ["method", "data", "num_prompts", *policy]
-    for m in METHODS.values():  # each section is its config plus the pipeline's keys, with the record's defaults
-        section = TRAINING_SECTIONS[m.section]()
+    for m in METHODS.values():  # each section is the one its config module declares beside the config
+        section = TRAINING_SECTIONS[m.section]
         assert section.CONFIG == m.config
-        assert {k: getattr(section, k) for k in m.defaults} == dict(m.defaults), m.name
+        assert section.__name__ == m.config.partition(":")[2].replace("Config", "Section")
+        assert section.__module__ == m.config.partition(":")[0] + "_light"  # read torch-free
     params = Params()
     assert set(params.training_sections()) == set(TRAINING_STAGES) == {"sft", "reward", "policy"}
     assert all(STAGES[s].trains for s in TRAINING_STAGES)
@@ -84,6 +85,7 @@ from dataclasses import dataclass
 
 from stages.fields import check_fields, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
+from stages.trainers.pipeline_section import TrainingStage, section, stage_default
 
 TrainingArguments = training_arguments()
 
@@ -97,6 +99,13 @@ class ToyConfig(MethodConfig, TrainingArguments):
 
     def validate(self) -> list[tuple[str, str]]:
         return check_fields(self, ToyConfig)
+
+
+@section
+class ToySection(TrainingStage, ToyConfig):
+    """Section `policy.toy`: ToyConfig plus the pipeline's keys and defaults."""
+
+    learning_rate: float = stage_default(1e-3, "the toy's hinge needs a larger step than TrainingArguments' 5e-5")
 '''
 
 TOY_TRAINER = '''"""ToyTrainer: pairs through the model, the hinge loss on their log-prob gap (no reference)."""
@@ -127,7 +136,7 @@ class ToyTrainer(Trainer):
 '''
 
 TOY_RECORD = '''    Method("toy", "offline", _T + "toy_config:ToyConfig", _T + "toy_trainer:ToyTrainer",
-           reference=False, defaults={"learning_rate": 1e-3}),
+           reference=False),
 '''
 
 
@@ -184,7 +193,7 @@ def test_a_toy_method_reaches_params_dvc_yaml_and_validation(toy_project):
     assert rendered.returncode == 0, rendered.stderr
     text = (root / "params.yaml").read_text()
     params = yaml.safe_load(text)
-    toy = params["policy"]["toy"]  # the section is the config plus the pipeline's keys, the record's defaults
+    toy = params["policy"]["toy"]  # the section is the config plus the pipeline's keys, ToySection's defaults
     assert (toy["beta"], toy["margin"], toy["learning_rate"]) == (1.0, 2.0, 1e-3)
     assert "lora" in toy and "mixed_precision" in toy
     method_line = next(line for line in text.splitlines() if line.strip().startswith("method:"))

@@ -46,7 +46,8 @@ def test_cached_casts_samples_as_per_forward_autocast_and_casts_each_weight_once
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stages.generation.decoder import Decoder
-    from stages.trainers.online_generation import GenerationParams, sample_online
+    from stages.sampling import SamplingParams
+    from stages.trainers.online_generation import sample_online
 
     if not decoder:
         monkeypatch.setattr(Decoder, "for_model", classmethod(lambda cls, model, capacity: None))
@@ -57,15 +58,15 @@ def test_cached_casts_samples_as_per_forward_autocast_and_casts_each_weight_once
     model = wrap_forward(AutoModelForCausalLM.from_pretrained(path), "bf16")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [r["prompt"] for r in builtin_rows("prompts", "prompt_only", num_preference=3)]
-    g = GenerationParams(max_new_tokens=8)
+    g = SamplingParams(max_new_tokens=8, n=2, do_sample=True)
 
-    per_forward = sample_online(model, tok, prompts, g, n=2, seed=3)
+    per_forward = sample_online(model, tok, prompts, g, seed=3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        sample_online(model, tok, prompts, g, n=2, seed=3)
+        sample_online(model, tok, prompts, g, seed=3)
     per_forward_casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
-    cached = sample_online(model, tok, prompts, g, n=2, seed=3, precision="bf16")
+    cached = sample_online(model, tok, prompts, g, seed=3, precision="bf16")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        sample_online(model, tok, prompts, g, n=2, seed=3, precision="bf16")
+        sample_online(model, tok, prompts, g, seed=3, precision="bf16")
     cached_casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
     assert cached.completion_ids == per_forward.completion_ids
     if decoder:

@@ -103,7 +103,7 @@ def test_a_prompts_samples_share_one_prefill_and_equal_hf_on_repeated_rows():
     s = SamplingParams(max_new_tokens=12, n=3, do_sample=True, seed=4)
     prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
     ours_sampler, hf_sampler = (per_row_sampler(prompts, s, ids.shape[1], "cpu") for _ in range(2))
-    ours = Decoder(model).generate(ids, mask, 12, [1], 0, pick=ours_sampler[0].sample, repeats=3)
+    ours = Decoder(model).generate(ids, mask, 12, [1], 0, pick=ours_sampler[0].sample, n=3)
     theirs = _hf(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), 12, logits_processor=hf_sampler)
     assert ours.shape == (3 * len(ids), 12) and torch.equal(ours, theirs)
     assert len({tuple(r) for r in ours[:3].tolist()}) == 3  # one prompt's rows are sampled apart

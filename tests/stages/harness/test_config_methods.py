@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, PolicyParams, TrainingStage
+from stages.harness.config import STAGE_DEFAULTS, TRAINING_SECTIONS, Params, TrainingStage
 from stages.harness.params_loader import load_params
 from stages.trainers.arguments import TRAINING_ARGUMENT_NAMES
 from tests.conftest import ROOT
@@ -40,9 +40,8 @@ def test_the_section_is_the_trainer_config(dotted):
     section_cls, config_cls = TRAINING_SECTIONS[dotted], config_class(TRAINING_SECTIONS[dotted])
     assert config_cls.__name__ in [c.__name__ for c in section_cls.__mro__]
     config_fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    pipeline = {f.name for f in dataclasses.fields(TrainingStage)} | {
-        f.name for base in section_cls.__mro__[1:] if base.__module__ == "stages.harness.config" and dataclasses.is_dataclass(base)
-        for f in dataclasses.fields(base)}
+    pipeline = {f.name for f in dataclasses.fields(TrainingStage)} | {  # the bases before the config: the pipeline's
+        f.name for base in section_cls.__bases__[:-1] for f in dataclasses.fields(base)}
     assert set(config_fields) <= {f.name for f in dataclasses.fields(section_cls)}
     pipeline_section = section(Params(), dotted)
     config = config_cls(output_dir="/tmp/unused", use_cpu=True)
@@ -205,17 +204,38 @@ def test_resolved_params_read_back_serialise_identically(tmp_path):
     assert json.dumps(load_params(path).to_dict()) == json.dumps(params.to_dict())
 
 
-def test_the_type_checkers_sections_have_the_runtime_bases():
-    """config.py spells out for mypy, under `if TYPE_CHECKING:`, the classes `section()` builds at runtime: the same
-    bases in the same order, so what mypy checks a section's keys against is what the pipeline reads."""
+def test_each_section_is_a_class_statement_beside_its_config():
+    """`class DPOSection(...)` is in dpo_config.py, as written (grep and go-to-definition find it): the same bases
+    the pipeline reads, the config last; its own fields are the pipeline's defaults, each with a reason."""
     import ast
 
-    tree = ast.parse((ROOT / "stages" / "harness" / "config.py").read_text())
-    declared = {node.name: [base.id for base in node.bases]
-                for block in tree.body if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
-                for node in block.body if isinstance(node, ast.ClassDef)}
-    runtime = {cls.__name__: cls for cls in (*TRAINING_SECTIONS.values(), PolicyParams)}
-    # the stages' sections; the policy methods' sections are reached through PolicyParams.__getattr__ (Any)
-    assert set(declared) == {"SFTSection", "RewardSection", "PolicyParams"}
-    for name, bases in declared.items():
-        assert bases == [base.__name__ for base in runtime[name].__bases__], name
+    for section_cls in TRAINING_SECTIONS.values():
+        module = section_cls.CONFIG.partition(":")[0]
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == section_cls.__name__)
+        assert [base.id for base in node.bases] == [base.__name__ for base in section_cls.__bases__]
+        assert section_cls.__bases__[-1].__name__ == section_cls.CONFIG.partition(":")[2]
+        own = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign)]
+        fields = {f.name: f for f in dataclasses.fields(section_cls)}
+        assert all(fields[k].metadata["stage_default"] for k in own), section_cls.__name__
+        assert all(fields[k].metadata["stage_default"] for k in STAGE_DEFAULTS)
+
+
+def test_a_section_declares_no_key_of_its_own():
+    """A key only the section declared would be in params.yaml but not in the Python API: refused."""
+    from stages.fields import param
+    from stages.trainers.pipeline_section import TrainingStage, section, stage_default
+    from stages.trainers.sft_config import SFTConfig
+
+    with pytest.raises(TypeError, match="BadSection.extra: a section declares no key of its own"):
+        @section
+        class BadSection(TrainingStage, SFTConfig):
+            extra: int = param(1, help="only here")
+    with pytest.raises(TypeError, match="BadSection.made_up: a section declares no key"):
+        @section
+        class BadSection(TrainingStage, SFTConfig):  # noqa: F811
+            made_up: int = stage_default(1, "no config declares it")
+    with pytest.raises(TypeError, match=r"BadSection.learning_rate = 5e-05 is the default it has already"):
+        @section
+        class BadSection(TrainingStage, SFTConfig):  # noqa: F811
+            learning_rate: float = stage_default(5e-5, "TrainingArguments' own: one default per key")

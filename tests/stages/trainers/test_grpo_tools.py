@@ -1,6 +1,7 @@
 """GRPOTrainer with tools=, environment_factory= and rollout_func= (TRL 1.16's contract), on a tiny model taught
 to call tools (tests/tool_model.py): faults are answered and counted, tool outputs carry no loss and no
 importance ratio, rewards see the whole episode."""
+import dataclasses
 import math
 
 import pytest
@@ -55,7 +56,7 @@ def test_tools_run_faults_are_answered_and_counted(tool_model, tmp_path):  # noq
 def rollout(tool_model, tmp_path_factory):  # noqa: F811
     trainer = GRPOTrainer(str(tool_model), reward_funcs=right_answer, train_dataset=ROWS, tools=tm.TOOLS,
                           args=_args(tmp_path_factory.mktemp("out")))
-    batch, _ = trainer.rollout(ROWS[:1], 2)  # "Add 2 and 3." twice
+    batch, _ = trainer.rollout(ROWS[:1], dataclasses.replace(trainer.args.sampling, n=2))  # "Add 2 and 3." twice
     return trainer, batch
 
 
@@ -137,7 +138,7 @@ def test_rollout_func_is_called_as_trl_calls_it(tool_model, tmp_path):  # noqa: 
     assert calls == [8]  # 4 prompts, each repeated num_generations = 2 times
     completions, source = scored[0]
     assert source == ["mine"] * 8 and completions[0] == "5\ntool\nok\nassistant\n5"
-    batch, _ = trainer.rollout(ROWS[:1], 2)
+    batch, _ = trainer.rollout(ROWS[:1], dataclasses.replace(trainer.args.sampling, n=2))
     assert batch["loss_mask"][0].tolist()[:sum(batch["completion_mask"][0].tolist())].count(0) == \
         len(trainer.processing_class("\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n",
                                      add_special_tokens=False)["input_ids"])
