@@ -1,12 +1,12 @@
 # Two commands for a fresh machine (Python 3.11):
 #   make run    install, then run the whole pipeline on the built-in model and task
-#   make test   install, then run the test suite
+#   make test   install, then run the test suite (all but the tests marked slow; make test-slow runs those)
 #   make lint   install, then ruff (lint, import order) and mypy (types), configured in pyproject.toml
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install run test lint serve clean vega
+.PHONY: install run test test-slow lint serve clean vega
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,10 @@ run: install
 	$(BIN)/align run
 
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow and not readme"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "slow and not readme"
 
 lint: install
 	$(BIN)/ruff check .
