@@ -25,6 +25,7 @@ from stages.trainers.method_fields import (
     objectives_problems,
     pad_to_multiple_of_field,
     precompute_ref_batch_size_field,
+    router_aux_loss_coef_field,
     truncation_mode_field,
 )
 
@@ -68,6 +69,7 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
                                                   "(multi-task mixtures; tasks not listed: 1.0)")
     balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
     activation_offloading: bool = activation_offloading_field()
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = chunked_field()
 
     @property

@@ -25,10 +25,12 @@ from transformers import Trainer
 from stages.losses import preference_loss, resolve_objective
 from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs, refuse
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.model_options import router_aux_loss_coef, router_losses, with_router_loss
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import (
     REF_COLUMNS,
@@ -127,6 +129,7 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         sync_reference(self)  # TR-DPO: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
+        self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
 
     def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):
@@ -162,7 +165,9 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         """The policy's summed completion log-probs, (2B,) (LD-DPO's with `ld_alpha`), and the pair weights, (B,)
         or None: the `weight` column times WPO's weights with `use_weighting`."""
         weight = inputs.get("weight")
-        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=True,
+        # a router loss counts every token of the forward: the pair's rows as they are, not packed on their prefix
+        aux = self.router_aux_loss_coef > 0
+        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=not aux,
                                         sum_sq=self.args.use_weighting)
         mask = inputs["completion_mask"][:, 1:]
         logps = per_token.sum(-1) if self.args.ld_alpha is None else ld_logps(per_token, mask, self.args.ld_alpha)
@@ -174,7 +179,8 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         return logps, weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps, weight = self.policy_logps(model, inputs)
+        with router_losses(model, self.router_aux_loss_coef > 0) as aux:
+            logps, weight = self.policy_logps(model, inputs)
         ref_chosen, ref_rejected = self.reference_logps(model, inputs)
         bco_delta = None
         if self.reward_mean is not None:
@@ -189,6 +195,7 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
                                       discopop_tau=self.args.discopop_tau,
                                       f_divergence_type=self.args.f_divergence_type,
                                       f_alpha_divergence_coef=self.args.f_alpha_divergence_coef)
+        loss = with_router_loss(loss, aux, self.router_aux_loss_coef, stats)
         mode = "train" if model.training else "eval"
         for key, value in stats.items():
             self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())

@@ -12,7 +12,14 @@ from typing import Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
+from stages.trainers.method_fields import (
+    SamplingFields,
+    chunked_field,
+    router_aux_loss_coef_field,
+    sampling_renames,
+    tis_cap_field,
+    tis_warn_field,
+)
 
 TrainingArguments = training_arguments()
 _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: http://127.0.0.1:8000/v1, or "
@@ -87,9 +94,7 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     log_unique_prompts: bool = param(False, help="log_completions: print one row per prompt only")
     log_multimodal: bool = param(True, help="log_completions: TRL also logs the prompts' images; prompts are text "
                                  "only here, so there are none to log")
-    router_aux_loss_coef: float | None = param(
-        None, help="Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (null: "
-        "the model config's router_aux_loss_coef)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     cast_lm_head_to_fp32: bool = param(False, help="the language-model head of the policy and reference in float32, "
                                        "from float32 hidden states (ScaleRL)")
     disable_dropout: bool = param(False, help="dropout off in the policy and reference (nn.Dropout and attention "

@@ -190,6 +190,13 @@ def pad_multiple(value: int | str | None) -> int | None:
     return None if value in (None, "auto") else int(value)
 
 
+def router_aux_loss_coef_field() -> Any:
+    """TRL's `router_aux_loss_coef` (SFT, DPO, KTO, GRPO, RLOO): run-time meaning in `stages.trainers.model_options`."""
+    return param(None, help="Mixture-of-Experts models: weight of the router's load-balancing loss added to the "
+                 "training loss (null: the model config's router_aux_loss_coef; 0: off; a model without a router "
+                 "refuses a value > 0)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+
+
 def precompute_ref_batch_size_field() -> Any:
     return param(None, help="rows per batch of the reference pass of precompute_ref_log_probs (null: "
                  "per_device_train_batch_size for the training rows, per_device_eval_batch_size for evaluation rows)",

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import SamplingFields, chunked_field
+from stages.trainers.method_fields import SamplingFields, chunked_field, router_aux_loss_coef_field
 from stages.trainers.online_options import OnlineOptions
 
 TrainingArguments = training_arguments()
@@ -28,7 +28,6 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
     tis_warn: ClassVar[float] = float("inf")
     # GRPO-only settings the shared machinery reads, at the values that switch them off for RLOO
     cast_lm_head_to_fp32: ClassVar[bool] = False
-    router_aux_loss_coef: ClassVar[float] = 0.0
     entropy_coef: ClassVar[float] = 0.0
     use_adaptive_entropy: ClassVar[bool] = False
     top_entropy_quantile: ClassVar[float] = 1.0
@@ -63,6 +62,7 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
                                          check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
     ref_model_sync_steps: int = positive(512, "TR-DPO's tau: optimizer steps between reference updates")
     log_multimodal: bool = param(True, help="log images with completions (text-only trainer: nothing to add)")
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:

@@ -24,6 +24,7 @@ from stages.losses import rloo_advantages, rloo_loss
 from stages.precision import trainer_precision
 from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_token_logps
 from stages.trainers.inputs import check_dataset, default_args, refuse
+from stages.trainers.model_options import with_router_loss
 from stages.trainers.online_extras import (
     PromptBatchSampler,
     completion_sample,
@@ -34,6 +35,7 @@ from stages.trainers.online_extras import (
 from stages.trainers.online_generation import sample_online
 from stages.trainers.reference_model import reference_model
 from stages.trainers.rloo_config import RLOOConfig
+from stages.trainers.rollout import completion_logps
 
 
 def clip_range(value: list[float] | None) -> tuple[float, float] | None:
@@ -126,11 +128,13 @@ class RLOOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args
-        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
-                                         chunked=a.use_chunked_logprobs, entropy=True)
-        mask = inputs["loss_mask"]
+        out = completion_logps(model, inputs, temperature=a.sampling.temperature, chunked=a.use_chunked_logprobs,
+                               with_entropy=True, with_aux_loss=self.router_aux_loss_coef > 0)
+        logps, entropy, mask = out["logps"], out["entropy"].detach(), inputs["loss_mask"]
         loss, metrics = rloo_loss(logps, inputs.get("old_logps"), inputs["advantages"], mask,
                                   epsilon_low=a.epsilon, epsilon_high=a.epsilon_high)
+        loss = with_router_loss(loss, [out["aux_loss"]] if "aux_loss" in out else [], self.router_aux_loss_coef,
+                                metrics)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=loss.device).detach().float()
