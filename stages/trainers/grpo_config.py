@@ -15,6 +15,7 @@ from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training
 from stages.trainers.method_fields import (
     SamplingFields,
     chunked_field,
+    pad_to_multiple_of_field,
     router_aux_loss_coef_field,
     sampling_renames,
     tis_cap_field,
@@ -118,6 +119,7 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     # TRL's default, None (host and port), where SamplingFields has a URL: a wider type than the base's
     vllm_server_base_url: str | None = param(None, help=_BASE_URL_HELP)  # type: ignore[assignment]
     mask_truncated_completions: bool = param(False, help="no loss on completions cut at max_completion_length")
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
     reward_head: Literal["separate", "shared"] = param("separate", help="shared: the policy trains its own reward "
                                                        "head on preference pairs in the same update (self-rewarding)")

@@ -58,6 +58,7 @@ from stages.trainers.inputs import (
 )
 from stages.trainers.model_options import router_aux_loss_coef
 from stages.trainers.off_policy import OffPolicyWarning
+from stages.trainers.online_extras import pad_to_multiple
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.ref_sync import sync_reference
@@ -378,10 +379,12 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         start = time.perf_counter()
         index = gens.prompt_index
         eos = eos_token_ids(tok, policy)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         batch = completion_tensors([gens.prompt_ids[i] for i in index], gens.completion_ids, eos_token_id=eos,
-                                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+                                   pad_token_id=pad_id)
         if gens.logprobs is not None:  # what the off-policy correction divides by
             batch["sampler_logps"] = sampler_logps(gens.logprobs, batch["completion_mask"].shape[1])
+        batch = pad_to_multiple(batch, a.pad_to_multiple_of, pad_id)
         batch = {k: v.to(a.device) for k, v in batch.items()}
         columns = gens.reward_columns(rows)
         totals, per_function = self.score([prompts[i] for i in index], gens.completions, columns, batch)

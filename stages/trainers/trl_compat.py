@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
     "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
-    "pad_to_multiple_of": "this trainer pads each batch to its longest row",
     "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
                               "padding)",
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
