@@ -130,6 +130,10 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
         self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
+        if args.padding_free and self.router_aux_loss_coef > 0:
+            raise ValueError(f"padding_free = True with a router loss (router_aux_loss_coef = "
+                             f"{self.router_aux_loss_coef}): the load-balancing loss reads a 2D attention mask, "
+                             "which the joined row replaces; set padding_free: false or router_aux_loss_coef: 0")
 
     def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):
@@ -159,7 +163,8 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
             return None, None
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True,
-                                            ld_alpha=self.args.ld_alpha).chunk(2)
+                                            ld_alpha=self.args.ld_alpha, padding_free=self.args.padding_free
+                                            ).chunk(2)
 
     def policy_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's summed completion log-probs, (2B,) (LD-DPO's with `ld_alpha`), and the pair weights, (B,)
@@ -168,7 +173,7 @@ class DPOTrainer(PrecomputedReference, CheckpointsRewardMean, OffloadsActivation
         # a router loss counts every token of the forward: the pair's rows as they are, not packed on their prefix
         aux = self.router_aux_loss_coef > 0
         per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=not aux,
-                                        sum_sq=self.args.use_weighting)
+                                        sum_sq=self.args.use_weighting, padding_free=self.args.padding_free)
         mask = inputs["completion_mask"][:, 1:]
         logps = per_token.sum(-1) if self.args.ld_alpha is None else ld_logps(per_token, mask, self.args.ld_alpha)
         if sum_sq is not None:

@@ -28,8 +28,6 @@ UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
     "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
-    "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
-                              "padding)",
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
