@@ -194,8 +194,9 @@ def test_padding_free_logps_and_gradients_equal_the_padded_rows(tmp_path):
     results = []
     for free in (False, True):
         model = AutoModelForCausalLM.from_pretrained(path)
-        seen = []
-        model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+        seen: list = []
+        model.register_forward_pre_hook(lambda m, a, kw, seen=seen: seen.append(kw["input_ids"].shape),
+                                        with_kwargs=True)
         logps = sequence_logps(model, batch, pairs=False, padding_free=free)
         logps.sum().backward()
         results.append((logps.detach(), model.model.embed_tokens.weight.grad))
