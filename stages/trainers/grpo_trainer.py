@@ -228,8 +228,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, *, ref_model=None, preference_dataset=None,
                  reward_head: RewardHead | None = None, data_collator=None, **deprecated):
-        refuse("GRPOTrainer", reward_processing_classes=reward_processing_classes, tools=tools,
-               rollout_func=rollout_func, environment_factory=environment_factory)
+        refuse("GRPOTrainer", tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
         reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
                                      trainer="GRPOTrainer")
         no_unknown_kwargs("GRPOTrainer", deprecated)
@@ -250,7 +249,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                          callbacks=callbacks, optimizers=optimizers)
         if args.use_vllm:
             wait_for_server(args.vllm_url, timeout=args.vllm_server_timeout)
-        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs") \
+        if reward_funcs is None and reward_processing_classes is not None:
+            raise ValueError("reward_processing_classes is given but reward_funcs is None: they are the tokenizers of "
+                             "the reward models in reward_funcs")
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs",
+                                                       processing_classes=reward_processing_classes) \
             if reward_funcs is not None else None
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
         if args.disable_dropout:

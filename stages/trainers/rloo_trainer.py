@@ -23,7 +23,7 @@ from stages.basics import stable_seed
 from stages.losses import rloo_advantages, rloo_loss
 from stages.precision import trainer_precision
 from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_token_logps
-from stages.trainers.inputs import check_dataset, default_args, refuse
+from stages.trainers.inputs import check_dataset, default_args
 from stages.trainers.model_options import with_router_loss
 from stages.trainers.online_extras import (
     PromptBatchSampler,
@@ -50,7 +50,6 @@ class RLOOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, data_collator=None):
-        refuse("RLOOTrainer", reward_processing_classes=reward_processing_classes)
         if reward_funcs is None:
             raise ValueError("RLOOTrainer: reward_funcs is None; RLOO needs at least one reward function (a callable, "
                              "a list, a built-in name such as 'exact_match', or a reward model's folder)")
@@ -58,8 +57,9 @@ class RLOOTrainer(GRPOTrainer):
         if not isinstance(args, RLOOConfig):
             raise TypeError(f"args is a {type(args).__name__}: RLOOTrainer takes an RLOOConfig")
         super().__init__(model, reward_funcs, args, train_dataset, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config, data_collator=data_collator)
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                         data_collator=data_collator)
         self.eval_rows = None if eval_dataset is None else list(check_dataset(eval_dataset, "eval_dataset"))
         if self.eval_rows is not None and not all("prompt" in r for r in self.eval_rows):
             raise ValueError("eval_dataset: RLOO evaluates on rows with a 'prompt' column (and the columns its reward "

@@ -33,7 +33,6 @@ UNSUPPORTED: dict[str, str] = {
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
     "vllm_tensor_parallel_size": _VLLM, "vllm_enable_sleep_mode": _VLLM, "vllm_max_model_length": _VLLM,
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
-    "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
     "SFTConfig.dataset_kwargs": "rows are always prepared; pass rows that already hold input_ids to skip it",
     "SFTTrainer.compute_loss_func": "the loss is SFT's own (stages.losses.sft_loss)",
