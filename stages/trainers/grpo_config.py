@@ -13,6 +13,7 @@ from typing import Literal
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    GenerationBatchFields,
     SamplingFields,
     chunked_field,
     pad_to_multiple_of_field,
@@ -29,7 +30,7 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 
 @refuses_trl_fields
 @dataclass
-class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
+class GRPOConfig(MethodConfig, GenerationBatchFields, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
@@ -73,13 +74,6 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
     entropy_coef_delta: float = non_negative(0.005, "use_adaptive_entropy: change of entropy_coef per step")
     entropy_target: float = non_negative(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold")
     num_iterations: int = positive(1, "updates per generation (importance ratio to the sampling policy)")
-    steps_per_generation: int | None = param(None, help="micro-batches one generation feeds (null: "
-                                             "gradient_accumulation_steps, one generation per optimizer step)",
-                                             check=lambda v: v >= 1, rule="must be >= 1 or null")
-    generation_batch_size: int | None = param(None, help="completions per generation over all processes (null: "
-                                              "per_device_train_batch_size x processes x steps_per_generation); "
-                                              "set this or steps_per_generation", check=lambda v: v >= 1,
-                                              rule="must be >= 1 or null")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = param(
         "sum_then_normalize", help="several reward functions: weight and sum the rewards, then normalise "
         "(sum_then_normalize), or normalise each function's rewards in its groups, then weight and sum "
@@ -155,13 +149,7 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
             problems.append(("per_device_train_batch_size", f"= {batch}: counts completions and must be divisible "
                              f"by num_generations = {self.num_generations} (batch / num_generations prompts x "
                              "num_generations completions); use a multiple"))
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            problems.append(("generation_batch_size", f"= {self.generation_batch_size} and steps_per_generation = "
-                             f"{self.steps_per_generation}: set one (each follows from the other)"))
-        elif self.generation_batch_size is not None and self.generation_batch_size % (batch * _processes(self)):
-            problems.append(("generation_batch_size", f"= {self.generation_batch_size}: must be a multiple of "
-                             f"per_device_train_batch_size x processes = {batch * _processes(self)} (one generation "
-                             "feeds whole micro-batches)"))
+        problems += self.generation_batch_problems()
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
             problems.append(("entropy_coef", f"= {self.entropy_coef}: with use_adaptive_entropy it starts within "
                              f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min}, "
@@ -181,16 +169,6 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
             problems.append(("use_vllm", f"= True but generation_backend = {self.generation_backend!r}: use_vllm "
                              "samples with the vllm backend; drop one of them"))
         return problems
-
-    @property
-    def resolved_steps_per_generation(self) -> int:
-        """Micro-batches per generation, as TRL derives it: steps_per_generation, else generation_batch_size /
-        (per_device_train_batch_size x processes), else gradient_accumulation_steps."""
-        if self.steps_per_generation is not None:
-            return self.steps_per_generation
-        if self.generation_batch_size is not None:
-            return self.generation_batch_size // (self.per_device_train_batch_size * _processes(self))
-        return self.gradient_accumulation_steps
 
     @property
     def importance_sampling_bounds(self) -> tuple[float | None, float | None]:
@@ -220,7 +198,3 @@ class GRPOConfig(MethodConfig, SamplingFields, TrainingArguments):
         g = super().sampling
         return replace(g, backend="vllm" if self.use_vllm else g.backend, vllm_url=self.vllm_url)
 
-
-def _processes(config) -> int:
-    """Data-parallel processes of a real config (TrainingArguments.world_size); 1 for a light one (params)."""
-    return getattr(config, "world_size", 1) or 1

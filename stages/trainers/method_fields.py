@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from stages.fields import param, positive
 from stages.trainers.generation_params import (
@@ -161,6 +161,50 @@ def tis_warn_field() -> Any:
 
 
 # ---- how a trainer loads the model and the tokenizer (stages.trainers.inputs applies them)
+
+@dataclass
+class GenerationBatchFields:
+    """How many micro-batches one generation feeds (GRPO and RLOO; TRL's steps_per_generation and
+    generation_batch_size); `stages.trainers.grpo_trainer` samples, buffers and reuses the rollouts."""
+
+    if TYPE_CHECKING:  # TrainingArguments'
+        per_device_train_batch_size: int
+        gradient_accumulation_steps: int
+
+    steps_per_generation: int | None = param(None, help="micro-batches one generation feeds (null: "
+                                             "gradient_accumulation_steps, one generation per optimizer step)",
+                                             check=lambda v: v >= 1, rule="must be >= 1 or null")
+    generation_batch_size: int | None = param(None, help="completions per generation over all processes (null: "
+                                              "per_device_train_batch_size x processes x steps_per_generation); "
+                                              "set this or steps_per_generation", check=lambda v: v >= 1,
+                                              rule="must be >= 1 or null")
+
+    def generation_batch_problems(self) -> list[tuple[str, str]]:
+        batch, processes = self.per_device_train_batch_size, _processes(self)
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            return [("generation_batch_size", f"= {self.generation_batch_size} and steps_per_generation = "
+                     f"{self.steps_per_generation}: set one (each follows from the other)")]
+        if self.generation_batch_size is not None and self.generation_batch_size % (batch * processes):
+            return [("generation_batch_size", f"= {self.generation_batch_size}: must be a multiple of "
+                     f"per_device_train_batch_size x processes = {batch * processes} (one generation feeds whole "
+                     "micro-batches)")]
+        return []
+
+    @property
+    def resolved_steps_per_generation(self) -> int:
+        """Micro-batches per generation, as TRL derives it: steps_per_generation, else generation_batch_size /
+        (per_device_train_batch_size x processes), else gradient_accumulation_steps."""
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // (self.per_device_train_batch_size * _processes(self))
+        return self.gradient_accumulation_steps
+
+
+def _processes(config) -> int:
+    """Data-parallel processes of a real config (TrainingArguments.world_size); 1 for a light one (params)."""
+    return getattr(config, "world_size", 1) or 1
+
 
 @dataclass
 class TokenizerFields:

@@ -9,7 +9,12 @@ from typing import ClassVar
 
 from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import SamplingFields, chunked_field, router_aux_loss_coef_field
+from stages.trainers.method_fields import (
+    GenerationBatchFields,
+    SamplingFields,
+    chunked_field,
+    router_aux_loss_coef_field,
+)
 from stages.trainers.online_options import OnlineOptions
 
 TrainingArguments = training_arguments()
@@ -17,7 +22,7 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments):
+class RLOOConfig(MethodConfig, OnlineOptions, GenerationBatchFields, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     # What GRPOTrainer's shared machinery (which RLOOTrainer extends) reads: no self-rewarding head here, and the
@@ -32,7 +37,6 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
     use_adaptive_entropy: ClassVar[bool] = False
     top_entropy_quantile: ClassVar[float] = 1.0
     importance_sampling_on: ClassVar[bool] = False
-    resolved_steps_per_generation: ClassVar[int] = 1
     multi_objective_aggregation: ClassVar[str] = "sum_then_normalize"
 
     @property
@@ -66,7 +70,7 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, RLOOConfig) + self.online_problems()
+        problems = check_fields(self, RLOOConfig) + self.online_problems() + self.generation_batch_problems()
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             problems.append(("epsilon_high", f"= {self.epsilon_high}: must be >= epsilon ({self.epsilon})"))
         batch = self.per_device_train_batch_size

@@ -1,12 +1,13 @@
 """REINFORCE leave-one-out: `RLOOTrainer` (a `transformers.Trainer`; config: `rloo_config.py`).
 
-Every optimizer step samples `num_generations` completions per prompt from the policy, scores them
+Every generation (`steps_per_generation` micro-batches; by default one optimizer step's) samples
+`num_generations` completions per prompt from the policy, scores them
 with the reward functions, and trains on `stages.losses.rloo_loss` with the advantages of
 `stages.losses.rloo_advantages`: each completion's reward minus the mean reward of the prompt's
 other completions. With `beta` > 0 the KL to the reference is part of the reward (beta x the
 completion's summed log-ratio π_old / π_ref), not of the loss; the importance ratio is one per
-sequence. The step's mechanics (sampling every micro-batch of the step at its start, reuse for
-`num_iterations` updates, scoring, timing and checkpointed rollouts) are GRPOTrainer's; this class
+sequence. The mechanics (sampling every micro-batch of a generation at once, reuse for `num_iterations`
+updates and across optimizer steps, scoring, timing and checkpointed rollouts) are GRPOTrainer's; this class
 replaces what RLOO does differently: the rollout batch's advantages and the loss.
 """
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from stages.basics import stable_seed
@@ -26,7 +26,6 @@ from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_to
 from stages.trainers.inputs import check_dataset, default_args
 from stages.trainers.model_options import with_router_loss
 from stages.trainers.online_extras import (
-    PromptBatchSampler,
     completion_sample,
     log_completion_sample,
     pad_to_multiple,
@@ -65,14 +64,6 @@ class RLOOTrainer(GRPOTrainer):
             raise ValueError("eval_dataset: RLOO evaluates on rows with a 'prompt' column (and the columns its reward "
                              "functions read); some rows lack it")
 
-    def get_train_dataloader(self) -> DataLoader:
-        a = self.args
-        sampler = PromptBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations,
-                                     group=a.gradient_accumulation_steps * a.world_size, repeats=a.num_iterations,
-                                     seed=a.seed, shuffle=a.shuffle_dataset)
-        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
-                                                   collate_fn=self.data_collator))
-
     @torch.no_grad()
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Generate and score one micro-batch; its leave-one-out advantages (and old log-probs when reused)."""
@@ -101,9 +92,12 @@ class RLOOTrainer(GRPOTrainer):
         valid = torch.tensor([t is not None for t in totals], device=a.device)
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
         temperature, chunked, mask = a.sampling.temperature, a.use_chunked_logprobs, batch["completion_mask"]
-        if a.num_iterations > 1 or a.beta > 0:  # the ratio's denominator on reuse; the KL's policy side
+        # reused rollouts (num_iterations > 1, or a generation that outlasts its optimizer step) need the ratio's
+        # denominator; beta > 0 the KL's policy side
+        reused = a.num_iterations > 1 or a.resolved_steps_per_generation > a.gradient_accumulation_steps
+        if reused or a.beta > 0:
             old, _ = per_token_logps(self.model, batch, temperature=temperature, chunked=chunked)
-            if a.num_iterations > 1:
+            if reused:
                 batch["old_logps"] = old
         kl = None
         if a.beta > 0:

@@ -52,10 +52,6 @@ UNSUPPORTED: dict[str, str] = {
     "GRPOTrainer.tools": "tool calling is not built",
     "GRPOTrainer.rollout_func": "rollouts are the trainer's own (stages.generation)",
     "GRPOTrainer.environment_factory": "environments (multi-turn agents) are not built",
-    "RLOOConfig.generation_batch_size": "one generation per optimizer step (all its micro-batches), reused "
-                                        "num_iterations times",
-    "RLOOConfig.steps_per_generation": "one generation per optimizer step (all its micro-batches), reused "
-                                       "num_iterations times",
     "RLOOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
     "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
                                                           "vllm",
