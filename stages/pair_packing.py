@@ -136,8 +136,8 @@ def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     DPOConfig.padding_free): always packed, and the batch joined into one row without padding
     (`PackedPairs.joined`); a ValueError saying why when the model cannot run that."""
     if padding_free:
-        packed = padding_free_pairs(model, input_ids, attention_mask)
-        return packed.inputs(model), packed.unpack
+        joined = padding_free_pairs(model, input_ids, attention_mask)
+        return joined.inputs(model), joined.unpack
     packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
     if packed is None:
         return {"input_ids": input_ids, "attention_mask": attention_mask}, (lambda x: x)

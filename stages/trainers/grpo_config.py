@@ -13,6 +13,7 @@ from typing import Literal
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    ContinuousBatchingFields,
     GenerationBatchFields,
     SamplingFields,
     chunked_field,
@@ -30,7 +31,7 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 
 @refuses_trl_fields
 @dataclass
-class GRPOConfig(MethodConfig, GenerationBatchFields, SamplingFields, TrainingArguments):
+class GRPOConfig(MethodConfig, GenerationBatchFields, ContinuousBatchingFields, SamplingFields, TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     num_generations: int = param(4, help="completions per prompt (the group)", check=lambda v: v >= 2,
@@ -149,7 +150,7 @@ class GRPOConfig(MethodConfig, GenerationBatchFields, SamplingFields, TrainingAr
             problems.append(("per_device_train_batch_size", f"= {batch}: counts completions and must be divisible "
                              f"by num_generations = {self.num_generations} (batch / num_generations prompts x "
                              "num_generations completions); use a multiple"))
-        problems += self.generation_batch_problems()
+        problems += self.generation_batch_problems() + self.continuous_batching_problems()
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
             problems.append(("entropy_coef", f"= {self.entropy_coef}: with use_adaptive_entropy it starts within "
                              f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min}, "

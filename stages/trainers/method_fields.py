@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from stages.fields import param, positive
+from stages.fields import deprecated, param, positive
 from stages.trainers.generation_params import (
     CACHE_IMPLEMENTATION_HELP,
     GENERATION_KWARGS_HELP,
@@ -112,9 +113,10 @@ class SamplingFields:
 
     MAX_TOKENS: ClassVar[str] = "max_completion_length"  # the config's field holding the generation budget
 
-    generation_backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+    generation_backend: Literal["auto", "hf", "decoder", "vllm", "continuous_batching"] = param(
         "auto", help="auto: the CPU decoder where it can run, else HF generate; hf: HF generate; decoder: the CPU "
-        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment")
+        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment; "
+        "continuous_batching: transformers' continuous batching engine (generate_batch, a paged KV cache)")
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,
@@ -138,6 +140,44 @@ class SamplingFields:
                                 cache_implementation=self.cache_implementation,
                                 batch_size=self.generation_prompts_per_call, vllm_url=self.vllm_server_base_url,
                                 vllm_model=self.vllm_model)
+
+
+@dataclass
+class ContinuousBatchingFields:
+    """TRL's switches for transformers' continuous batching (GRPO, RLOO): the generation backend continuous_batching
+    (`stages.generation.continuous`) with the engine's settings."""
+
+    if TYPE_CHECKING:  # SamplingFields'
+        generation_backend: str
+
+    use_transformers_continuous_batching: bool = param(
+        False, help="sample with transformers' continuous batching engine (generate_batch, a paged KV cache; "
+        "generation_backend continuous_batching): greedy or temperature / top_k / top_p sampling, seeded per call")
+    transformers_continuous_batching_config: dict | None = param(
+        None, help="use_transformers_continuous_batching: keyword arguments of transformers' ContinuousBatchingConfig "
+        "(e.g. {page_size: 64, max_batch_tokens: 512}; null: a KV cache sized to each generation's requests)")
+    use_transformers_paged: bool | None = deprecated("use_transformers_continuous_batching",
+                                                     "TRL's deprecated name of use_transformers_continuous_batching")
+
+    def continuous_batching_problems(self) -> list[tuple[str, str]]:
+        on, backend = self.use_transformers_continuous_batching, self.generation_backend
+        if on and backend not in ("auto", "continuous_batching"):
+            return [("use_transformers_continuous_batching", f"= True but generation_backend = {backend!r}: it is "
+                     "generation_backend continuous_batching; drop one of them")]
+        if on and getattr(self, "use_vllm", False):
+            return [("use_transformers_continuous_batching", "= True with use_vllm: pick one sampler")]
+        if self.transformers_continuous_batching_config and not on and backend != "continuous_batching":
+            return [("transformers_continuous_batching_config", "is set but nothing samples with continuous "
+                     "batching; set use_transformers_continuous_batching: true, or remove it")]
+        return []
+
+    @property
+    def sampling(self):
+        g = super().sampling  # type: ignore[misc]
+        if not self.use_transformers_continuous_batching and g.backend != "continuous_batching":
+            return g
+        return dataclasses.replace(g, backend="continuous_batching",
+                                   continuous_batching_config=self.transformers_continuous_batching_config)
 
 
 def sampling_renames(max_tokens: str) -> dict[str, str]:

@@ -10,6 +10,7 @@ from typing import ClassVar
 from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
 from stages.trainers.method_fields import (
+    ContinuousBatchingFields,
     GenerationBatchFields,
     SamplingFields,
     chunked_field,
@@ -22,7 +23,8 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class RLOOConfig(MethodConfig, OnlineOptions, GenerationBatchFields, SamplingFields, TrainingArguments):
+class RLOOConfig(MethodConfig, OnlineOptions, GenerationBatchFields, ContinuousBatchingFields, SamplingFields,
+                 TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     # What GRPOTrainer's shared machinery (which RLOOTrainer extends) reads: no self-rewarding head here, and the
@@ -71,6 +73,7 @@ class RLOOConfig(MethodConfig, OnlineOptions, GenerationBatchFields, SamplingFie
 
     def validate(self) -> list[tuple[str, str]]:
         problems = check_fields(self, RLOOConfig) + self.online_problems() + self.generation_batch_problems()
+        problems += self.continuous_batching_problems()
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             problems.append(("epsilon_high", f"= {self.epsilon_high}: must be >= epsilon ({self.epsilon})"))
         batch = self.per_device_train_batch_size

@@ -45,17 +45,9 @@ UNSUPPORTED: dict[str, str] = {
     "OnlineDPOTrainer.preprocess_logits_for_metrics": _NO_METRICS,
     "GRPOConfig.max_tool_calling_iterations": "tool calling is not built (a separate issue)",
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
-    "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
-    "GRPOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
-                                                          "vllm",
-    "GRPOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
     "GRPOTrainer.tools": "tool calling is not built",
     "GRPOTrainer.rollout_func": "rollouts are the trainer's own (stages.generation)",
     "GRPOTrainer.environment_factory": "environments (multi-turn agents) are not built",
-    "RLOOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
-    "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
-                                                          "vllm",
-    "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
     "DistillationConfig.max_tool_calling_iterations": "tool calling is not built",
     "DistillationTrainer.eval_dataset": "distillation has no evaluation loop here; evaluate the saved model",
     "DistillationTrainer.tools": "tool calling is not built",

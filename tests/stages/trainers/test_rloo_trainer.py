@@ -200,3 +200,25 @@ def test_generation_batch_size_is_steps_per_generation_in_completions(tmp_path):
     with pytest.raises(ValueError, match="generation_batch_size = 12: must be a multiple of "
                                          "per_device_train_batch_size x processes = 8"):
         _args(tmp_path, generation_batch_size=12)
+
+
+def test_use_transformers_continuous_batching_samples_with_the_engine(setup, tmp_path):
+    """TRL's switch: every generation samples through transformers' continuous batching engine (temperature 1,
+    seeded per call); training on those samples moves every weight. use_vllm beside it is refused."""
+    import stages.trainers.rloo_trainer as rloo
+
+    path, rows = setup
+    trainer = RLOOTrainer(path, low_ids, _args(tmp_path, max_steps=2, use_transformers_continuous_batching=True,
+                                               transformers_continuous_batching_config={"page_size": 16}),
+                          train_dataset=rows)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    seen, sample = [], rloo.sample_online
+    try:
+        rloo.sample_online = lambda *a, **kw: seen.append(sample(*a, **kw)) or seen[-1]
+        trainer.train()
+    finally:
+        rloo.sample_online = sample
+    assert [g.backend for g in seen] == ["continuous_batching"] * 2 and all(g.logprobs for g in seen)
+    assert {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])} == set(before)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching = True with use_vllm: pick one"):
+        _args(tmp_path, use_transformers_continuous_batching=True, use_vllm=True, vllm_mode="server")
