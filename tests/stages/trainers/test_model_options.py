@@ -138,3 +138,27 @@ def test_zero_switches_it_off_and_a_dense_model_refuses_a_coefficient(tok, tmp_p
                                          r"Mixture-of-Experts model"):
         DPOTrainer(dense, args=DPOConfig(**_common(tmp_path), router_aux_loss_coef=0.1), processing_class=tok,
                    train_dataset=builtin_rows("preference", "preference", num_preference=8))
+
+
+def test_training_with_accumulation_logs_the_router_loss_and_moves_the_router(tok, tmp_path):
+    """Two micro-batches per step (SFT's loss is scaled for accumulation, so the router loss takes its share):
+    the logged aux_loss is the model's, and the router gates get a gradient the plain loss would not give."""
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **_):
+            self.grad = model.model.layers[0].mlp.gate.weight.grad.clone()
+
+    rows = builtin_rows("sft", "messages", num_train=8, num_preference=2)
+    grads = {}
+    for coef in (0.0, 5.0):
+        grab = Grab()
+        args = SFTConfig(**{**_common(tmp_path), "per_device_train_batch_size": 2}, gradient_accumulation_steps=2,
+                         max_steps=1, logging_steps=1, router_aux_loss_coef=coef)
+        trainer = SFTTrainer(tiny_moe(tok), args=args, processing_class=tok, train_dataset=rows, callbacks=[grab])
+        trainer.train()
+        grads[coef] = grab.grad
+        logged = trainer.state.log_history[0]
+        assert ("aux_loss" in logged) == (coef > 0)
+    assert 0 < logged["aux_loss"] < 4  # num_experts x sum(f_i P_i) is about top_k = 2 for a balanced router
+    assert not torch.allclose(grads[5.0], grads[0.0])
