@@ -115,7 +115,11 @@ def move_deprecated(values: dict[str, Any], renames: dict[str, Any], prefix: str
         if isinstance(new, str):
             moved = {new: value}
         else:
-            value = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+            if dataclasses.is_dataclass(value):  # a section object: its fields left at their defaults say nothing
+                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                         if f.name in new or getattr(value, f.name) != f.default}
+            else:
+                value = dict(value)
             unknown = sorted(set(value) - set(new))
             if unknown:
                 raise ValueError(f"{prefix}{old}.{unknown[0]}: unknown key of the deprecated {prefix}{old} section; "

@@ -71,6 +71,20 @@ class PackedPairs:
     def tokens(self) -> int:
         return self.input_ids.numel()
 
+    def joined(self) -> PackedPairs:
+        """The B packed rows joined into one row without padding, (1, N) for the N tokens of all pairs; the 4D mask
+        is block-diagonal, so no pair sees another, and positions still restart at every pair."""
+        b, width = self.input_ids.shape
+        lengths = self.index.view(2, b, -1).amax(dim=(0, 2)) + 1                  # (B,) packed length of each pair
+        j = torch.arange(width, device=self.input_ids.device)
+        valid = j < lengths[:, None]                                              # (B, P)
+        pair = torch.arange(b, device=j.device).repeat_interleave(lengths)        # (N,) the pair of each token
+        local = j.expand(b, -1)[valid]                                            # (N,) its position in the pair
+        mask = self.mask[pair[:, None], 0, local[:, None], local[None, :]] & (pair[:, None] == pair[None, :])
+        offsets = lengths.cumsum(0) - lengths
+        return PackedPairs(self.input_ids[valid][None], self.position_ids[valid][None], mask[None, None],
+                           torch.zeros_like(self.rows), offsets[self.rows][:, None] + self.index)
+
 
 def attention_implementation(model) -> str | None:
     config = getattr(unwrap_wrappers(model), "config", None)
@@ -115,9 +129,15 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: 
     return PackedPairs(ids[:, :width_p], pos[:, :width_p], mask[:, None], rows, index)
 
 
-def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool):
+def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool,
+                   padding_free: bool = False):
     """(the forward's inputs, a function taking its per-position outputs back to the padded rows): packed where
-    `pairs` and `pack_pairs` allow, else the padded rows themselves and the identity."""
+    `pairs` and `pack_pairs` allow, else the padded rows themselves and the identity. `padding_free` (TRL's
+    DPOConfig.padding_free): always packed, and the batch joined into one row without padding
+    (`PackedPairs.joined`); a ValueError saying why when the model cannot run that."""
+    if padding_free:
+        joined = padding_free_pairs(model, input_ids, attention_mask)
+        return joined.inputs(model), joined.unpack
     packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
     if packed is None:
         return {"input_ids": input_ids, "attention_mask": attention_mask}, (lambda x: x)
@@ -132,6 +152,29 @@ def pack_pairs(model, batch: dict[str, torch.Tensor]) -> PackedPairs | None:
     if not worth_it(model, packed, batch["input_ids"]):
         return None
     return packed if verified(model, batch) else None
+
+
+def padding_free_pairs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedPairs:
+    """The 2B padded pair rows as one packed row without padding; a ValueError when `model` cannot run it."""
+    why = None
+    if not packable(model):
+        why = (f"its attention is {attention_implementation(model)!r}{' and sharded' if sharding_engine(model) else ''}"
+               f"; the pairs share their prefix through a 4D mask, which needs an unsharded model with one of "
+               f"{', '.join(MASKED_ATTENTION)} (attn_implementation)")
+    packed = layout(input_ids, attention_mask) if why is None else None
+    if why is None and packed is None:
+        why = "the batch is not PairCollator's right-padded chosen-then-rejected rows"
+    window = getattr(getattr(unwrap_wrappers(model), "config", None), "sliding_window", None)
+    if packed is not None and window is not None and packed.position_ids.max() >= window:
+        why = f"a pair is longer than the model's sliding window ({window} tokens), which a 4D mask replaces"
+    if why is None and not verified(model, {"input_ids": input_ids, "attention_mask": attention_mask}):
+        why = "its packed forward differs from the padded one (it ignores position_ids or 4D attention masks)"
+    if why is not None:
+        raise ValueError(f"padding_free = True: {type(unwrap_wrappers(model)).__name__} cannot run a batch as one "
+                         f"row without padding: {why}; set padding_free: false (pairs then run padded, or packed "
+                         "where it saves tokens)")
+    assert packed is not None
+    return packed.joined()
 
 
 def packable(model) -> bool:

@@ -112,12 +112,19 @@ class RewardModelReward:
     """
 
     def __init__(self, path: str, *, device: str = "cpu", batch_size: int = 64, max_length: int = 1024,
-                 squash: bool = False):
+                 squash: bool = False, tokenizer=None):
+        """tokenizer: the one that renders and tokenises the scored texts (TRL's reward_processing_classes entry);
+        None: the folder's own. One without a pad token pads with its EOS token, as in TRL."""
         from stages.models import load_tokenizer
         from stages.reward_model import load_reward_model
 
         self.path, self.batch_size, self.max_length, self.squash = path, batch_size, max_length, squash
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"the tokenizer given for the reward model {path} has neither a pad nor an EOS "
+                                 "token: set tokenizer.pad_token before passing it")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = load_reward_model(path, self.tokenizer, device=device, require_head=True).eval()
 
     def __call__(self, prompts: list, completions: list[str], *, reasoning: list | None = None, **_) -> list[float]:
@@ -146,17 +153,23 @@ BUILTIN_REWARDS: dict[str, Any] = {name: globals()[impl] for name, impl in BUILT
 # ---------------------------------------------------------------------------------- loading
 
 def load_reward_function(name: str, *, reward_model_path: str | None = None, device: str = "cpu",
-                         key: str = "reward_functions") -> RewardFn:
+                         key: str = "reward_functions", tokenizer=None) -> RewardFn:
     """A BUILTIN_REWARDS name, or a dotted path "package.module:function" (an attribute path after the
-    colon, e.g. "mod:obj.method", is followed). `key` is the params key being read, for errors."""
+    colon, e.g. "mod:obj.method", is followed). `key` is the params key being read, for errors.
+    tokenizer: for a reward model (its folder, or the reward_model built-ins), the tokenizer it reads with
+    (None: the folder's); given for anything else, an error."""
     if name in REWARD_MODEL_REWARDS:
         if not reward_model_path:
             raise ValueError(f"{key} = {name!r} needs reward_model_path: the folder of a trained reward model")
-        return RewardModelReward(reward_model_path, device=device, squash=name == "reward_model_prob")
+        return RewardModelReward(reward_model_path, device=device, squash=name == "reward_model_prob",
+                                 tokenizer=tokenizer)
+    if os.path.isdir(name) and name not in BUILTIN_REWARDS:  # a reward model's folder, as TRL's reward_funcs takes
+        return RewardModelReward(name, device=device, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise ValueError(f"reward_processing_classes gives a tokenizer for {key} = {name!r}, which is not a reward "
+                         "model (a function reads text, not tokens); put None at its position")
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
-    if os.path.isdir(name):  # a trained reward model's folder, as TRL's reward_funcs takes one
-        return RewardModelReward(name, device=device)
     if ":" not in name:
         raise ValueError(f"{key} = {name!r}: not a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import "
                          "path module:function (e.g. mypkg.rewards:score) nor a reward model's folder")
@@ -275,24 +288,39 @@ def _check_output(name: str, out: Any, n: int) -> list[float | None]:
 
 
 def build_reward_functions(spec, weights: list[float] | None = None, *, key: str = "reward_functions",
-                           reward_model_path: str | None = None, device: str = "cpu") -> RewardFunctions:
+                           reward_model_path: str | None = None, device: str = "cpu",
+                           processing_classes=None) -> RewardFunctions:
     """One RewardFunctions from what trainers and stages accept, every function loaded and checked now.
 
     spec: a RewardFunctions (returned as is), or one / a list of: a built-in name or dotted path
     (`load_reward_function`), a callable, or a (name, callable) pair. `key` names the params key
     in errors (e.g. "score.reward_functions").
+    processing_classes: TRL's reward_processing_classes: one tokenizer (a single reward function) or one entry per
+    function, in order; a reward model (a folder) reads with its entry (None: the folder's own tokenizer), every
+    other function must have None there.
     """
     if isinstance(spec, RewardFunctions):
-        if weights is not None:
-            raise ValueError(f"{key}: weights given for a RewardFunctions that has its own; pass a list of "
-                             "functions instead, or no weights")
+        if weights is not None or processing_classes is not None:
+            raise ValueError(f"{key}: weights or reward_processing_classes given for a RewardFunctions that has its "
+                             "own functions; pass a list of functions instead")
         return spec
     items = list(spec) if isinstance(spec, list) or (isinstance(spec, tuple) and not _is_pair(spec)) else [spec]
+    if processing_classes is None:
+        tokenizers = [None] * len(items)
+    else:  # TRL: a single processing class stands for a list of one
+        tokenizers = list(processing_classes) if isinstance(processing_classes, list) else [processing_classes]
+    if len(tokenizers) != len(items):
+        raise ValueError(f"reward_processing_classes: {len(tokenizers)} processing class(es) for {len(items)} reward "
+                         f"function(s) in {key}; give one per function, in order (None for those that are not "
+                         "reward models)")
     named = []
     for i, item in enumerate(items):
+        if tokenizers[i] is not None and not isinstance(item, str):
+            raise ValueError(f"reward_processing_classes[{i}] is given for {key}[{i}], a "
+                             f"{type(item).__name__} rather than a reward model's folder; put None at its position")
         if isinstance(item, str):
             named.append((item, load_reward_function(item, reward_model_path=reward_model_path, device=device,
-                                                     key=f"{key}[{i}]")))
+                                                     key=f"{key}[{i}]", tokenizer=tokenizers[i])))
         elif _is_pair(item):
             named.append((item[0], item[1]))
         elif hasattr(item, "config") and hasattr(item, "forward"):  # a model object (TRL takes those too)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GENERATION_BACKENDS = ("auto", "hf", "decoder", "vllm")  # stages.generation.BACKENDS, without importing torch
+# stages.generation.BACKENDS, without importing torch
+GENERATION_BACKENDS = ("auto", "hf", "decoder", "vllm", "continuous_batching")
 
 
 @dataclass
@@ -37,6 +38,8 @@ class SamplingParams:
         batch_size: prompts per ``generate`` call (in process), requests in flight ("vllm").
         vllm_url, vllm_model: backend "vllm": the server's ``.../v1`` URL and the model name it serves
             (None: the model's path).
+        continuous_batching_config: backend "continuous_batching": keyword arguments of transformers'
+            ContinuousBatchingConfig (None: a KV cache sized to each call's requests).
     """
 
     max_new_tokens: int = 64
@@ -55,6 +58,7 @@ class SamplingParams:
     batch_size: int = 64
     vllm_url: str = "http://127.0.0.1:8000/v1"
     vllm_model: str | None = None
+    continuous_batching_config: dict[str, Any] | None = None
 
     def __post_init__(self):
         problems = []
@@ -119,9 +123,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def backend_options(s: Any, model_path: str | None) -> dict[str, str]:
+def backend_options(s: Any, model_path: str | None) -> dict[str, Any]:
     """Options of the backend of `s` (a SamplingParams, or score's generation section): the vLLM server's URL and
-    served model name (default: `model_path`)."""
+    served model name (default: `model_path`); the engine's settings of continuous_batching."""
+    if s.backend == "continuous_batching":
+        return {"config": s.continuous_batching_config}
     if s.backend != "vllm":
         return {}
     return {"base_url": s.vllm_url, "model": s.vllm_model or model_path}

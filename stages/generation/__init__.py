@@ -10,7 +10,9 @@ Backends (``BACKENDS``), the first three in this process on a loaded model (``st
 - ``"hf"``: always HF ``model.generate``;
 - ``"decoder"``: always the CPU decoder; a model it cannot run fails with ``why_not``'s reason;
 - ``"vllm"``: a client of a vLLM OpenAI-compatible server started in its own environment
-  (``stages.generation.vllm``; ``serve_command`` builds its command line).
+  (``stages.generation.vllm``; ``serve_command`` builds its command line);
+- ``"continuous_batching"``: transformers' continuous batching engine (``model.generate_batch``, a paged KV
+  cache) on the loaded model (``stages.generation.continuous``; ``config=`` its ContinuousBatchingConfig arguments).
 
 All render prompts with the tokenizer's chat template, return completions in prompt-major order and apply
 the same EOS trimming and reasoning-block policy (``stages.completion_text.parse_completions``).
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 from functools import partial
 
-from stages.generation import hf, vllm
+from stages.generation import continuous, hf, vllm
 from stages.generation.common import Generations, SamplingParams
 
 __all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
 
-BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate}
+BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate,
+            "continuous_batching": continuous.generate}
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str | None = None,

@@ -52,10 +52,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         raise ValueError(f"batch_size = {batch_size!r}: must be an int >= 1 (prompts per generate call)")
     eos = eos_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts, tools)
-    for i, ids in enumerate(prompt_ids):
-        if not ids:
-            raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
+    rendered, prompt_ids = prompt_token_ids(tokenizer, prompts, tools)
 
     per_row = sampling.do_sample and sampling.num_beams == 1
     kwargs = {**_generate_kwargs(sampling, eos, pad_id, per_row), **generate_kwargs(model)}
@@ -100,6 +97,16 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
         model.train(was_training)
     return build_generations(tokenizer, prompts, rendered, prompt_ids, per_prompt, eos, seed=sampling.seed,
                              backend="+".join(sorted(ran)) or _label(backend), logprobs=per_prompt_logps)
+
+
+def prompt_token_ids(tokenizer, prompts: list, tools: list | None = None) -> tuple[list[str], list[list[int]]]:
+    """(each prompt rendered with the chat template and its row's tools, its token ids; `TokenPrompt`s as they
+    are: `render_and_tokenize`); a prompt rendering to no tokens is an error."""
+    rendered, prompt_ids = render_and_tokenize(tokenizer, prompts, tools)
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"prompts[{i}] renders to no tokens; a causal LM needs at least one prompt token")
+    return rendered, prompt_ids
 
 
 def _label(backend: str) -> str:

@@ -167,10 +167,11 @@ class GenerationParams:
     """score.generation: how score samples (`stages.generation`); `sampling` gives it, with score.n, as the one
     record the backend takes (`stages.sampling.SamplingParams`)."""
 
-    backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+    backend: Literal["auto", "hf", "decoder", "vllm", "continuous_batching"] = param(
         "auto", help="auto: the CPU decoder where stages.generation.decoder.why_not allows it, transformers "
         "generate otherwise; hf: always transformers generate; decoder: always the CPU decoder (Llama, Mistral, "
-        "Qwen2/3 on CPU; fails with the reason otherwise); vllm: a vLLM server (OpenAI API) in its own environment")
+        "Qwen2/3 on CPU; fails with the reason otherwise); vllm: a vLLM server (OpenAI API) in its own "
+        "environment; continuous_batching: transformers' continuous batching engine (generate_batch)")
     max_new_tokens: int = positive(64, "generation budget per completion (tokens)")
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
@@ -182,6 +183,9 @@ class GenerationParams:
     batch_size: int = positive(64, "prompts per generate call")
     vllm_url: str = param("http://127.0.0.1:8000/v1", help="base URL of the vLLM server (backend: vllm)")
     vllm_model: str | None = param(None, help="model name the vLLM server serves (null: the model's path)")
+    continuous_batching_config: dict | None = param(None, help="backend continuous_batching: keyword arguments of "
+                                                    "transformers' ContinuousBatchingConfig (null: a cache sized to "
+                                                    "each call)")
 
     def sampling(self, n: int, seed: int) -> SamplingParams:
         """`n` sampled completions per prompt, the call seeded `seed`."""

@@ -23,8 +23,10 @@ from stages.trainers.method_fields import (
     num_proc_field,
     objective_names,
     objectives_problems,
+    pad_multiple,
     pad_to_multiple_of_field,
     precompute_ref_batch_size_field,
+    router_aux_loss_coef_field,
     truncation_mode_field,
 )
 from stages.trainers.pipeline_section import TrainingStage, section
@@ -61,6 +63,10 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
                                            "rerun with another beta or loss_type skips them); ignored with "
                                            "reference_free")
     precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
+    padding_free: bool = param(False, help="run each batch as one row without padding: every pair packed on its "
+                               "shared prefix (stages.pair_packing) and the pairs joined, kept apart by a "
+                               "block-diagonal attention mask; needs sdpa or eager attention on an unsharded model "
+                               "(an error otherwise; TRL 1.16 falls back to padding with a warning)")
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     max_length: int = positive(512, "truncate prompt + completion to this many tokens")
     truncation_mode: Literal["keep_start"] = truncation_mode_field()
@@ -69,6 +75,7 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
                                                   "(multi-task mixtures; tasks not listed: 1.0)")
     balance_column: str | None = param(None, help="draw batches balanced over this column (task, source, prompt)")
     activation_offloading: bool = activation_offloading_field()
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = chunked_field()
 
     @property
@@ -79,6 +86,9 @@ class DPOConfig(MethodConfig, TokenizerFields, RefSyncFields, TrainingArguments)
         problems = check_fields(self, DPOConfig) + objectives_problems(self)
         problems += f_divergence_problems(self.f_divergence_type, self.objective_names, light=is_light(self))
         problems += self.ref_sync_problems()
+        if self.padding_free and pad_multiple(self.pad_to_multiple_of) is not None:
+            problems.append(("padding_free", f"= True with pad_to_multiple_of = {self.pad_to_multiple_of}: a batch "
+                             "without padding has none to round up; drop one of them"))
         bad = {k: v for k, v in (self.task_weights or {}).items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(("task_weights", f"= {self.task_weights}: {bad} must be finite numbers >= 0"))

@@ -25,11 +25,13 @@ from transformers import Trainer
 from stages.losses import preference_loss, resolve_objective
 from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.sharding import unwrap
 from stages.trainers.balanced_sampler import BalancedBatchSampler, FlatSampler
 from stages.trainers.dpo_config import DPOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.eval_predictions import PairPredictions, loss_and_predictions
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.model_options import router_aux_loss_coef, router_losses, with_router_loss
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import (
     REF_COLUMNS,
@@ -127,6 +129,11 @@ class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, O
         sync_reference(self)  # TR-DPO: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.reward_mean = reward_mean_for(args.objective_names)  # bco_pair's δ, kept across steps and checkpoints
+        self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
+        if args.padding_free and self.router_aux_loss_coef > 0:
+            raise ValueError(f"padding_free = True with a router loss (router_aux_loss_coef = "
+                             f"{self.router_aux_loss_coef}): the load-balancing loss reads a 2D attention mask, "
+                             "which the joined row replaces; set padding_free: false or router_aux_loss_coef: 0")
 
     def _with_reference(self, data, ref, batch_size: int):
         if data is None or set(REF_COLUMNS) <= set(data.column_names):
@@ -156,14 +163,17 @@ class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, O
             return None, None
         with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
             return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True,
-                                            ld_alpha=self.args.ld_alpha).chunk(2)
+                                            ld_alpha=self.args.ld_alpha, padding_free=self.args.padding_free
+                                            ).chunk(2)
 
     def policy_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's summed completion log-probs, (2B,) (LD-DPO's with `ld_alpha`), and the pair weights, (B,)
         or None: the `weight` column times WPO's weights with `use_weighting`."""
         weight = inputs.get("weight")
-        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=True,
-                                        sum_sq=self.args.use_weighting)
+        # a router loss counts every token of the forward: the pair's rows as they are, not packed on their prefix
+        aux = self.router_aux_loss_coef > 0
+        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=not aux,
+                                        sum_sq=self.args.use_weighting, padding_free=self.args.padding_free)
         mask = inputs["completion_mask"][:, 1:]
         logps = per_token.sum(-1) if self.args.ld_alpha is None else ld_logps(per_token, mask, self.args.ld_alpha)
         if sum_sq is not None:
@@ -174,7 +184,8 @@ class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, O
         return logps, weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps, weight = self.policy_logps(model, inputs)
+        with router_losses(model, self.router_aux_loss_coef > 0) as aux:
+            logps, weight = self.policy_logps(model, inputs)
         ref_chosen, ref_rejected = self.reference_logps(model, inputs)
         bco_delta = None
         if self.reward_mean is not None:
@@ -189,6 +200,7 @@ class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, O
                                       discopop_tau=self.args.discopop_tau,
                                       f_divergence_type=self.args.f_divergence_type,
                                       f_alpha_divergence_coef=self.args.f_alpha_divergence_coef)
+        loss = with_router_loss(loss, aux, self.router_aux_loss_coef, stats)
         mode = "train" if model.training else "eval"
         for key, value in stats.items():
             self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).mean().item())

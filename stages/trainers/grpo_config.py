@@ -12,7 +12,17 @@ from typing import Any, Literal
 
 from stages.fields import check_fields, deprecated, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import SamplingFields, chunked_field, sampling_renames, tis_cap_field, tis_warn_field
+from stages.trainers.method_fields import (
+    ContinuousBatchingFields,
+    GenerationBatchFields,
+    SamplingFields,
+    chunked_field,
+    pad_to_multiple_of_field,
+    router_aux_loss_coef_field,
+    sampling_renames,
+    tis_cap_field,
+    tis_warn_field,
+)
 from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 from stages.trainers.tool_fields import ToolFields
 
@@ -23,7 +33,8 @@ _BASE_URL_HELP = ("base URL of the vLLM server, e.g. http://host:8000/v1 (null: 
 
 @refuses_trl_fields
 @dataclass
-class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
+class GRPOConfig(MethodConfig, GenerationBatchFields, ContinuousBatchingFields, SamplingFields, ToolFields,
+                 TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     SAMPLES = "num_generations"
@@ -69,13 +80,6 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
     entropy_coef_delta: float = non_negative(0.005, "use_adaptive_entropy: change of entropy_coef per step")
     entropy_target: float = non_negative(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold")
     num_iterations: int = positive(1, "updates per generation (importance ratio to the sampling policy)")
-    steps_per_generation: int | None = param(None, help="micro-batches one generation feeds (null: "
-                                             "gradient_accumulation_steps, one generation per optimizer step)",
-                                             check=lambda v: v >= 1, rule="must be >= 1 or null")
-    generation_batch_size: int | None = param(None, help="completions per generation over all processes (null: "
-                                              "per_device_train_batch_size x processes x steps_per_generation); "
-                                              "set this or steps_per_generation", check=lambda v: v >= 1,
-                                              rule="must be >= 1 or null")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = param(
         "sum_then_normalize", help="several reward functions: weight and sum the rewards, then normalise "
         "(sum_then_normalize), or normalise each function's rewards in its groups, then weight and sum "
@@ -91,9 +95,7 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
     log_unique_prompts: bool = param(False, help="log_completions: print one row per prompt only")
     log_multimodal: bool = param(True, help="log_completions: TRL also logs the prompts' images; prompts are text "
                                  "only here, so there are none to log")
-    router_aux_loss_coef: float | None = param(
-        None, help="Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (null: "
-        "the model config's router_aux_loss_coef)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     cast_lm_head_to_fp32: bool = param(False, help="the language-model head of the policy and reference in float32, "
                                        "from float32 hidden states (ScaleRL)")
     disable_dropout: bool = param(False, help="dropout off in the policy and reference (nn.Dropout and attention "
@@ -117,6 +119,7 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
     # TRL's default, None (host and port), where SamplingFields has a URL: a wider type than the base's
     vllm_server_base_url: str | None = param(None, help=_BASE_URL_HELP)  # type: ignore[assignment]
     mask_truncated_completions: bool = param(False, help="no loss on completions cut at max_completion_length")
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     reward_weights: list[float] | None = param(None, help="one weight per reward function (null: all 1.0)")
     reward_head: Literal["separate", "shared"] = param("separate", help="shared: the policy trains its own reward "
                                                        "head on preference pairs in the same update (self-rewarding)")
@@ -152,13 +155,7 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
             problems.append(("per_device_train_batch_size", f"= {batch}: counts completions and must be divisible "
                              f"by num_generations = {self.num_generations} (batch / num_generations prompts x "
                              "num_generations completions); use a multiple"))
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            problems.append(("generation_batch_size", f"= {self.generation_batch_size} and steps_per_generation = "
-                             f"{self.steps_per_generation}: set one (each follows from the other)"))
-        elif self.generation_batch_size is not None and self.generation_batch_size % (batch * _processes(self)):
-            problems.append(("generation_batch_size", f"= {self.generation_batch_size}: must be a multiple of "
-                             f"per_device_train_batch_size x processes = {batch * _processes(self)} (one generation "
-                             "feeds whole micro-batches)"))
+        problems += self.generation_batch_problems() + self.continuous_batching_problems()
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
             problems.append(("entropy_coef", f"= {self.entropy_coef}: with use_adaptive_entropy it starts within "
                              f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min}, "
@@ -178,16 +175,6 @@ class GRPOConfig(MethodConfig, SamplingFields, ToolFields, TrainingArguments):
             problems.append(("use_vllm", f"= True but generation_backend = {self.generation_backend!r}: use_vllm "
                              "samples with the vllm backend; drop one of them"))
         return problems
-
-    @property
-    def resolved_steps_per_generation(self) -> int:
-        """Micro-batches per generation, as TRL derives it: steps_per_generation, else generation_batch_size /
-        (per_device_train_batch_size x processes), else gradient_accumulation_steps."""
-        if self.steps_per_generation is not None:
-            return self.steps_per_generation
-        if self.generation_batch_size is not None:
-            return self.generation_batch_size // (self.per_device_train_batch_size * _processes(self))
-        return self.gradient_accumulation_steps
 
     @property
     def importance_sampling_bounds(self) -> tuple[float | None, float | None]:

@@ -56,11 +56,11 @@ from stages.trainers.inputs import (
     load_model,
     load_processing_class,
     no_unknown_kwargs,
-    refuse,
     renamed_kwarg,
 )
 from stages.trainers.model_options import router_aux_loss_coef
 from stages.trainers.off_policy import OffPolicyWarning
+from stages.trainers.online_extras import pad_to_multiple
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.ref_sync import sync_reference
@@ -160,14 +160,16 @@ def per_token_logps(model, batch: dict[str, torch.Tensor], *, temperature: float
     return out["logps"], (out["entropy"].detach() if entropy else None)
 
 
-def reward_sources(reward_funcs, weights: list[float] | None, extra: list[tuple[str, object]]):
-    """The run's RewardFunctions: `reward_funcs` (weighted by `weights`) and the environments' own rewards
-    (weight 1, named after their class, as TRL adds them); None when there are none."""
+def reward_sources(reward_funcs, weights: list[float] | None, extra: list[tuple[str, object]], *,
+                   processing_classes=None):
+    """The run's RewardFunctions: `reward_funcs` (weighted by `weights`; a reward model among them reads with its
+    entry of `processing_classes`) and the environments' own rewards (weight 1, named after their class, as TRL
+    adds them); None when there are none."""
     if not extra:
-        return build_reward_functions(reward_funcs, weights, key="reward_funcs") if reward_funcs is not None \
-            else None
-    given = build_reward_functions(reward_funcs, weights, key="reward_funcs").functions \
-        if reward_funcs is not None else []
+        return build_reward_functions(reward_funcs, weights, key="reward_funcs",
+                                      processing_classes=processing_classes) if reward_funcs is not None else None
+    given = build_reward_functions(reward_funcs, weights, key="reward_funcs",
+                                   processing_classes=processing_classes).functions if reward_funcs is not None else []
     base = list(weights) if weights is not None else [1.0] * len(given)
     return build_reward_functions([*given, *extra], base + [1.0] * len(extra), key="reward_funcs")
 
@@ -262,7 +264,6 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, *, ref_model=None, preference_dataset=None,
                  reward_head: RewardHead | None = None, data_collator=None, **deprecated):
-        refuse("GRPOTrainer", reward_processing_classes=reward_processing_classes)
         reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
                                      trainer="GRPOTrainer")
         no_unknown_kwargs("GRPOTrainer", deprecated)
@@ -296,7 +297,11 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                          callbacks=callbacks, optimizers=optimizers)
         if args.use_vllm:
             wait_for_server(args.vllm_url, timeout=args.vllm_server_timeout)
-        self.reward_functions = reward_sources(reward_funcs, args.reward_weights, env_rewards)
+        if reward_funcs is None and reward_processing_classes is not None:
+            raise ValueError("reward_processing_classes is given but reward_funcs is None: they are the tokenizers of "
+                             "the reward models in reward_funcs")
+        self.reward_functions = reward_sources(reward_funcs, args.reward_weights, env_rewards,
+                                               processing_classes=reward_processing_classes)
         self.ref_model = frozen_reference(self.model, ref_model, needed=args.beta > 0)
         if args.disable_dropout:
             disable_dropout(self.model, self.ref_model)
@@ -423,10 +428,12 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
 
         start = time.perf_counter()
         eos = eos_token_ids(tok, policy)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         batch = completion_tensors(r.prompt_ids, r.completion_ids, eos_token_id=eos, tool_mask=r.tool_mask,
-                                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0])
+                                   pad_token_id=pad_id)
         if r.logprobs is not None:  # what the off-policy correction divides by
             batch["sampler_logps"] = sampler_logps(r.logprobs, batch["completion_mask"].shape[1])
+        batch = pad_to_multiple(batch, a.pad_to_multiple_of, pad_id)
         batch = {k: v.to(a.device) for k, v in batch.items()}
         totals, per_function = self.score(r.prompts, r.completions, r.columns, batch)
         self._tick("scoring_s", time.perf_counter() - start)

@@ -15,6 +15,7 @@ from stages.trainers.method_fields import (
     num_proc_field,
     pad_to_multiple_of_field,
     precompute_ref_batch_size_field,
+    router_aux_loss_coef_field,
 )
 from stages.trainers.pipeline_section import TrainingStage, section
 
@@ -39,6 +40,7 @@ class KTOConfig(MethodConfig, RefSyncFields, TrainingArguments):
     precompute_ref_batch_size: int | None = precompute_ref_batch_size_field()
     disable_dropout: bool = disable_dropout_field()
     activation_offloading: bool = activation_offloading_field()
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:

@@ -21,11 +21,13 @@ from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
 from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.sharding import unwrap
 from stages.tensors import pad
 from stages.trainers.eval_predictions import loss_and_predictions
 from stages.trainers.inputs import apply_peft, disable_dropout, load_model, map_eval, offline_inputs
 from stages.trainers.kto_config import KTOConfig  # noqa: F401 (the config of this trainer, re-exported)
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.model_options import router_aux_loss_coef, router_losses, with_router_loss
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.pair_batches import flush_metrics, sequence_logps, tokenized_dataset
 from stages.trainers.ref_sync import sync_reference
@@ -174,6 +176,7 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
         self.ref_model = frozen_reference(self.model, ref_model, needed=not self._has_ref_columns())
         sync_reference(self)  # TR-DPO's reference syncing: sync_ref_model
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
 
     @torch.no_grad()
     def _with_reference(self, data, ref, batch_size: int):
@@ -236,14 +239,16 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
         return batches, num_items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        chunked = self.args.use_chunked_logprobs
+        chunked, moe = self.args.use_chunked_logprobs, self.router_aux_loss_coef > 0
         if not self.uses_kl or "kl" in inputs:  # no KL, or the step's KL came with the micro-batch
-            logps = sequence_logps(model, _part(inputs, ""), chunked=chunked)
+            with router_losses(model, moe) as aux:
+                logps = sequence_logps(model, _part(inputs, ""), chunked=chunked)
             ref_logps = self._reference_logps(model, inputs, "")
             kl = inputs["kl"] if self.uses_kl else torch.zeros((), device=logps.device)
         else:  # matched and mismatched rows share their prompt: one packed forward per model gives both
             rows, b = _pairs(inputs), inputs["desirable"].shape[0]
-            both = sequence_logps(model, rows, chunked=chunked, pairs=True)
+            with router_losses(model, moe) as aux:  # a router loss counts every token: rows unpacked
+                both = sequence_logps(model, rows, chunked=chunked, pairs=not moe)
             if all(column in inputs for column in REF_COLUMNS):
                 ref_both = torch.cat([inputs[column] for column in REF_COLUMNS])
             else:
@@ -256,7 +261,11 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
         losses = kto_loss(logps, ref_logps, kl, desirable, beta=self.args.beta, loss_type=self.args.loss_type,
                           desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight)
         self._record("train" if model.training else "eval", logps.detach(), ref_logps, kl, desirable)
-        loss = losses.mean()
+        metrics: dict = {}
+        loss = with_router_loss(losses.mean(), aux, self.router_aux_loss_coef, metrics)
+        if metrics:
+            self._metrics["train" if model.training else "eval"]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(metrics["aux_loss"]).mean().item())
         return (loss, {"logps": logps}) if return_outputs else loss
 
     def _record(self, mode: str, logps, ref_logps, kl, desirable) -> None:

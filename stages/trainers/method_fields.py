@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from stages.fields import param, positive
+from stages.fields import deprecated, param, positive
 
 BETA_HELP = ("KL strength to the reference (TRL's default: 0.1; 0.3 chosen on the built-in task's dev split, "
              "docs/methods.md)")
@@ -117,9 +118,10 @@ class SamplingFields:
     # completions per prompt: the config's field holding them (GRPO's num_generations), or their fixed number
     SAMPLES: ClassVar[str | int] = 1
 
-    generation_backend: Literal["auto", "hf", "decoder", "vllm"] = param(
+    generation_backend: Literal["auto", "hf", "decoder", "vllm", "continuous_batching"] = param(
         "auto", help="auto: the CPU decoder where it can run, else HF generate; hf: HF generate; decoder: the CPU "
-        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment")
+        "decoder or an error saying why not; vllm: a vLLM server (OpenAI API) in its own environment; "
+        "continuous_batching: transformers' continuous batching engine (generate_batch, a paged KV cache)")
     temperature: float = positive(1.0, "sampling temperature")
     top_p: float = param(1.0, help="nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="must be in (0, 1]")
     top_k: int = param(0, help="sample from the k most likely tokens only (0: off)", check=lambda v: v >= 0,
@@ -153,6 +155,44 @@ class SamplingFields:
                     vllm_model=self.vllm_model)
 
 
+@dataclass
+class ContinuousBatchingFields:
+    """TRL's switches for transformers' continuous batching (GRPO, RLOO): the generation backend continuous_batching
+    (`stages.generation.continuous`) with the engine's settings."""
+
+    if TYPE_CHECKING:  # SamplingFields'
+        generation_backend: str
+
+    use_transformers_continuous_batching: bool = param(
+        False, help="sample with transformers' continuous batching engine (generate_batch, a paged KV cache; "
+        "generation_backend continuous_batching): greedy or temperature / top_k / top_p sampling, seeded per call")
+    transformers_continuous_batching_config: dict | None = param(
+        None, help="use_transformers_continuous_batching: keyword arguments of transformers' ContinuousBatchingConfig "
+        "(e.g. {page_size: 64, max_batch_tokens: 512}; null: a KV cache sized to each generation's requests)")
+    use_transformers_paged: bool | None = deprecated("use_transformers_continuous_batching",
+                                                     "TRL's deprecated name of use_transformers_continuous_batching")
+
+    def continuous_batching_problems(self) -> list[tuple[str, str]]:
+        on, backend = self.use_transformers_continuous_batching, self.generation_backend
+        if on and backend not in ("auto", "continuous_batching"):
+            return [("use_transformers_continuous_batching", f"= True but generation_backend = {backend!r}: it is "
+                     "generation_backend continuous_batching; drop one of them")]
+        if on and getattr(self, "use_vllm", False):
+            return [("use_transformers_continuous_batching", "= True with use_vllm: pick one sampler")]
+        if self.transformers_continuous_batching_config and not on and backend != "continuous_batching":
+            return [("transformers_continuous_batching_config", "is set but nothing samples with continuous "
+                     "batching; set use_transformers_continuous_batching: true, or remove it")]
+        return []
+
+    @property
+    def sampling(self):
+        g = super().sampling  # type: ignore[misc]
+        if not self.use_transformers_continuous_batching and g.backend != "continuous_batching":
+            return g
+        return dataclasses.replace(g, backend="continuous_batching",
+                                   continuous_batching_config=self.transformers_continuous_batching_config)
+
+
 def sampling_renames(max_tokens: str) -> dict[str, str]:
     """The deprecated `generation` section's keys -> the flat fields of a config whose budget is `max_tokens`."""
     return {**SAMPLING_RENAMES, "max_new_tokens": max_tokens}
@@ -174,6 +214,50 @@ def tis_warn_field() -> Any:
 
 
 # ---- how a trainer loads the model and the tokenizer (stages.trainers.inputs applies them)
+
+@dataclass
+class GenerationBatchFields:
+    """How many micro-batches one generation feeds (GRPO and RLOO; TRL's steps_per_generation and
+    generation_batch_size); `stages.trainers.grpo_trainer` samples, buffers and reuses the rollouts."""
+
+    if TYPE_CHECKING:  # TrainingArguments'
+        per_device_train_batch_size: int
+        gradient_accumulation_steps: int
+
+    steps_per_generation: int | None = param(None, help="micro-batches one generation feeds (null: "
+                                             "gradient_accumulation_steps, one generation per optimizer step)",
+                                             check=lambda v: v >= 1, rule="must be >= 1 or null")
+    generation_batch_size: int | None = param(None, help="completions per generation over all processes (null: "
+                                              "per_device_train_batch_size x processes x steps_per_generation); "
+                                              "set this or steps_per_generation", check=lambda v: v >= 1,
+                                              rule="must be >= 1 or null")
+
+    def generation_batch_problems(self) -> list[tuple[str, str]]:
+        batch, processes = self.per_device_train_batch_size, _processes(self)
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            return [("generation_batch_size", f"= {self.generation_batch_size} and steps_per_generation = "
+                     f"{self.steps_per_generation}: set one (each follows from the other)")]
+        if self.generation_batch_size is not None and self.generation_batch_size % (batch * processes):
+            return [("generation_batch_size", f"= {self.generation_batch_size}: must be a multiple of "
+                     f"per_device_train_batch_size x processes = {batch * processes} (one generation feeds whole "
+                     "micro-batches)")]
+        return []
+
+    @property
+    def resolved_steps_per_generation(self) -> int:
+        """Micro-batches per generation, as TRL derives it: steps_per_generation, else generation_batch_size /
+        (per_device_train_batch_size x processes), else gradient_accumulation_steps."""
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // (self.per_device_train_batch_size * _processes(self))
+        return self.gradient_accumulation_steps
+
+
+def _processes(config) -> int:
+    """Data-parallel processes of a real config (TrainingArguments.world_size); 1 for a light one (params)."""
+    return getattr(config, "world_size", 1) or 1
+
 
 @dataclass
 class TokenizerFields:
@@ -201,6 +285,13 @@ def pad_to_multiple_of_field() -> Any:
 def pad_multiple(value: int | str | None) -> int | None:
     """The multiple to pad to: 'auto' (TRL's setting for Neuron devices, which we do not target) is None."""
     return None if value in (None, "auto") else int(value)
+
+
+def router_aux_loss_coef_field() -> Any:
+    """TRL's `router_aux_loss_coef` (SFT, DPO, KTO, GRPO, RLOO): run-time meaning in `stages.trainers.model_options`."""
+    return param(None, help="Mixture-of-Experts models: weight of the router's load-balancing loss added to the "
+                 "training loss (null: the model config's router_aux_loss_coef; 0: off; a model without a router "
+                 "refuses a value > 0)", check=lambda v: v >= 0, rule="must be >= 0 or null")
 
 
 def precompute_ref_batch_size_field() -> Any:

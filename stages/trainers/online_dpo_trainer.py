@@ -34,7 +34,6 @@ from stages.trainers.inputs import (
     looks_like_rewards,
     map_eval,
     no_unknown_kwargs,
-    refuse,
     renamed_kwarg,
     rows_with_prompts,
 )
@@ -92,7 +91,6 @@ class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
                  data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
                  reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), preprocess_logits_for_metrics=None, **deprecated):
-        refuse("OnlineDPOTrainer", reward_processing_classes=reward_processing_classes)
         reward_funcs = renamed_kwarg(deprecated, "reward_functions", "reward_funcs", reward_funcs,
                                      trainer="OnlineDPOTrainer")
         no_unknown_kwargs("OnlineDPOTrainer", deprecated)
@@ -121,7 +119,8 @@ class OnlineDPOTrainer(PairPredictions, CheckpointsRewardMean, Trainer):
             ref_model = load_model(ref_model, args)
         if args.disable_dropout:
             disable_dropout(model, ref_model)
-        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs")
+        self.reward_functions = build_reward_functions(reward_funcs, args.reward_weights, key="reward_funcs",
+                                                       processing_classes=reward_processing_classes)
         args.remove_unused_columns = False
         use_fp32_cpu_attention(model)  # attention in fp32 under CPU autocast (stages.precision)
         super().__init__(model=model, args=args, data_collator=data_collator or list,  # prompts pass through

@@ -87,14 +87,15 @@ class PairCollator:
 
 
 def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = False, chunked: bool = True,
-                   pairs: bool = False, ld_alpha: float | None = None) -> torch.Tensor:
+                   pairs: bool = False, ld_alpha: float | None = None, padding_free: bool = False) -> torch.Tensor:
     """Summed (or per-token averaged) completion log-probs of every row: (rows,).
 
     pairs: the rows are a `PairCollator` batch (B chosen, then B rejected); each pair then runs as one row
     packed on its shared prefix where the model allows (`stages.pair_packing`), with the same result.
     ld_alpha: LD-DPO's sum (`stages.losses.pair_length.ld_logps`; needs a `PairCollator` batch).
+    padding_free: the pairs packed and the batch joined into one row without padding (`stages.pair_packing`).
     """
-    per_token, _ = token_logps(model, batch, chunked=chunked, pairs=pairs)
+    per_token, _ = token_logps(model, batch, chunked=chunked, pairs=pairs, padding_free=padding_free)
     if ld_alpha is not None:
         total = ld_logps(per_token, batch["completion_mask"][:, 1:], ld_alpha)
     else:
@@ -103,11 +104,12 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], *, average: bool = Fal
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False,
-                sum_sq: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sum_sq: bool = False, padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs of every row, (rows, T-1), 0 outside the completion; and with `sum_sq`
     the detached log Σ_v p(v)² at the same positions (WPO's alignment, `stages.losses.pair_length`), else None.
     `sum_sq` needs the whole distribution, so it takes the logits path even where chunking is possible."""
-    inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs)
+    inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs,
+                                    padding_free=padding_free)
     targets = batch["input_ids"][:, 1:]
     select = batch["completion_mask"][:, 1:].bool()
     head = lm_head_for_chunking(model) if chunked and not sum_sq else None

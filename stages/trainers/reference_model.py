@@ -81,12 +81,12 @@ def precomputed(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 @torch.no_grad()
 def reference_sequence_logps(ref, batch: dict[str, torch.Tensor], *, chunked: bool = True, pairs: bool = False,
-                             ld_alpha: float | None = None) -> torch.Tensor:
+                             ld_alpha: float | None = None, padding_free: bool = False) -> torch.Tensor:
     """`sequence_logps` (sums; LD-DPO's with `ld_alpha`) under the reference, counted in REFERENCE_FORWARDS:
     (rows,)."""
     global REFERENCE_FORWARDS
     REFERENCE_FORWARDS += 1
-    return sequence_logps(ref, batch, chunked=chunked, pairs=pairs, ld_alpha=ld_alpha)
+    return sequence_logps(ref, batch, chunked=chunked, pairs=pairs, ld_alpha=ld_alpha, padding_free=padding_free)
 
 
 @torch.no_grad()

@@ -9,7 +9,13 @@ from typing import ClassVar
 
 from stages.fields import check_fields, non_negative, param, positive
 from stages.trainers.arguments import MethodConfig, refuses_trl_fields, training_arguments
-from stages.trainers.method_fields import SamplingFields, chunked_field
+from stages.trainers.method_fields import (
+    ContinuousBatchingFields,
+    GenerationBatchFields,
+    SamplingFields,
+    chunked_field,
+    router_aux_loss_coef_field,
+)
 from stages.trainers.online_options import OnlineOptions
 from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
 
@@ -18,7 +24,8 @@ TrainingArguments = training_arguments()
 
 @refuses_trl_fields
 @dataclass
-class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments):
+class RLOOConfig(MethodConfig, OnlineOptions, GenerationBatchFields, ContinuousBatchingFields, SamplingFields,
+                 TrainingArguments):
     """`per_device_train_batch_size` counts completions, as in TRL: num_generations per prompt."""
 
     SAMPLES = "num_generations"  # the sampling record's n (SamplingFields.sampling)
@@ -31,12 +38,10 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
     tis_warn: ClassVar[float] = float("inf")
     # GRPO-only settings the shared machinery reads, at the values that switch them off for RLOO
     cast_lm_head_to_fp32: ClassVar[bool] = False
-    router_aux_loss_coef: ClassVar[float] = 0.0
     entropy_coef: ClassVar[float] = 0.0
     use_adaptive_entropy: ClassVar[bool] = False
     top_entropy_quantile: ClassVar[float] = 1.0
     importance_sampling_on: ClassVar[bool] = False
-    resolved_steps_per_generation: ClassVar[int] = 1
     multi_objective_aggregation: ClassVar[str] = "sum_then_normalize"
 
     @property
@@ -66,10 +71,12 @@ class RLOOConfig(MethodConfig, OnlineOptions, SamplingFields, TrainingArguments)
                                          check=lambda v: 0 <= v <= 1, rule="must be in [0, 1]")
     ref_model_sync_steps: int = positive(512, "TR-DPO's tau: optimizer steps between reference updates")
     log_multimodal: bool = param(True, help="log images with completions (text-only trainer: nothing to add)")
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = chunked_field()
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = check_fields(self, RLOOConfig) + self.online_problems()
+        problems = check_fields(self, RLOOConfig) + self.online_problems() + self.generation_batch_problems()
+        problems += self.continuous_batching_problems()
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             problems.append(("epsilon_high", f"= {self.epsilon_high}: must be >= epsilon ({self.epsilon})"))
         batch = self.per_device_train_batch_size

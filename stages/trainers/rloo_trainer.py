@@ -1,12 +1,13 @@
 """REINFORCE leave-one-out: `RLOOTrainer` (a `transformers.Trainer`; config: `rloo_config.py`).
 
-Every optimizer step samples `num_generations` completions per prompt from the policy, scores them
+Every generation (`steps_per_generation` micro-batches; by default one optimizer step's) samples
+`num_generations` completions per prompt from the policy, scores them
 with the reward functions, and trains on `stages.losses.rloo_loss` with the advantages of
 `stages.losses.rloo_advantages`: each completion's reward minus the mean reward of the prompt's
 other completions. With `beta` > 0 the KL to the reference is part of the reward (beta x the
 completion's summed log-ratio π_old / π_ref), not of the loss; the importance ratio is one per
-sequence. The step's mechanics (sampling every micro-batch of the step at its start, reuse for
-`num_iterations` updates, scoring, timing and checkpointed rollouts) are GRPOTrainer's; this class
+sequence. The mechanics (sampling every micro-batch of a generation at once, reuse for `num_iterations`
+updates and across optimizer steps, scoring, timing and checkpointed rollouts) are GRPOTrainer's; this class
 replaces what RLOO does differently: the rollout batch's advantages and the loss.
 """
 from __future__ import annotations
@@ -17,16 +18,15 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from stages.basics import stable_seed
 from stages.losses import rloo_advantages, rloo_loss
 from stages.precision import trainer_precision
 from stages.trainers.grpo_trainer import GRPOTrainer, completion_tensors, per_token_logps
-from stages.trainers.inputs import check_dataset, default_args, refuse
+from stages.trainers.inputs import check_dataset, default_args
+from stages.trainers.model_options import with_router_loss
 from stages.trainers.online_extras import (
-    PromptBatchSampler,
     completion_sample,
     log_completion_sample,
     pad_to_multiple,
@@ -35,6 +35,7 @@ from stages.trainers.online_extras import (
 from stages.trainers.online_generation import sample_online
 from stages.trainers.reference_model import reference_model
 from stages.trainers.rloo_config import RLOOConfig
+from stages.trainers.rollout import completion_logps
 
 
 def clip_range(value: list[float] | None) -> tuple[float, float] | None:
@@ -49,7 +50,6 @@ class RLOOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, *, data_collator=None):
-        refuse("RLOOTrainer", reward_processing_classes=reward_processing_classes)
         if reward_funcs is None:
             raise ValueError("RLOOTrainer: reward_funcs is None; RLOO needs at least one reward function (a callable, "
                              "a list, a built-in name such as 'exact_match', or a reward model's folder)")
@@ -57,20 +57,13 @@ class RLOOTrainer(GRPOTrainer):
         if not isinstance(args, RLOOConfig):
             raise TypeError(f"args is a {type(args).__name__}: RLOOTrainer takes an RLOOConfig")
         super().__init__(model, reward_funcs, args, train_dataset, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config, data_collator=data_collator)
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                         data_collator=data_collator)
         self.eval_rows = None if eval_dataset is None else list(check_dataset(eval_dataset, "eval_dataset"))
         if self.eval_rows is not None and not all("prompt" in r for r in self.eval_rows):
             raise ValueError("eval_dataset: RLOO evaluates on rows with a 'prompt' column (and the columns its reward "
                              "functions read); some rows lack it")
-
-    def get_train_dataloader(self) -> DataLoader:
-        a = self.args
-        sampler = PromptBatchSampler(len(self.train_dataset), a.per_device_train_batch_size // a.num_generations,
-                                     group=a.gradient_accumulation_steps * a.world_size, repeats=a.num_iterations,
-                                     seed=a.seed, shuffle=a.shuffle_dataset)
-        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=sampler,
-                                                   collate_fn=self.data_collator))
 
     @torch.no_grad()
     def make_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -100,9 +93,12 @@ class RLOOTrainer(GRPOTrainer):
         valid = torch.tensor([t is not None for t in totals], device=a.device)
         rewards = torch.tensor([math.nan if t is None else t for t in totals], dtype=torch.float32, device=a.device)
         temperature, chunked, mask = a.sampling.temperature, a.use_chunked_logprobs, batch["completion_mask"]
-        if a.num_iterations > 1 or a.beta > 0:  # the ratio's denominator on reuse; the KL's policy side
+        # reused rollouts (num_iterations > 1, or a generation that outlasts its optimizer step) need the ratio's
+        # denominator; beta > 0 the KL's policy side
+        reused = a.num_iterations > 1 or a.resolved_steps_per_generation > a.gradient_accumulation_steps
+        if reused or a.beta > 0:
             old, _ = per_token_logps(self.model, batch, temperature=temperature, chunked=chunked)
-            if a.num_iterations > 1:
+            if reused:
                 batch["old_logps"] = old
         kl = None
         if a.beta > 0:
@@ -127,11 +123,13 @@ class RLOOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         a = self.args
-        logps, entropy = per_token_logps(model, inputs, temperature=a.sampling.temperature,
-                                         chunked=a.use_chunked_logprobs, entropy=True)
-        mask = inputs["loss_mask"]
+        out = completion_logps(model, inputs, temperature=a.sampling.temperature, chunked=a.use_chunked_logprobs,
+                               with_entropy=True, with_aux_loss=self.router_aux_loss_coef > 0)
+        logps, entropy, mask = out["logps"], out["entropy"].detach(), inputs["loss_mask"]
         loss, metrics = rloo_loss(logps, inputs.get("old_logps"), inputs["advantages"], mask,
                                   epsilon_low=a.epsilon, epsilon_high=a.epsilon_high)
+        loss = with_router_loss(loss, [out["aux_loss"]] if "aux_loss" in out else [], self.router_aux_loss_coef,
+                                metrics)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=loss.device).detach().float()

@@ -11,6 +11,7 @@ from stages.trainers.method_fields import (
     activation_offloading_field,
     num_proc_field,
     pad_to_multiple_of_field,
+    router_aux_loss_coef_field,
     truncation_mode_field,
 )
 from stages.trainers.pipeline_section import TrainingStage, section, stage_default
@@ -53,6 +54,7 @@ class SFTConfig(MethodConfig, TokenizerFields, TrainingArguments):
     packing_strategy: Literal["bfd", "wrapped"] = param("bfd", help="bfd: best-fit decreasing; wrapped: cut")
     eval_packing: bool | None = param(None, help="pack the evaluation rows too (null: as packing)")
     activation_offloading: bool = activation_offloading_field()
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field()
     use_chunked_logprobs: bool = param(True, help="loss from the final hidden states through the chunked lm-head "
                                        "kernel (no full logits) where the model allows")
     warmup_steps: float = param(WARMUP_RATIO, help="linear warm-up: steps (>= 1) or a share of all steps (< 1)",

@@ -31,6 +31,7 @@ from stages.precision import use_fp32_cpu_attention
 from stages.sharding import unwrap
 from stages.trainers.inputs import apply_eos_to_model, apply_peft, load_model, map_eval, offline_inputs
 from stages.trainers.method_fields import pad_multiple
+from stages.trainers.model_options import router_aux_loss_coef, router_losses, with_router_loss
 from stages.trainers.offloading import OffloadsActivations
 from stages.trainers.sft_config import SFTConfig  # noqa: F401 (the config of this trainer, re-exported)
 
@@ -71,6 +72,7 @@ class SFTTrainer(OffloadsActivations, Trainer):
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        self.router_aux_loss_coef = router_aux_loss_coef(unwrap(self.model), args.router_aux_loss_coef)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_log_time = time.perf_counter()
 
@@ -99,25 +101,34 @@ class SFTTrainer(OffloadsActivations, Trainer):
         value on the model's outputs (logits included), the (B, T) unshifted labels and num_items_in_batch."""
         labels = inputs.pop("labels")
         head = lm_head_for_chunking(model) if self.args.use_chunked_logprobs else None
-        if self.compute_loss_func is not None:
-            outputs = model(**inputs, use_cache=False)
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-            stats = token_counts(outputs.logits.detach(), labels)
-        elif head is not None:
-            targets = labels[:, 1:]
-            select = targets != IGNORE_INDEX
-            hidden, outputs = selected_hidden(model, inputs, select)
-            logps = head_logprobs(hidden, head, targets[select])
-            loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch, loss_type=self.args.loss_type)
-            stats = {"num_tokens": select.sum(), "correct_tokens": (head_argmax(hidden.detach(), head)
-                                                                    == targets[select]).sum()}
-        else:
-            outputs = model(**inputs, use_cache=False)
-            loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch,
-                                   loss_type=self.args.loss_type)
+        with router_losses(model, self.router_aux_loss_coef > 0) as aux:
+            if self.compute_loss_func is not None:
+                outputs = model(**inputs, use_cache=False)
+                loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+                stats = token_counts(outputs.logits.detach(), labels)
+            elif head is not None:
+                targets = labels[:, 1:]
+                select = targets != IGNORE_INDEX
+                hidden, outputs = selected_hidden(model, inputs, select)
+                logps = head_logprobs(hidden, head, targets[select])
+                loss = sft_loss_from_logps(logps, num_items_in_batch=num_items_in_batch,
+                                           loss_type=self.args.loss_type)
+                stats = {"num_tokens": select.sum(), "correct_tokens": (head_argmax(hidden.detach(), head)
+                                                                        == targets[select]).sum()}
+            else:
+                outputs = model(**inputs, use_cache=False)
+                loss, stats = sft_loss(outputs.logits, labels, num_items_in_batch=num_items_in_batch,
+                                       loss_type=self.args.loss_type)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages grads; the denominator is already global
+        # the router loss is a mean per micro-batch; a loss already scaled for accumulation takes its share
+        loss = with_router_loss(loss, aux, self.router_aux_loss_coef, stats,
+                                steps=self.current_gradient_accumulation_steps if num_items_in_batch is not None
+                                else 1)
         mode = "train" if model.training else "eval"
+        if "aux_loss" in stats:
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(stats["aux_loss"]).mean()
+                                                   .item())
         tokens = self.accelerator.gather_for_metrics(stats["num_tokens"].reshape(1)).sum()
         correct = self.accelerator.gather_for_metrics(stats["correct_tokens"].reshape(1)).sum()
         self._metrics[mode]["num_tokens"].append(tokens.item())
@@ -131,6 +142,8 @@ class SFTTrainer(OffloadsActivations, Trainer):
         if m:
             logs[f"{prefix}mean_token_accuracy"] = sum(m["mean_token_accuracy"]) / len(m["mean_token_accuracy"])
             logs[f"{prefix}num_tokens"] = float(sum(m["num_tokens"]))
+            if m.get("aux_loss"):
+                logs[f"{prefix}aux_loss"] = sum(m["aux_loss"]) / len(m["aux_loss"])
             if mode == "train":  # loss tokens per second since the last log line
                 now = time.perf_counter()
                 logs["loss_tokens_per_second"] = round(sum(m["num_tokens"]) / max(now - self._last_log_time, 1e-9), 1)

@@ -27,30 +27,13 @@ UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
     "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
     "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
-    "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to our losses",
-    "pad_to_multiple_of": "this trainer pads each batch to its longest row",
-    "DPOConfig.padding_free": "DPO packs each pair on its shared prefix instead (TRL 1.16 too falls back to "
-                              "padding)",
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
     "vllm_tensor_parallel_size": _VLLM, "vllm_enable_sleep_mode": _VLLM, "vllm_max_model_length": _VLLM,
     "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
-    "reward_processing_classes": "a reward model in reward_funcs is given as its folder, whose tokenizer it uses",
     # ---- one trainer or config
     "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
-    "GRPOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
-    "GRPOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
-                                                          "vllm",
-    "GRPOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
-    "RLOOConfig.generation_batch_size": "one generation per optimizer step (all its micro-batches), reused "
-                                        "num_iterations times",
-    "RLOOConfig.steps_per_generation": "one generation per optimizer step (all its micro-batches), reused "
-                                       "num_iterations times",
-    "RLOOConfig.use_transformers_continuous_batching": "the generation backends are hf (batched generate) and vllm",
-    "RLOOConfig.transformers_continuous_batching_config": "the generation backends are hf (batched generate) and "
-                                                          "vllm",
-    "RLOOConfig.use_transformers_paged": "the generation backends are hf (batched generate) and vllm",
 }
 
 

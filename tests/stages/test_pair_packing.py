@@ -158,3 +158,61 @@ def test_packing_is_kept_under_bf16_autocast(tmp_path):
         assert pack_pairs(model, batch) is not None
         packed, padded = sequence_logps(model, batch, pairs=True), sequence_logps(model, batch)
     torch.testing.assert_close(packed, padded, rtol=2e-2, atol=0.1)
+
+
+def test_joined_is_one_row_without_padding_and_keeps_the_pairs_apart():
+    """The layout test's two pairs (packed widths 6 and 6) joined: 12 tokens in one row, positions restarting at the
+    second pair, a block-diagonal mask, and unpacking gives the 2B padded rows back."""
+    b = _batch([([5, 6, 7, 8, 9], [5, 6, 7, 3], 2), ([4, 1, 2], [4, 2, 2, 2], 1)])
+    p = layout(b["input_ids"], b["attention_mask"]).joined()
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 3, 4, 1, 2, 2, 2, 2]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 1, 2, 3]]
+    m = p.mask[0, 0]
+    assert m[5].tolist() == [True, True, True, False, False, True] + [False] * 6
+    assert m[11].tolist() == [False] * 6 + [True, False, False, True, True, True]  # never the first pair
+    assert torch.equal(p.unpack(p.input_ids) * b["attention_mask"], b["input_ids"])
+
+
+def _tokens_once(batch) -> int:
+    """The real tokens of a PairCollator batch with each pair's shared prefix counted once (a plain loop)."""
+    rows = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    b, total = len(rows) // 2, 0
+    for chosen, rejected in zip(rows[:b], rows[b:]):
+        shared = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r), min(len(chosen),
+                                                                                             len(rejected)))
+        total += len(chosen) + len(rejected) - shared
+    return total
+
+
+def test_padding_free_logps_and_gradients_equal_the_padded_rows(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny(tmp_path / "m", num_layers=2)
+    tok = AutoTokenizer.from_pretrained(path)
+    batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, builtin_rows("preference", "preference",
+                                                                           num_preference=6), 128))
+    results = []
+    for free in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        seen: list = []
+        model.register_forward_pre_hook(lambda m, a, kw, seen=seen: seen.append(kw["input_ids"].shape),
+                                        with_kwargs=True)
+        logps = sequence_logps(model, batch, pairs=False, padding_free=free)
+        logps.sum().backward()
+        results.append((logps.detach(), model.model.embed_tokens.weight.grad))
+        if free:  # the training forward (after the first-use check's): one row of the pairs' tokens, no padding
+            assert seen[-1] == torch.Size([1, _tokens_once(batch)]) and len(seen) <= 3
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-3)
+
+
+def test_padding_free_says_why_a_model_cannot_run_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny(tmp_path / "m"))
+    model.config._attn_implementation = "flash_attention_2"  # what a flash model reports (not loadable on CPU)
+    batch = _batch([([5, 6, 7, 8], [5, 6, 3], 2)])
+    with pytest.raises(ValueError, match=r"padding_free = True: LlamaForCausalLM cannot run a batch as one row "
+                                         r"without padding: its attention is 'flash_attention_2'.*set padding_free: "
+                                         r"false"):
+        sequence_logps(model, batch, padding_free=True)

@@ -8,6 +8,7 @@ import pytest
 from stages.reward_functions import (
     BUILTIN_REWARDS,
     RewardFunctions,
+    build_reward_functions,
     exact_match,
     final_integer,
     length_penalty,
@@ -155,3 +156,77 @@ def test_bad_setup(user_module):
         _funcs("exact_match")(["p", "p"], ["1", "2"], answer=["1"])
     with pytest.raises(ValueError, match=r"1 prompts but 2 completions"):
         _funcs("exact_match")(["p"], ["1", "2"])
+
+
+# ------------------------------------------------------------------ reward_processing_classes (TRL's)
+
+@pytest.fixture(scope="module")
+def reward_folder(tmp_path_factory):
+    """A reward model folder (the built-in model with a seeded score head) and another tokenizer (another BPE
+    over the same corpus: other ids for the same text)."""
+    import torch
+
+    from stages.reward_model import load_reward_model
+    from tests import architectures
+    from tests.stages.trainers.conftest import build_tiny
+
+    folder = build_tiny(tmp_path_factory.mktemp("rm"))
+    torch.manual_seed(0)
+    model = load_reward_model(str(folder))
+    model.save_pretrained(folder)
+    other = architectures.train_tokenizer(eos="<|end|>", pad="<|pad|>", chat_template=architectures.CHATML,
+                                          vocab_size=300)
+    return str(folder), other
+
+
+def test_a_reward_model_reads_with_its_processing_class(reward_folder):
+    from stages.reward_model import score_texts
+
+    folder, other = reward_folder
+    prompts, completions = ["1 + 2 =", "3 + 4 ="], ["3", "8"]
+    own = build_reward_functions([folder, "exact_match"])
+    given = build_reward_functions([folder, "exact_match"], processing_classes=[other, None])
+    fn = given.functions[0][1]
+    assert fn.tokenizer is other and own.functions[0][1].tokenizer is not other
+    scores = fn(prompts, completions)
+    assert scores == score_texts(fn.model, other, prompts, completions)
+    assert scores != own.functions[0][1](prompts, completions)  # other ids, other scores
+    [only] = build_reward_functions(folder, processing_classes=other).functions  # one class for one function
+    assert only[1].tokenizer is other
+
+
+def test_a_processing_class_without_a_pad_token_pads_with_eos(reward_folder):
+    import copy
+
+    folder, other = reward_folder
+    bare = copy.deepcopy(other)
+    bare.pad_token = None
+    fn = build_reward_functions([folder], processing_classes=[bare]).functions[0][1]
+    assert bare.pad_token == "<|end|>" and fn.model.config.pad_token_id == bare.eos_token_id
+
+
+def test_reward_processing_classes_are_checked(reward_folder):
+    folder, other = reward_folder
+    with pytest.raises(ValueError, match=r"reward_processing_classes: 1 processing class\(es\) for 2 reward "
+                                         r"function\(s\) in reward_funcs"):
+        build_reward_functions([folder, "exact_match"], key="reward_funcs", processing_classes=[other])
+    with pytest.raises(ValueError, match=r"gives a tokenizer for reward_funcs\[1\] = 'exact_match', which is not a "
+                                         r"reward model"):
+        build_reward_functions([folder, "exact_match"], key="reward_funcs", processing_classes=[None, other])
+    with pytest.raises(ValueError, match=r"reward_processing_classes\[0\] is given for reward_funcs\[0\], a "
+                                         r"builtin_function_or_method rather than a reward model's folder"):
+        build_reward_functions([len], key="reward_funcs", processing_classes=other)
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO", "OnlineDPO"])
+def test_the_online_trainers_take_reward_processing_classes(reward_folder, tmp_path, trainer):
+    import stages.trainers as trainers
+
+    folder, other = reward_folder
+    group = {} if trainer == "OnlineDPO" else {"num_generations": 2}
+    args = getattr(trainers, f"{trainer}Config")(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                 per_device_train_batch_size=2, **group)
+    t = getattr(trainers, f"{trainer}Trainer")(folder, reward_funcs=[folder, "exact_match"], args=args,
+                                               train_dataset=[{"prompt": "1 + 1 ="}],
+                                               reward_processing_classes=[other, None])
+    assert t.reward_functions.functions[0][1].tokenizer is other

@@ -201,7 +201,7 @@ def test_all_problems_reported_together():
 def test_unknown_backend_and_bad_arguments(model, tok):
     with pytest.raises(ValueError, match=r"backend = 'sglang'.*auto, hf, decoder, vllm"):
         generate(model, tok, PROMPTS, SamplingParams(), backend="sglang")
-    assert set(BACKENDS) == {"auto", "hf", "decoder", "vllm"}
+    assert set(BACKENDS) == {"auto", "hf", "decoder", "vllm", "continuous_batching"}
     with pytest.raises(ValueError, match="SamplingParams"):
         generate(model, tok, PROMPTS, {"n": 1})
     with pytest.raises(ValueError, match="batch_size = 0"):

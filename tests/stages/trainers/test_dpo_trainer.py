@@ -138,3 +138,27 @@ def test_prediction_step_matches_trls_on_the_same_batch(setup, tmp_path):
     (their_loss, their_logits, their_ids), (loss, logits, ids) = out
     assert torch.equal(ids, their_ids) and torch.allclose(logits, their_logits, atol=1e-5)
     assert loss.item() == pytest.approx(their_loss.item(), rel=1e-5)
+
+
+def test_padding_free_gives_the_padded_loss_from_one_row_per_batch(setup, tmp_path):
+    """TRL's padding_free: each batch's policy and reference forwards run as one row without padding (the pairs
+    packed on their prefixes and joined); the loss is the padded one. It refuses pad_to_multiple_of beside it."""
+    from transformers import AutoModelForCausalLM
+
+    path, tok, rows = setup
+    losses, widths = [], []
+    for free in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.register_forward_pre_hook(lambda m, a, kw: widths.append(tuple(kw["input_ids"].shape)),
+                                        with_kwargs=True)
+        trainer = DPOTrainer(model, args=_args(tmp_path, padding_free=free, per_device_train_batch_size=4),
+                             processing_class=tok, train_dataset=rows[:8])
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        widths.clear()
+        losses.append(trainer.compute_loss(model, batch).detach())
+    # policy, then live reference: each model's first-use check (2 pairs padded, then packed), then one row
+    assert [w[0] for w in widths] == [4, 2, 1] * 2 and widths[2] == widths[5]
+    assert widths[2][1] < batch["attention_mask"].sum()  # fewer than the padded rows' real tokens: prompts once
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"padding_free.*= True with pad_to_multiple_of = 8"):
+        _args(tmp_path, padding_free=True, pad_to_multiple_of=8)

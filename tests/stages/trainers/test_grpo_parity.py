@@ -426,3 +426,39 @@ def test_log_completions_writes_an_mlflow_table(setup, tmp_path, monkeypatch):
     assert [f.name for f in files] == ["step_1.json", "step_2.json"]
     table = json.loads(files[0].read_text())
     assert {"prompt", "completion", "low_ids", "advantage"} <= set(table["columns"]) and len(table["data"]) == 2 * G
+
+
+def test_use_transformers_continuous_batching_samples_with_the_engine(setup, tmp_path):
+    """TRL's switch (and its deprecated name use_transformers_paged) selects the generation backend
+    continuous_batching with the engine's settings; a step samples there, and greedy decoding gives plain
+    generate's completions. Contradicting settings are refused."""
+    path, tok, prompts = setup
+    engine = {"page_size": 16}
+    args = _args(tmp_path, use_transformers_continuous_batching=True, transformers_continuous_batching_config=engine)
+    assert (args.sampling.backend, args.sampling.continuous_batching_config) == ("continuous_batching", engine)
+    with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
+        assert _args(tmp_path, use_transformers_paged=True).sampling.backend == "continuous_batching"
+    backends = []
+    import stages.trainers.grpo_trainer as grpo
+
+    sample = grpo.sample_online
+    trainer, _, _ = _train(setup, tmp_path, max_steps=1, use_transformers_continuous_batching=True,
+                           transformers_continuous_batching_config=engine, top_k=1)
+    try:
+        grpo.sample_online = lambda *a, **kw: backends.append(sample(*a, **kw)) or backends[-1]
+        trainer.train()
+    finally:
+        grpo.sample_online = sample
+    assert [g.backend for g in backends] == ["continuous_batching"]
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["frac_reward_zero_std"] == 1.0  # top_k 1: each group's completions are one greedy completion
+    from stages.generation import SamplingParams, generate
+
+    # top_k 1 is greedy: the step's samples (of the untrained model) are plain generate's tokens, G per prompt
+    got = backends[0]
+    greedy = generate(_model(path), tok, got.prompts, SamplingParams(max_new_tokens=12), backend="hf")
+    assert got.completion_ids == [greedy.completion_ids[p] for p in got.prompt_index] and len(got) == 2 * G
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching = True but generation_backend = 'hf'"):
+        _args(tmp_path, use_transformers_continuous_batching=True, generation_backend="hf")
+    with pytest.raises(ValueError, match="transformers_continuous_batching_config is set but nothing samples"):
+        _args(tmp_path, transformers_continuous_batching_config=engine)

@@ -370,3 +370,26 @@ def test_dapo_divides_by_the_whole_generation_batch(setup, tmp_path):
 
     assert close(dapo2, dapo1) and close(bnpo1, dapo1)
     assert not close(bnpo2, dapo2)
+
+
+def test_pad_to_multiple_of_pads_the_rollout_and_leaves_the_loss_unchanged(setup, tmp_path):
+    """TRL's pad_to_multiple_of: prompt and completion widths rounded up to a multiple of 16 (prompt left-padded,
+    completion right-padded, both masked); the same samples (seeded) give the same loss as unpadded rows."""
+    path, tok, prompts, _ = setup
+    model = _model(path)
+    batches = {}
+    for multiple in (None, 16):
+        trainer = GRPOTrainer(model, low_ids, processing_class=tok, train_dataset=prompts,
+                              args=_args(tmp_path, pad_to_multiple_of=multiple, max_completion_length=5))
+        batch = trainer.make_batch(prompts[:2])
+        batches[multiple] = (batch, trainer.compute_loss(model, batch).detach())
+    (plain, loss), (padded, padded_loss) = batches[None], batches[16]
+    width, total = padded["completion_mask"].shape[1], padded["input_ids"].shape[1]
+    assert (width, total % 16) == (16, 0) and plain["completion_mask"].shape[1] == 5
+    prompt_plain = plain["input_ids"].shape[1] - 5
+    assert total - width == -(-prompt_plain // 16) * 16 > prompt_plain
+    assert padded["attention_mask"].sum() == plain["attention_mask"].sum()  # the new columns are masked out
+    assert torch.equal(padded["completion_mask"][:, :5], plain["completion_mask"])
+    assert not padded["completion_mask"][:, 5:].any() and not padded["loss_mask"][:, 5:].any()
+    torch.testing.assert_close(padded["advantages"], plain["advantages"])
+    torch.testing.assert_close(padded_loss, loss, atol=1e-6, rtol=1e-5)

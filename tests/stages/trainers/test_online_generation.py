@@ -10,9 +10,11 @@ from tests.stages.trainers.conftest import build_tiny, builtin_rows
 
 
 def test_backends_and_options():
-    assert GENERATION_BACKENDS == ("auto", "hf", "decoder", "vllm")
+    assert GENERATION_BACKENDS == ("auto", "hf", "decoder", "vllm", "continuous_batching")
     assert SamplingParams().backend == "auto"
     assert backend_options(SamplingParams(), "/m") == {}
+    assert backend_options(SamplingParams(backend="continuous_batching", continuous_batching_config={"page_size": 8}),
+                           "/m") == {"config": {"page_size": 8}}
     vllm = SamplingParams(backend="vllm", vllm_url="http://h:1/v1")
     assert backend_options(vllm, "/m") == {"base_url": "http://h:1/v1", "model": "/m"}  # default: the model's path
     named = SamplingParams(backend="vllm", vllm_model="served")

@@ -170,3 +170,55 @@ def test_accumulation_gives_the_one_batch_gradient(setup, tmp_path):
     scale = max(g.abs().max().item() for g in one.values())
     assert scale > 0
     assert all(torch.allclose(two[n], g, atol=1e-5 * scale, rtol=1e-4) for n, g in one.items())
+
+
+def test_steps_per_generation_feeds_several_optimizer_steps(setup, tmp_path):
+    """TRL's steps_per_generation = 2 without accumulation: one generation of 2 micro-batches (4 prompts, each with
+    its leave-one-out advantages) feeds 2 optimizer steps, so 4 steps generate twice; the second step's samples
+    come from the policy before the first update and carry old_logps, whose ratio the clip then bites on."""
+    path, rows = setup
+    trainer = RLOOTrainer(path, low_ids, _args(tmp_path, max_steps=4, steps_per_generation=2, epsilon=0.05,
+                                               learning_rate=5e-2), train_dataset=rows)
+    seen = []
+    make = trainer.make_batch
+    trainer.make_batch = lambda rows: seen.append([r["prompt"] for r in rows]) or make(rows)
+    trainer.train()
+    assert [len(s) for s in seen] == [4, 4] and len({str(p) for p in seen[0]}) == 4
+    assert sorted(trainer._buffer) == [0, 1] and all("old_logps" in b for b in trainer._buffer.values())
+    for batch in trainer._buffer.values():  # each slot: per_device_train_batch_size completions, whole groups
+        assert batch["advantages"].shape == (2 * G,) and batch["advantages"].view(-1, G).sum(1).abs().max() < 1e-5
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4 and "reward" in logs[0] and "reward" not in logs[1] and "reward" in logs[2]
+    assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[1]["clip_ratio/region_mean"] > 0.0
+
+
+def test_generation_batch_size_is_steps_per_generation_in_completions(tmp_path):
+    assert _args(tmp_path, generation_batch_size=4 * G).resolved_steps_per_generation == 2
+    assert _args(tmp_path, gradient_accumulation_steps=3).resolved_steps_per_generation == 3
+    with pytest.raises(ValueError, match="generation_batch_size = 16 and steps_per_generation = 2: set one"):
+        _args(tmp_path, generation_batch_size=16, steps_per_generation=2)
+    with pytest.raises(ValueError, match="generation_batch_size = 12: must be a multiple of "
+                                         "per_device_train_batch_size x processes = 8"):
+        _args(tmp_path, generation_batch_size=12)
+
+
+def test_use_transformers_continuous_batching_samples_with_the_engine(setup, tmp_path):
+    """TRL's switch: every generation samples through transformers' continuous batching engine (temperature 1,
+    seeded per call); training on those samples moves every weight. use_vllm beside it is refused."""
+    import stages.trainers.rloo_trainer as rloo
+
+    path, rows = setup
+    trainer = RLOOTrainer(path, low_ids, _args(tmp_path, max_steps=2, use_transformers_continuous_batching=True,
+                                               transformers_continuous_batching_config={"page_size": 16}),
+                          train_dataset=rows)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    seen, sample = [], rloo.sample_online
+    try:
+        rloo.sample_online = lambda *a, **kw: seen.append(sample(*a, **kw)) or seen[-1]
+        trainer.train()
+    finally:
+        rloo.sample_online = sample
+    assert [g.backend for g in seen] == ["continuous_batching"] * 2 and all(g.logprobs for g in seen)
+    assert {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])} == set(before)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching = True with use_vllm: pick one"):
+        _args(tmp_path, use_transformers_continuous_batching=True, use_vllm=True, vllm_mode="server")

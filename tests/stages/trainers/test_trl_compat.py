@@ -268,11 +268,11 @@ def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default(
 
 
 def test_a_field_of_our_own_is_never_refused():
-    """SFTConfig declares pad_to_multiple_of itself; the bare entry, there for GRPOConfig, does not touch it."""
-    from stages.trainers.sft_config import SFTConfig
+    """GRPOConfig declares use_vllm itself; the bare entry, there for OnlineDPOConfig, does not touch it."""
+    from stages.trainers.grpo_config import GRPOConfig
 
-    assert unsupported_trl_fields(SFTConfig, {"pad_to_multiple_of": 8}) == []
-    assert unsupported_trl_fields("GRPOConfig", {"pad_to_multiple_of": 8})[0][0] == "pad_to_multiple_of"
+    assert unsupported_trl_fields(GRPOConfig, {"use_vllm": True}) == []
+    assert unsupported_trl_fields("OnlineDPOConfig", {"use_vllm": True})[0][0] == "use_vllm"
 
 
 @pytest.mark.parametrize("annotation, expected", [
