@@ -60,7 +60,7 @@ from stages.trainers.inputs import (
 )
 from stages.trainers.model_options import router_aux_loss_coef
 from stages.trainers.off_policy import OffPolicyWarning
-from stages.trainers.online_extras import pad_to_multiple
+from stages.trainers.online_extras import pad_to_multiple, render_prompts
 from stages.trainers.online_generation import sample_online, wait_for_server
 from stages.trainers.pair_batches import PairCollator, tokenize_pairs
 from stages.trainers.ref_sync import sync_reference
@@ -184,21 +184,6 @@ def prompt_rows(dataset, key: str, *, needs_prompt: bool = True) -> list[dict]:
         raise ValueError(f"{key}: GRPO needs rows with a 'prompt' column; {len(missing)} of {len(rows)} rows lack "
                          f"it{where}")
     return rows
-
-
-def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) -> list:
-    """Conversational prompts rendered with the extra template arguments (a prompt ending in an assistant message
-    is continued, else a generation prompt is added); None, or plain-text prompts: unchanged."""
-    if not chat_template_kwargs:
-        return prompts
-    out = []
-    for p in prompts:
-        if isinstance(p, list):
-            cont = bool(p) and p[-1].get("role") == "assistant"
-            p = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=not cont,
-                                              continue_final_message=cont, **chat_template_kwargs)
-        out.append(p)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int | str | None, 
 
 def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None, tools: list | None = None) -> list:
     """Prompts for the sampler: with chat_template_kwargs, or tools, each conversational prompt (a message list)
-    rendered here with the chat template, its generation prompt, those keyword arguments and its row's tools
+    rendered here with the chat template, its generation prompt (or, ending in an assistant message, continued),
+    those keyword arguments and its row's tools
     (`tools`: one `tools` column value per prompt, None where a row has none; a template that cannot show them
     is refused, `stages.data.templates.require_tool_template`); a string prompt is left as it is. Without
     either, the prompts unchanged (the sampler applies the template's defaults)."""
@@ -82,8 +83,10 @@ def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None, 
             if row_tools:
                 require_tool_template(tokenizer)
                 prompt = parsed_messages(prompt)
+            cont = bool(prompt) and prompt[-1].get("role") == "assistant"  # a prefilled answer is continued
             prompt = tokenizer.apply_chat_template(prompt, tools=tool_schemas(row_tools), tokenize=False,
-                                                   add_generation_prompt=True, **(chat_template_kwargs or {}))
+                                                   add_generation_prompt=not cont, continue_final_message=cont,
+                                                   **(chat_template_kwargs or {}))
         out.append(prompt)
     return out
 
