@@ -123,7 +123,8 @@ class SFTTrainer(OffloadsActivations, Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages grads; the denominator is already global
         # the router loss is a mean per micro-batch; a loss already scaled for accumulation takes its share
         loss = with_router_loss(loss, aux, self.router_aux_loss_coef, stats,
-                                steps=self.current_gradient_accumulation_steps if num_items_in_batch is not None
+                                steps=getattr(self, "current_gradient_accumulation_steps", 1)
+                                if num_items_in_batch is not None
                                 else 1)
         mode = "train" if model.training else "eval"
         if "aux_loss" in stats:

@@ -19,21 +19,22 @@ from typing import Any
 
 TRL_VERSION = "1.16"
 
-_VLLM = ("vLLM is reached as a separate OpenAI-compatible server (the generation backend 'vllm'; GRPO: use_vllm "
-         "with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
-_TR_DPO = "this trainer's reference stays the starting model (TR-DPO's syncing: DPOConfig and KTOConfig)"
+_VLLM = ("needs vLLM on a CUDA GPU: vLLM is reached as a separate OpenAI-compatible server (the generation backend "
+         "'vllm'; GRPO: use_vllm with vllm_mode 'server'); TRL's colocated engine and weight sync are not built")
+_LIGER = ("needs Liger's Triton kernels, which run on CUDA GPUs; the losses use our own chunked log-prob kernel "
+          "instead")
 
 UNSUPPORTED: dict[str, str] = {
     # ---- every config or trainer of TRL that has the name
-    "use_liger_kernel": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
-    "liger_kernel_config": "Liger kernels are not built; the losses use our own chunked log-prob kernel",
+    "use_liger_kernel": _LIGER, "liger_kernel_config": _LIGER,
     "use_vllm": _VLLM, "vllm_mode": _VLLM, "vllm_model_impl": _VLLM, "vllm_structured_outputs_regex": _VLLM,
     "vllm_gpu_memory_utilization": _VLLM, "vllm_server_host": _VLLM,
     "vllm_server_port": _VLLM, "vllm_server_timeout": _VLLM, "vllm_group_port": _VLLM,
     "vllm_tensor_parallel_size": _VLLM, "vllm_enable_sleep_mode": _VLLM, "vllm_max_model_length": _VLLM,
-    "ds3_gather_for_generation": "DeepSpeed ZeRO-3 is not used",
+    "ds3_gather_for_generation": "needs DeepSpeed ZeRO-3, which runs on CUDA GPUs and is not used here",
     # ---- one trainer or config
-    "GRPOConfig.log_completions_hub_repo": "no Hugging Face Hub here: completions go to the run's trackers",
+    "GRPOConfig.log_completions_hub_repo": "needs the Hugging Face Hub (a server): completions go to the run's "
+                                           "trackers",
 }
 
 
