@@ -254,7 +254,7 @@ def test_unsupported_trl_fields_names_the_field_as_trls():
                                                    "log_completions_hub_repo": "me/x"})
     assert [k for k, _ in problems] == ["vllm_gpu_memory_utilization", "log_completions_hub_repo"]
     assert re.search(r"GRPOConfig\.vllm_gpu_memory_utilization: TRL 1\.16's `vllm_gpu_memory_utilization` is not "
-                     r"supported by stages\.trainers yet \(vLLM is reached as a separate .*colocated engine.*\); "
+                     r"supported by stages\.trainers yet \(needs vLLM on a CUDA GPU: .*colocated engine.*\); "
                      r"remove it", problems[0][1])
     assert [k for k, _ in unsupported_trl_fields("OnlineDPOConfig", {"use_vllm": True})] == ["use_vllm"]
 
@@ -264,7 +264,7 @@ def test_unsupported_trl_fields_refuses_an_inherited_field_only_off_its_default(
 
     assert unsupported_trl_fields(SFTConfig, {"use_liger_kernel": False}) == []
     [(key, message)] = unsupported_trl_fields(SFTConfig, {"use_liger_kernel": True})
-    assert key == "use_liger_kernel" and "Liger kernels are not built" in message
+    assert key == "use_liger_kernel" and "Triton kernels, which run on CUDA GPUs" in message
     assert unsupported_trl_fields("SFTConfig", ["use_liger_kernel", "dataset_kwargs", "packing"]) == [
         ("use_liger_kernel", trl_compat.unsupported_message("SFTConfig.use_liger_kernel", "use_liger_kernel"))]
 
