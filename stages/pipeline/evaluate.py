@@ -39,6 +39,7 @@ from stages.generation import SamplingParams
 from stages.harness.artifacts import write_json_atomic
 from stages.harness.model_paths import resolve_model
 from stages.models import load_causal_lm, load_tokenizer, pick_device
+from stages.openai_client import EndpointError
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
 
@@ -158,9 +159,16 @@ def run_judge(ctx, rows: list[dict], outputs: dict[str, Outputs], template: str,
     for label, out in outputs.items():
         if label == j.baseline:
             continue
-        verdicts = judge.judge_pairs(ask, template, instructions,
-                                     [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
-                                     [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+        try:
+            verdicts = judge.judge_pairs(ask, template, instructions,
+                                         [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
+                                         [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+        except EndpointError as e:
+            if client is None:
+                raise
+            raise EndpointError(f"evaluate.judge ({label} vs {j.baseline}): {e}; {client.retries} retries in all, "
+                                f"over {client.requests} requests; no metrics were written", endpoint=e.endpoint,
+                                status=e.status, retries=e.retries) from None
         columns = judge.summary(verdicts, out.lengths, base.lengths, confidence=j.confidence,
                                 resamples=j.resamples, seed=ctx.params.run.seed)
         found[label] = {"columns": columns, "scores": verdicts.scores, "verdicts": verdicts.distribution()}
