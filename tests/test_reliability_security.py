@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stages.harness import runner
 from stages.harness.config import Params
@@ -216,13 +217,14 @@ def test_a_full_run_writes_no_secret_anywhere(tmp_path):
     judge_model = str(tiny.build(tmp_path / "judge", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                                  vocab_size=384, seed=0))
     server = Serve(judge_model)
-    try:
-        judge = [f"evaluate.judge.base_url={server.url}", f"evaluate.judge.model={judge_model}",
-                 f"evaluate.judge.api_key_env={JUDGE_KEY_ENV}", "evaluate.judge.max_retries=1",
-                 "evaluate.judge.backoff=0.1", "evaluate.judge.resamples=50"]
-        res = subprocess.run([str(Path(sys.executable).parent / "align"), "run",
-                              *(a for s in judge for a in ("--set", s))], cwd=repo, env=env, capture_output=True,
-                             text=True, timeout=900)
+    try:  # in params.yaml, not --set: a run with overrides leaves dvc.lock alone (its outputs are not params.yaml's)
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params.setdefault("evaluate", {})["judge"] = {
+            "base_url": server.url, "model": judge_model, "api_key_env": JUDGE_KEY_ENV, "max_retries": 1,
+            "backoff": 0.1, "resamples": 50}
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env,
+                             capture_output=True, text=True, timeout=900)
     finally:
         server.kill()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

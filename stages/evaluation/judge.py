@@ -61,23 +61,27 @@ def render(template: str, instruction: str, first: str, second: str) -> str:
     return template.replace("{instruction}", instruction).replace("{output_1}", first).replace("{output_2}", second)
 
 
-LEADING = re.compile(r"^\W*(1|2|tie)\b(?![.,]\d)")  # the reply begins with its verdict: "1", "**2**", "Tie."
+# the reply begins with its verdict: "1", "**2**", "Tie." (not "1+1=2" or "1.5": a judge doing the task)
+LEADING = re.compile(r"^\W*(1|2|tie)\b(?!\s*[-+*/=.,]\s*\d)")
 NAMED = re.compile(r"\b(?:answer|output)\s*#?\s*(1|2)\b|\b(tie)\b")  # "... answer 1 is better", "a tie"
 DIGITS = re.compile(r"\b([12])\b(?![.,]\d)")
+NUMBERS = re.compile(r"\d+(?:[.,]\d+)?")
 
 
 def parse_verdict(reply: str) -> str | None:
-    """"1", "2", "tie", or None when the reply names no verdict, or several ("answer 2 is wrong, answer 1 is
-    right" and "answer 1 or 2" are not read). Read: a reply beginning with the verdict, else one naming exactly
-    one of "answer 1", "answer 2" and "tie" (and no other 1 or 2). Any other number is no verdict (a judge that
-    solves "7+8" replies "15")."""
+    """"1", "2", "tie", or None when the reply names no verdict, or several. Read, in turn: a reply beginning
+    with the verdict; one naming exactly one of "answer 1", "answer 2" and "tie" (and no other 1 or 2: "answer 1
+    or 2" is not read); one whose only number is 1 or 2 ("The better answer is 1"). Any other number is no
+    verdict (a judge that solves "7+8" replies "15")."""
     text = reply.strip().lower()
     m = LEADING.match(text)
     if m:
         return m.group(1)
     named = {a or b for a, b in NAMED.findall(text)}
-    digits = set(DIGITS.findall(text))  # "answer 1 or 2": both named
-    return named.pop() if len(named) == 1 and digits <= named else None
+    if named:
+        return named.pop() if len(named) == 1 and set(DIGITS.findall(text)) <= named else None
+    numbers = NUMBERS.findall(text)
+    return numbers[0] if len(numbers) == 1 and numbers[0] in ("1", "2") else None
 
 
 def pair_score(forward: str | None, reverse: str | None) -> float | None:
