@@ -178,11 +178,11 @@ class Verdicts:
 
     def distribution(self) -> dict[str, dict[str, int]]:
         """Per order, how often the judge picked the answer shown first, second, a tie, or nothing readable:
-        {"model first": {"first": n, "second": n, "tie": n, "unparsed": n}, "baseline first": {...}}."""
+        {"model_first": {"first": n, "second": n, "tie": n, "unparsed": n}, "baseline_first": {...}}."""
         names = {"1": "first", "2": "second", "tie": "tie", None: "unparsed"}
         out = {}
-        for order, readings in (("model first", [f for f, _ in self.readings]),
-                                ("baseline first", [r for _, r in self.readings])):
+        for order, readings in (("model_first", [f for f, _ in self.readings]),
+                                ("baseline_first", [r for _, r in self.readings])):
             out[order] = {name: sum(names[v] == name for v in readings) for name in names.values()}
         return out
 
@@ -226,7 +226,7 @@ def summary(verdicts: Verdicts, model_lengths: Sequence[int], baseline_lengths: 
 
 def distribution_text(distribution: dict[str, dict[str, int]]) -> str:
     """"model first: first 8, second 0, tie 0, unparsed 0; baseline first: ..." (a report line)."""
-    return "; ".join(f"{order}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    return "; ".join(f"{order.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
                      for order, counts in distribution.items())
 
 

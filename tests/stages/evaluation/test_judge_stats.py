@@ -42,8 +42,8 @@ def test_judge_pairs_asks_both_orders_and_leaves_unparsed_pairs_out():
                     "q1|Answer 1: bad c|Answer 2: good a", "q2|Answer 1: good d|Answer 2: bad b",
                     "q3|Answer 1: bad f|Answer 2: good e"]
     assert v.scores == [1.0, 0.0, None] and v.unparsed == 1 and v.unparsed_replies() == ["hmm"]
-    assert v.distribution() == {"model first": {"first": 2, "second": 1, "tie": 0, "unparsed": 0},
-                                "baseline first": {"first": 1, "second": 1, "tie": 0, "unparsed": 1}}
+    assert v.distribution() == {"model_first": {"first": 2, "second": 1, "tie": 0, "unparsed": 0},
+                                "baseline_first": {"first": 1, "second": 1, "tie": 0, "unparsed": 1}}
     cols = judge.summary(v, [3, 4, 5], [3, 4, 9], confidence=0.95, resamples=50, seed=0)
     # q3 is left out: the rates are over q1 (1) and q2 (0), not a half for q3
     assert cols["judge.win_rate"] == 0.5 and cols["judge.pairs"] == 2 and cols["judge.unparsed"] == 1
@@ -57,7 +57,7 @@ def test_a_judge_that_reads_positions_only_is_visible():
                                      ["x", "y"], ["z", "w"])
     cols = judge.summary(always_first, [1, 2], [2, 1], confidence=0.95, resamples=50, seed=0)
     assert cols["judge.win_rate"] == 0.5 and cols["judge.consistent"] == 0.0 and cols["judge.unparsed"] == 0
-    assert always_first.distribution()["baseline first"] == {"first": 2, "second": 0, "tie": 0, "unparsed": 0}
+    assert always_first.distribution()["baseline_first"] == {"first": 2, "second": 0, "tie": 0, "unparsed": 0}
     mute = judge.judge_pairs(lambda ps: ["The answer is 42."] * len(ps), "{instruction}{output_1}{output_2}",
                              ["a", "b"], ["x", "y"], ["z", "w"])
     cols = judge.summary(mute, [1, 2], [2, 1], confidence=0.95, resamples=50, seed=0)
