@@ -61,8 +61,8 @@ def render(template: str, instruction: str, first: str, second: str) -> str:
     return template.replace("{instruction}", instruction).replace("{output_1}", first).replace("{output_2}", second)
 
 
-# the reply begins with its verdict: "1", "**2**", "Tie." (not "1+1=2" or "1.5": a judge doing the task)
-LEADING = re.compile(r"^\W*(1|2|tie)\b(?!\s*[-+*/=.,]\s*\d)")
+# the reply begins with its verdict: "1", "**2**", "Tie.", "1. 25+60 = 85" (not "1+1=2" or "1.5": the task's sums)
+LEADING = re.compile(r"^\W*(1|2|tie)\b(?![.,]\d)(?!\s*[-+*/=]\s*\d)")
 NAMED = re.compile(r"\b(?:answer|output)\s*#?\s*(1|2)\b|\b(tie)\b")  # "... answer 1 is better", "a tie"
 DIGITS = re.compile(r"\b([12])\b(?![.,]\d)")
 NUMBERS = re.compile(r"\d+(?:[.,]\d+)?")

@@ -13,10 +13,11 @@ def test_verdicts_are_read_and_both_orders_cancel_position_bias():
     replies = ["1", " 2.", "Tie", "**2**", "Answer 1 is better", "The answer that is better is answer 1.",
                "It's a tie.", "1\n\nThe answer 1 is correct", "neither", "12", "15", "The answer is 42.",
                "Answer 2 is wrong; answer 1 is right", "1.5", "Answer 1 or 2", "The answer that is better is 1",
-               "The better one is 2.", "1+1=2", "1 + 1 = 2", "Answer 1: 12+34=46", "It is 2 or 1", "tie: 1"]
+               "The better one is 2.", "1+1=2", "1 + 1 = 2", "Answer 1: 12+34=46", "It is 2 or 1", "tie: 1",
+               "1. 25+60", "1. 1\n\nThe answer", "2, because"]
     assert [judge.parse_verdict(t) for t in replies] == \
         ["1", "2", "tie", "2", "1", "1", "tie", "1", None, None, None, None, None, None, None, "1", "2", None, None,
-         "1", None, "tie"]
+         "1", None, "tie", "1", "1", "2"]
     # forward shows (model, baseline), reverse (baseline, model)
     assert judge.pair_score("1", "2") == 1.0  # model preferred in both orders
     assert judge.pair_score("1", "1") == 0.5  # a judge that always picks the first answer: no information
