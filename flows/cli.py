@@ -207,11 +207,13 @@ def print_summary(summary: dict) -> None:
     for s in summary["stages"]:
         print(f"{s['stage']:<12} {s['status']:<10} {s['wall_time_s']:>6}  {s['fingerprint']}")
     if summary["evaluation"]:
-        first = summary["evaluation"][0]
-        cols = ["model", *(c for c in first if c != "model")] if "model" in first else list(first)
+        # every row's columns, in order of appearance: the judge's baseline row (sft) has no judge.* columns
+        cols = list(dict.fromkeys(c for row in summary["evaluation"] for c in row))
+        cols = ["model", *(c for c in cols if c != "model")] if "model" in cols else cols
         print("\n" + "  ".join(f"{c:>22}" if i else f"{c:<8}" for i, c in enumerate(cols)))
         for row in summary["evaluation"]:
-            print("  ".join(f"{row[c]!s:>22}" if i else f"{row[c]!s:<8}" for i, c in enumerate(cols)))
+            print("  ".join(f"{row.get(c, '-')!s:>22}" if i else f"{row.get(c, '-')!s:<8}"
+                            for i, c in enumerate(cols)))
     if promotion := summary.get("promotion"):
         earlier = " (current: decided by an earlier run on these outputs)" if promotion.get("cached") else ""
         print(f"\npromotion{earlier}: {promotion['event']}: {promotion['reason']}")

@@ -122,6 +122,23 @@ def test_repro_noop_partial_rerun_and_run_cache(built):
     assert sh("git", "status", "--porcelain", cwd=built).stdout == ""
 
 
+def test_editing_the_judge_prompt_or_a_shipped_task_makes_evaluate_stale(built):
+    """Both `dvc status` and `python -m stages status` see an edit of the shipped judge prompt or lm-eval task
+    (the evaluate stage's code) and name evaluate alone; undone, both are clean again."""
+    for rel in ("stages/evaluation/prompts/pairwise.txt", "stages/evaluation/tasks/align_arithmetic.yaml"):
+        path = built / rel
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        try:
+            dvc = sh("dvc", "status", cwd=built).stdout
+            ours = sh(sys.executable, "-m", "stages", "status", cwd=built).stdout
+        finally:
+            path.write_bytes(original)
+        assert re.search(rf"modified:\s+{re.escape(rel)}", dvc) and dvc.splitlines()[0].strip() == "evaluate:", dvc
+        assert [line.split()[0] for line in ours.splitlines() if "stale" in line] == ["evaluate"], ours
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=built).stdout
+
+
 def test_exp_run_show_and_metrics_diff_between_commits(built):
     # an experiment: a param through -S reruns only what reads it; exp show lists it with its metrics
     out = sh("dvc", "exp", "run", "-S", "evaluate.max_new_tokens=6", "-n", "longer", cwd=built).stdout

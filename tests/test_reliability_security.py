@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stages.harness import runner
 from stages.harness.config import Params
@@ -174,6 +175,7 @@ def test_trust_remote_code_is_off_unless_the_params_say_so(tmp_path, monkeypatch
 
 MARKERS = {"HF_TOKEN": "hf_MARKERsecretHF0123456789", "WANDB_API_KEY": "MARKERsecretWANDB0123456789abcdef",
            "MLFLOW_TRACKING_PASSWORD": "MARKERsecretMLFLOW0123456789"}
+JUDGE_KEY_ENV = "ALIGN_TEST_JUDGE_API_KEY"  # evaluate.judge.api_key_env: the variable's name, never its value
 
 
 def files_holding(folder: Path, markers: dict[str, str]) -> list[tuple[str, str]]:
@@ -195,27 +197,47 @@ def files_holding(folder: Path, markers: dict[str, str]) -> list[tuple[str, str]
 @pytest.mark.slow
 def test_a_full_run_writes_no_secret_anywhere(tmp_path):
     """`align run` of the whole pipeline in a git + DVC project, with HF_TOKEN, WANDB_API_KEY and
-    MLFLOW_TRACKING_PASSWORD set to marker values: no file under the project (params, dvc.lock, artifacts/,
-    logs, manifests, the DVC cache) or under PREFECT_HOME (the Prefect database, results, server log) holds
-    any of them."""
+    MLFLOW_TRACKING_PASSWORD set to marker values, and the evaluate stage's judge a real `transformers serve` whose
+    key variable (evaluate.judge.api_key_env) holds a marker too: no file under the project (params, dvc.lock,
+    artifacts/ with report.md and the tracker folders, logs, manifests, the DVC cache) or under PREFECT_HOME (the
+    Prefect database, results, server log) holds any of them, nor does the console."""
     import os
     import sys
 
+    from stages.builtin import tiny
+    from tests.stages.evaluation.test_judge_server import Serve
     from tests.test_dvc import make_dvc_repo
 
     repo = make_dvc_repo(tmp_path / "repo")
     home = tmp_path / "prefect-home"
-    env = {**os.environ, **MARKERS, "PREFECT_HOME": str(home), "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(ROOT),
+    markers = {**MARKERS, JUDGE_KEY_ENV: "sk-MARKERsecretJUDGE0123456789"}
+    env = {**os.environ, **markers, "PREFECT_HOME": str(home), "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PREFECT_LOGGING_LEVEL": "DEBUG"}
     env.pop("PREFECT_API_URL", None)
-    res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env, capture_output=True,
-                         text=True, timeout=900)
+    judge_model = str(tiny.build(tmp_path / "judge", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                                 vocab_size=384, seed=0))
+    server = Serve(judge_model)
+    try:  # in params.yaml, not --set: a run with overrides leaves dvc.lock alone (its outputs are not params.yaml's)
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params.setdefault("evaluate", {})["judge"] = {
+            "base_url": server.url, "model": judge_model, "api_key_env": JUDGE_KEY_ENV, "max_retries": 1,
+            "backoff": 0.1, "resamples": 50}
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        res = subprocess.run([str(Path(sys.executable).parent / "align"), "run"], cwd=repo, env=env,
+                             capture_output=True, text=True, timeout=900)
+    finally:
+        server.kill()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (repo / "artifacts" / "evaluate" / "manifest.json").is_file()
     assert (repo / "dvc.lock").is_file(), res.stdout[-2000:] + res.stderr[-2000:]
     assert any(home.rglob("*.db")) and any((repo / ".dvc" / "cache").rglob("*")), "the database and cache exist"
-    found = files_holding(repo, MARKERS) + files_holding(home, MARKERS)
-    leaked_to_console = [name for name, v in MARKERS.items() if v in res.stdout + res.stderr]
+    table = json.loads((repo / "artifacts" / "evaluate" / "metrics.json").read_text())
+    judged = [r for r in table if "judge.pairs" in r]  # the judge was asked (with the key: make_judge reads it)
+    assert [r["model"] for r in judged] == ["base", "policy", "merged"], table
+    assert all(r["judge.pairs"] + r["judge.unparsed"] / 2 >= r["n"] for r in judged)
+    assert (repo / "artifacts" / "evaluate" / "report.md").is_file() and any((repo / "artifacts").rglob("events.*"))
+    found = files_holding(repo, markers) + files_holding(home, markers)
+    leaked_to_console = [name for name, v in markers.items() if v in res.stdout + res.stderr]
     searched = sum(1 for d in (repo, home) for p in d.rglob("*") if p.is_file())
     print(f"\nsecrets grep: {searched} files searched, markers found: {len(found) + len(leaked_to_console)}")
     assert not found and not leaked_to_console, (found, leaked_to_console)

@@ -3,7 +3,10 @@
 The judge is an OpenAI-compatible endpoint (`evaluate.judge.base_url` and `model`, the key read from the
 environment variable *named* by `api_key_env`) or a local model folder (`model_path`). For each prompt it
 sees a model's completion and the baseline's (SFT by default) twice, in both orders, so a judge that
-favours the first (or second) answer cancels out; a tie, or a reply that names neither, counts one half.
+favours the first (or second) answer cancels out; a tie counts one half. A reply that names no verdict is
+not a tie: the pair it belongs to is left out of the rates (they are over the pairs read in both orders),
+and `judge.unparsed` counts such replies. `judge.consistent` is the share of read pairs whose two orders
+agree; a judge that only reads positions (always "1") scores 0 there and 1/2 on every pair.
 
 Reported per model, each with a two-sided interval at `confidence`:
 - `win_rate`: the mean over prompts of the two orders' mean verdict (normal interval of that mean);
@@ -13,7 +16,7 @@ Reported per model, each with a two-sided interval at `confidence`:
   is the percentile bootstrap over prompts (seeded, so reruns agree).
 
 The judge's prompt is a text file with `{instruction}`, `{output_1}` and `{output_2}` (the shipped one:
-`stages/evaluation/prompts/pairwise.txt`); the reply is read as 1, 2 or tie.
+`stages/evaluation/prompts/pairwise.txt`); the reply is read as 1, 2 or tie (`parse_verdict`).
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ import numpy as np
 
 from stages.openai_client import OpenAIClient
 
-DEFAULT_PROMPT = Path(__file__).resolve().parent / "prompts" / "pairwise.txt"
+CODE_FILES = ("prompts/pairwise.txt",)  # part of the evaluate stage's code: editing it makes the stage stale
+DEFAULT_PROMPT = Path(__file__).resolve().parent / CODE_FILES[0]
 FIELDS = ("{instruction}", "{output_1}", "{output_2}")
 Ask = Callable[[list[str]], list[str]]  # judge prompts -> the judge's replies, in order
 
@@ -57,18 +61,43 @@ def render(template: str, instruction: str, first: str, second: str) -> str:
     return template.replace("{instruction}", instruction).replace("{output_1}", first).replace("{output_2}", second)
 
 
+# the reply begins with its verdict: "1", "**2**", "Tie.", "1. 25+60 = 85" (not "1+1=2" or "1.5": the task's sums)
+LEADING = re.compile(r"^\W*(1|2|tie)\b(?![.,]\d)(?!\s*[-+*/=]\s*\d)")
+NAMED = re.compile(r"\b(?:answer|output)\s*#?\s*(1|2)\b|\b(tie)\b")  # "... answer 1 is better", "a tie"
+DIGITS = re.compile(r"\b([12])\b(?![.,]\d)")
+NUMBERS = re.compile(r"\d+(?:[.,]\d+)?")
+
+
 def parse_verdict(reply: str) -> str | None:
-    """"1", "2", "tie", or None when the reply names none of them (counted as a tie, and counted apart)."""
-    m = re.search(r"\b(tie|1|2)\b", reply.strip().lower())
-    return m.group(1) if m else None
+    """"1", "2", "tie", or None when the reply names no verdict, or several. Read, in turn: a reply beginning
+    with the verdict; one naming exactly one of "answer 1", "answer 2" and "tie" (and no other 1 or 2: "answer 1
+    or 2" is not read); one whose only number is 1 or 2 ("The better answer is 1"). Any other number is no
+    verdict (a judge that solves "7+8" replies "15")."""
+    text = reply.strip().lower()
+    m = LEADING.match(text)
+    if m:
+        return m.group(1)
+    named = {a or b for a, b in NAMED.findall(text)}
+    if named:
+        return named.pop() if len(named) == 1 and set(DIGITS.findall(text)) <= named else None
+    numbers = NUMBERS.findall(text)
+    return numbers[0] if len(numbers) == 1 and numbers[0] in ("1", "2") else None
 
 
-def pair_score(forward: str | None, reverse: str | None) -> float:
+def pair_score(forward: str | None, reverse: str | None) -> float | None:
     """The model's score on one prompt: forward shows (model, baseline), reverse (baseline, model).
-    Each order gives 1 (model better), 0 (baseline better) or 1/2 (tie or unreadable); the score is their mean."""
-    f = {"1": 1.0, "2": 0.0}.get(forward or "", 0.5)
-    r = {"2": 1.0, "1": 0.0}.get(reverse or "", 0.5)
+    Each order gives 1 (model better), 0 (baseline better) or 1/2 (tie); the score is their mean.
+    None when either reply was not read: one order alone keeps the judge's position bias."""
+    if forward is None or reverse is None:
+        return None
+    f = {"1": 1.0, "2": 0.0}.get(forward, 0.5)
+    r = {"2": 1.0, "1": 0.0}.get(reverse, 0.5)
     return (f + r) / 2
+
+
+def consistent(forward: str, reverse: str) -> bool:
+    """Both orders point at the same answer (or both call it a tie)."""
+    return {"1": "2", "2": "1", "tie": "tie"}[forward] == reverse
 
 
 def two_sided_z(confidence: float) -> float:
@@ -129,12 +158,40 @@ def lc_win_rate(scores: Sequence[float], model_lengths: Sequence[int], baseline_
 
 @dataclass
 class Verdicts:
-    """One model against the baseline: per prompt, the two replies, their readings and the score."""
+    """One model against the baseline: per prompt, the two replies, their readings and the score (None: a reply
+    was not read, the pair is left out)."""
 
     forward: list[str]
     reverse: list[str]
-    scores: list[float]
-    unreadable: int
+    readings: list[tuple[str | None, str | None]]
+    scores: list[float | None]
+
+    @property
+    def unparsed(self) -> int:
+        """Replies that named no verdict."""
+        return len(self.unparsed_replies())
+
+    def unparsed_replies(self) -> list[str]:
+        """The replies that named no verdict, model-first order's before baseline-first's."""
+        return ([t for t, (f, _) in zip(self.forward, self.readings, strict=True) if f is None]
+                + [t for t, (_, r) in zip(self.reverse, self.readings, strict=True) if r is None])
+
+    def distribution(self) -> dict[str, dict[str, int]]:
+        """Per order, how often the judge picked the answer shown first, second, a tie, or nothing readable:
+        {"model_first": {"first": n, "second": n, "tie": n, "unparsed": n}, "baseline_first": {...}}."""
+        names = {"1": "first", "2": "second", "tie": "tie", None: "unparsed"}
+        out = {}
+        for order, readings in (("model_first", [f for f, _ in self.readings]),
+                                ("baseline_first", [r for _, r in self.readings])):
+            out[order] = {name: sum(names[v] == name for v in readings) for name in names.values()}
+        return out
+
+    def kept(self, model_lengths: Sequence[int], baseline_lengths: Sequence[int]
+             ) -> tuple[list[float], list[int], list[int]]:
+        """(scores, model lengths, baseline lengths) of the pairs read in both orders."""
+        kept = [(s, m, b) for s, m, b in zip(self.scores, model_lengths, baseline_lengths, strict=True)
+                if s is not None]
+        return [s for s, _, _ in kept], [m for _, m, _ in kept], [b for _, _, b in kept]
 
 
 def judge_pairs(ask: Ask, template: str, instructions: list[str], model_texts: list[str],
@@ -145,20 +202,32 @@ def judge_pairs(ask: Ask, template: str, instructions: list[str], model_texts: l
     reverse = [render(template, i, b, m) for i, m, b in triples]
     replies = ask(forward + reverse)
     fwd, rev = replies[:len(forward)], replies[len(forward):]
-    parsed = [(parse_verdict(f), parse_verdict(r)) for f, r in zip(fwd, rev, strict=True)]
-    return Verdicts(fwd, rev, [pair_score(f, r) for f, r in parsed],
-                    sum((f is None) + (r is None) for f, r in parsed))
+    readings = [(parse_verdict(f), parse_verdict(r)) for f, r in zip(fwd, rev, strict=True)]
+    return Verdicts(fwd, rev, readings, [pair_score(f, r) for f, r in readings])
 
 
 def summary(verdicts: Verdicts, model_lengths: Sequence[int], baseline_lengths: Sequence[int], *,
             confidence: float, resamples: int, seed: int) -> dict[str, Any]:
-    """The table columns of one judged model (`judge.*`)."""
-    rate, low, high = win_rate(verdicts.scores, confidence)
-    lc, lc_low, lc_high = lc_win_rate(verdicts.scores, model_lengths, baseline_lengths, confidence=confidence,
-                                      resamples=resamples, seed=seed)
-    values = {"win_rate": rate, "win_rate_low": low, "win_rate_high": high, "lc_win_rate": lc,
-              "lc_win_rate_low": lc_low, "lc_win_rate_high": lc_high}
-    return {**{f"judge.{k}": round(v, 4) for k, v in values.items()}, "judge.unreadable": verdicts.unreadable}
+    """The table columns of one judged model (`judge.*`), over the pairs read in both orders: the rates and their
+    intervals (None when no pair was read), `judge.pairs` (how many), `judge.unparsed` (replies not read) and
+    `judge.consistent` (share of read pairs whose two orders agree)."""
+    scores, ml, bl = verdicts.kept(model_lengths, baseline_lengths)
+    read = [(f, r) for f, r in verdicts.readings if f is not None and r is not None]
+    counts = {"judge.pairs": len(scores), "judge.unparsed": verdicts.unparsed,
+              "judge.consistent": round(sum(consistent(f, r) for f, r in read) / len(read), 4) if read else None}
+    names = ("win_rate", "win_rate_low", "win_rate_high", "lc_win_rate", "lc_win_rate_low", "lc_win_rate_high")
+    if not scores:
+        return {**{f"judge.{k}": None for k in names}, **counts}
+    rate, low, high = win_rate(scores, confidence)
+    lc, lc_low, lc_high = lc_win_rate(scores, ml, bl, confidence=confidence, resamples=resamples, seed=seed)
+    values = dict(zip(names, (rate, low, high, lc, lc_low, lc_high), strict=True))
+    return {**{f"judge.{k}": round(v, 4) for k, v in values.items()}, **counts}
+
+
+def distribution_text(distribution: dict[str, dict[str, int]]) -> str:
+    """"model first: first 8, second 0, tie 0, unparsed 0; baseline first: ..." (a report line)."""
+    return "; ".join(f"{order.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                     for order, counts in distribution.items())
 
 
 def instruction_text(prompt: Any) -> str:

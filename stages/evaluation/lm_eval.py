@@ -28,8 +28,10 @@ from typing import Any
 
 import yaml
 
+# The shipped tasks, part of the evaluate stage's code: editing one makes the stage stale (stages.harness.imports)
+CODE_FILES = ("tasks/align_arithmetic.yaml", "tasks/align_gsm8k.yaml")
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-SHIPPED = ("align_arithmetic", "align_gsm8k")
+SHIPPED = tuple(Path(f).stem for f in CODE_FILES)
 PREFIX = "lm_eval"
 
 
@@ -85,6 +87,46 @@ def task_name(spec: TaskSpec) -> str:
     if is_yaml(spec.argument):
         return str(yaml.safe_load(Path(spec.argument).read_text()).get("task") or Path(spec.argument).stem)
     return spec.configured
+
+
+def reported_names(tasks: list[str]) -> set[str]:
+    """The task names the configured `tasks` report results under (their `lm_eval.<task>.*` columns): a shipped
+    task's or a YAML's `task:` name; a registry name, and for a group or a tag each member task too (from lm-eval's
+    index, read only when a registry name is configured)."""
+    names: set[str] = set()
+    registry = []
+    for task in tasks:
+        if task in SHIPPED:
+            names.add(task)
+        elif is_yaml(task):
+            names.add(task_name(TaskSpec(task, task)) if Path(task).is_file() else Path(task).stem)
+        else:
+            registry.append(task)
+            names.add(task)
+    if registry:
+        from lm_eval.tasks import TaskManager
+
+        index = TaskManager().task_index
+        for task in registry:
+            names |= _members(index, task)
+    return names
+
+
+def _members(index: dict[str, Any], name: str, depth: int = 0) -> set[str]:
+    """`name` and, for a group or a tag, the names of its member tasks (and theirs)."""
+    from lm_eval.tasks._index import Kind
+
+    entry = index.get(name)
+    if entry is None or depth > 8:
+        return {name}
+    if entry.kind == Kind.GROUP:
+        members = entry.cfg.get("task", []) if entry.cfg else []
+        names = [m if isinstance(m, str) else m.get("task") for m in members]
+    elif entry.kind == Kind.TAG:
+        names = [other.name for other in index.values() if name in other.tags]
+    else:
+        return {name}
+    return {name} | {found for m in names if isinstance(m, str) for found in _members(index, m, depth + 1)}
 
 
 def check_datasets(specs: list[TaskSpec]) -> None:

@@ -59,8 +59,12 @@ def input_files(spec, params: Params | None) -> list[str]:
     from stages.data.hub import local_paths
     from stages.harness.registry import DATA_FILES
 
-    return [path for key, v in params.select(spec.inputs).items() for path in (
-        local_paths(v) if key in DATA_FILES else [v] if isinstance(v, str) and Path(v).expanduser().exists() else [])]
+    def files(value) -> list[str]:  # a path, or a list with paths among other names (evaluate.lm_eval.tasks)
+        values = value if isinstance(value, list) else [value]
+        return [v for v in values if isinstance(v, str) and Path(v).expanduser().exists()]
+
+    return [path for key, v in params.select(spec.inputs).items()
+            for path in (local_paths(v) if key in DATA_FILES else files(v))]
 
 
 def uncached(path: str) -> list[dict]:

@@ -56,6 +56,10 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | dict[st
     problems += move_deprecated_keys(raw) + pipeline_key_problems(raw)
     params, more = build(Params, raw, "")
     problems += more
+    if not problems:  # promote.metric names a column this evaluate configuration produces
+        from stages.evaluation.columns import promote_metric_problems
+
+        problems += [f"{k} {msg}" for k, msg in promote_metric_problems(params.promote.metric, params.evaluate)]
     if not problems and preflight:
         from stages.harness.preflight import preflight_problems
 

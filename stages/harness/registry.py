@@ -37,8 +37,9 @@ class StageSpec:
     # "module:function"(params, upstream manifests) -> {"rows", "what", "per_device", "unit", "batch_key"} or
     # None when not counted yet: set for a stage that trains, which `accelerate launch` and the work pool can run.
     training_rows: str | None = None
-    # dotted params keys naming the user's files or folders the stage reads (data files, a local model): their
-    # content is part of the fingerprint, so editing a data file in place makes the stage stale
+    # dotted params keys naming the user's files or folders the stage reads (data files, a local model; a list's
+    # entries that name files): their content is part of the fingerprint, so editing a data file in place makes
+    # the stage stale
     inputs: tuple[str, ...] = ()
     # project modules the stage imports by name ("module:Class" references: stages.methods' trainers), hashed
     # with its code like the modules it imports
@@ -137,8 +138,9 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
             params=("model", "evaluate", "run.seed"),
-            inputs=("model.name_or_path", "evaluate.lm_eval.gsm8k_data", "evaluate.judge.prompt_file",
-                    "evaluate.judge.model_path"),
+            # the shipped judge prompt and lm-eval tasks are its code (their modules' CODE_FILES); the user's are inputs
+            inputs=("model.name_or_path", "evaluate.lm_eval.tasks", "evaluate.lm_eval.gsm8k_data",
+                    "evaluate.judge.prompt_file", "evaluate.judge.model_path"),
             shards="stages.pipeline.evaluate:run_shard",
         ),
     ]

@@ -119,12 +119,19 @@ def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
 def input_hashes(spec: StageSpec, params: Params) -> dict[str, str]:
     """{"file:<key>": content hash} of the user's inputs the stage reads (StageSpec.inputs) that exist: for a data
     key, the hash of the rows it gives (`stages.data.hub.rows_hash`: the same rows hash alike as a .jsonl file, a
-    hub-layout folder, a glob or a cached hub id); for anything else (a model folder), its files' bytes."""
+    hub-layout folder, a glob or a cached hub id); for anything else (a model folder), its files' bytes; for a
+    list (evaluate.lm_eval.tasks: task YAML paths among registry names), those of each entry that names a file,
+    as `<key>[<index>]`."""
     from stages.data.hub import rows_hash
 
-    hashes = {key: rows_hash(key, value) if key in DATA_FILES else
-              artifacts.input_hash(shipped_file(value)) if isinstance(value, str) else None
-              for key, value in params.select(spec.inputs).items()}
+    hashes: dict[str, str | None] = {}
+    for key, value in params.select(spec.inputs).items():
+        if key in DATA_FILES:
+            hashes[key] = rows_hash(key, value)
+        elif isinstance(value, str):
+            hashes[key] = artifacts.input_hash(shipped_file(value))
+        elif isinstance(value, list):
+            hashes.update({f"{key}[{i}]": artifacts.input_hash(v) for i, v in enumerate(value) if isinstance(v, str)})
     return {f"file:{key}": h for key, h in hashes.items() if h is not None}
 
 

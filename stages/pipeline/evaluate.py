@@ -39,6 +39,7 @@ from stages.generation import SamplingParams
 from stages.harness.artifacts import write_json_atomic
 from stages.harness.model_paths import resolve_model
 from stages.models import load_causal_lm, load_tokenizer, pick_device
+from stages.openai_client import EndpointError
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
 
@@ -106,6 +107,7 @@ def run(ctx) -> dict[str, Any]:
     metrics = {"accuracy": final.get("accuracy"), "sft_accuracy": by_model["sft"].get("accuracy"),
                "baseline_accuracy": by_model["base"].get("accuracy") if "base" in by_model else None,
                "n": len(rows), "split": e.split, "timings": timings,
+               "judge_verdicts": {label: found["verdicts"] for label, found in judged.items()},
                "models": {r["model"]: {k: v for k, v in r.items() if k != "model"} for r in table}, "table": table}
     trackers.log_stage_metrics(p, "evaluate", metrics)  # into the pipeline run of the training stages' trackers
     trackers.log_table(p, "evaluate", "completions", completions, folder=ctx.out)
@@ -157,14 +159,26 @@ def run_judge(ctx, rows: list[dict], outputs: dict[str, Outputs], template: str,
     for label, out in outputs.items():
         if label == j.baseline:
             continue
-        verdicts = judge.judge_pairs(ask, template, instructions,
-                                     [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
-                                     [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+        try:
+            verdicts = judge.judge_pairs(ask, template, instructions,
+                                         [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
+                                         [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+        except EndpointError as e:
+            if client is None:
+                raise
+            raise EndpointError(f"evaluate.judge ({label} vs {j.baseline}): {e}; {client.retries} retries in all, "
+                                f"over {client.requests} requests; no metrics were written", endpoint=e.endpoint,
+                                status=e.status, retries=e.retries) from None
         columns = judge.summary(verdicts, out.lengths, base.lengths, confidence=j.confidence,
                                 resamples=j.resamples, seed=ctx.params.run.seed)
-        found[label] = {"columns": columns, "scores": verdicts.scores}
-        ctx.log.info("evaluate: judge %s vs %s: win rate %s, LC %s", label, j.baseline, columns["judge.win_rate"],
-                     columns["judge.lc_win_rate"])
+        found[label] = {"columns": columns, "scores": verdicts.scores, "verdicts": verdicts.distribution()}
+        ctx.log.info("evaluate: judge %s vs %s: win rate %s, LC %s over %d of %d pairs; verdicts %s", label,
+                     j.baseline, columns["judge.win_rate"], columns["judge.lc_win_rate"], columns["judge.pairs"],
+                     len(rows), judge.distribution_text(found[label]["verdicts"]))
+        if verdicts.unparsed:
+            ctx.log.warning("evaluate: judge %s vs %s: %d of %d replies named no verdict (first: %r); their pairs "
+                            "are left out of the rates", label, j.baseline, verdicts.unparsed, 2 * len(rows),
+                            verdicts.unparsed_replies()[0][:200])
     retries = client.retries if client is not None else 0
     for label in found:
         found[label]["columns"]["judge.retries"] = retries
@@ -418,7 +432,11 @@ def report_notes(e, reward_path: str | None, outputs: dict[str, Outputs], judged
         who = e.judge.model or e.judge.model_path
         retries = next(iter(judged.values()))["columns"].get("judge.retries", 0)
         notes.append(f"judge.*: {who} compared each model with {e.judge.baseline} in both orders (ties 1/2); "
-                     f"[{e.judge.confidence:.0%} interval]; lc = length-controlled; {retries} retried requests")
+                     f"[{e.judge.confidence:.0%} interval]; lc = length-controlled; rates over the pairs read in "
+                     "both orders (judge.pairs; judge.unparsed: replies naming no verdict); judge.consistent: share "
+                     f"of read pairs whose orders agree; {retries} retried requests")
+        notes += [f"judge verdicts, {label} vs {e.judge.baseline}: {judge.distribution_text(found['verdicts'])}"
+                  for label, found in judged.items()]
     return notes
 
 

@@ -377,7 +377,13 @@ def judge_production(params, path: str) -> tuple[float, float]:
     verdicts = judge.judge_pairs(ask, judge.read_template(e.judge.prompt_file),
                                  [judge.instruction_text(r["prompt"]) for r in rows], [p["completion"] for p in preds],
                                  [ev.full_text(c, r) for c, r in zip(out.completions, out.reasoning, strict=True)])
-    lc, lower, _ = judge.lc_win_rate(verdicts.scores, [p["length"] for p in preds], out.lengths,
+    scores, candidate_lengths, production_lengths = verdicts.kept([p["length"] for p in preds], out.lengths)
+    if not scores:
+        raise PromotionError(f"promote.metric = {pr.metric}: none of the judge's {2 * len(rows)} replies comparing "
+                             f"{pr.candidate} with production named a verdict in both orders (first: "
+                             f"{verdicts.unparsed_replies()[0][:200]!r}); use a stronger judge, raise "
+                             "evaluate.judge.max_new_tokens or adapt evaluate.judge.prompt_file")
+    lc, lower, _ = judge.lc_win_rate(scores, candidate_lengths, production_lengths,
                                      confidence=2 * pr.confidence - 1, resamples=e.judge.resamples,
                                      seed=params.run.seed)
     return lc, lower

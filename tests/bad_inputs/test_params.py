@@ -38,6 +38,17 @@ OVERRIDES = [
      [r"run\.dask_address = 'scheduler': expected \[tcp:// or tls://\]host:port"]),
     ("dask_address_without_shards", ["run.dask_address=tcp://10.0.0.5:8786"], "preprocess",
      [r"run\.dask_address = 'tcp://10\.0\.0\.5:8786' but run\.parallel_shards = 1"]),
+    # promote.metric naming a column this evaluate configuration never produces: refused before any training
+    ("promote_on_judge_without_judge", ["promote.metric=judge.lc_win_rate"], "preprocess",
+     [r"promote\.metric = 'judge\.lc_win_rate', but evaluate\.judge is off",
+      r"set evaluate\.judge\.base_url and evaluate\.judge\.model .* or evaluate\.judge\.model_path"]),
+    ("promote_on_lm_eval_without_tasks", ["promote.metric=lm_eval.align_arithmetic.exact_match"], "preprocess",
+     [r"promote\.metric = 'lm_eval\.align_arithmetic\.exact_match', but evaluate\.lm_eval\.tasks is empty",
+      r"add align_arithmetic to evaluate\.lm_eval\.tasks"]),
+    ("promote_on_lm_eval_task_not_run", ["evaluate.lm_eval.tasks=[align_arithmetic]",
+                                         "promote.metric=lm_eval.gsm8k.exact_match"], "preprocess",
+     [r"promote\.metric = 'lm_eval\.gsm8k\.exact_match': task 'gsm8k' is not among evaluate\.lm_eval\.tasks = "
+      r"\['align_arithmetic'\]", r"add gsm8k to evaluate\.lm_eval\.tasks", r"task one of align_arithmetic\)"]),
     ("set_without_equals", ["sft.learning_rate"], "sft", [r"--set 'sft\.learning_rate': expected KEY=VALUE"]),
     ("set_into_a_value", ["sft.learning_rate.x=1"], "sft", [r"--set sft\.learning_rate\.x: 'learning_rate' is a value"]),
 ]
@@ -84,3 +95,17 @@ def test_bad_params_exit_code_from_a_real_process(tmp_path, params_for):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "sft.max_steps = 'x': expected an integer" in res.stderr, res.stderr
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_promote_metric_on_a_task_yaml_is_checked_by_status(capsys, params_for, tmp_path):
+    """A task YAML reports under its `task:` name, not its file name: `status` (no stage run) accepts that column
+    and refuses the file name's, listing the names it knows."""
+    from stages.__main__ import main
+
+    task = tmp_path / "sums_v2.yaml"
+    task.write_text("task: my_sums\ndataset_path: json\n")
+    params = params_for({"evaluate": {"lm_eval": {"tasks": [str(task)]}}})
+    capsys.readouterr()
+    assert main(["status", "--params", str(params), "--set", "promote.metric=lm_eval.my_sums.exact_match"]) == 0
+    assert_rejected(capsys, params, "status", r"promote\.metric = 'lm_eval\.sums_v2\.exact_match': task 'sums_v2'",
+                    r"task one of my_sums\)", sets=("promote.metric=lm_eval.sums_v2.exact_match",), code=2)

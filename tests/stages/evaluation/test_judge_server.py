@@ -93,8 +93,14 @@ def test_judge_against_transformers_serve(server, monkeypatch):
                 for f, r in zip(v.forward, v.reverse, strict=True)]
     assert v.scores == expected
     cols = judge.summary(v, [2] * 6, [2] * 6, confidence=0.95, resamples=100, seed=0)
-    assert cols["judge.win_rate"] == pytest.approx(sum(expected) / 6, abs=1e-4)
-    assert cols["judge.win_rate_low"] <= cols["judge.win_rate"] <= cols["judge.win_rate_high"]
+    read = [s for s in expected if s is not None]  # a pair with a reply naming no verdict is left out, and counted
+    assert cols["judge.pairs"] == len(read) and cols["judge.unparsed"] == sum(
+        (judge.parse_verdict(t) is None) for t in v.forward + v.reverse)
+    if read:
+        assert cols["judge.win_rate"] == pytest.approx(sum(read) / len(read), abs=1e-4)
+        assert cols["judge.win_rate_low"] <= cols["judge.win_rate"] <= cols["judge.win_rate_high"]
+    else:
+        assert cols["judge.win_rate"] is None and cols["judge.lc_win_rate"] is None
     assert KEY not in repr(client) and client.headers()["Authorization"] == f"Bearer {KEY}"
 
 
@@ -180,9 +186,12 @@ def test_evaluate_stage_with_the_judge_killed_halfway_writes_no_metrics(built_pi
         assert "judge.win_rate" not in by["sft"]  # the baseline is not judged against itself
         for label in ("base", "policy", "merged"):
             r = by[label]
-            assert r["judge.win_rate_low"] <= r["judge.win_rate"] <= r["judge.win_rate_high"]
-            assert r["judge.lc_win_rate_low"] <= r["judge.lc_win_rate"] <= r["judge.lc_win_rate_high"]
-            assert r["judge.retries"] == 0
+            assert r["judge.pairs"] <= r["n"] and r["judge.retries"] == 0
+            if r["judge.pairs"]:  # the tiny judge's replies rarely name a verdict: no rates without one
+                assert r["judge.win_rate_low"] <= r["judge.win_rate"] <= r["judge.win_rate_high"]
+                assert r["judge.lc_win_rate_low"] <= r["judge.lc_win_rate"] <= r["judge.lc_win_rate_high"]
+            else:
+                assert r["judge.win_rate"] is None and r["judge.unparsed"] >= r["n"]
         assert by["policy"]["judge.win_rate"] == by["merged"]["judge.win_rate"]  # same completions, same verdicts
         report = (out / "evaluate" / "report.md").read_text()
         assert "## Completions" in report and "sft completion" in report and "merged judge" in report

@@ -10,17 +10,25 @@ from stages.evaluation import judge
 
 
 def test_verdicts_are_read_and_both_orders_cancel_position_bias():
-    assert [judge.parse_verdict(t) for t in ["1", " 2.", "Tie", "Answer 1 is better", "neither", "12"]] == \
-        ["1", "2", "tie", "1", None, None]
+    replies = ["1", " 2.", "Tie", "**2**", "Answer 1 is better", "The answer that is better is answer 1.",
+               "It's a tie.", "1\n\nThe answer 1 is correct", "neither", "12", "15", "The answer is 42.",
+               "Answer 2 is wrong; answer 1 is right", "1.5", "Answer 1 or 2", "The answer that is better is 1",
+               "The better one is 2.", "1+1=2", "1 + 1 = 2", "Answer 1: 12+34=46", "It is 2 or 1", "tie: 1",
+               "1. 25+60", "1. 1\n\nThe answer", "2, because"]
+    assert [judge.parse_verdict(t) for t in replies] == \
+        ["1", "2", "tie", "2", "1", "1", "tie", "1", None, None, None, None, None, None, None, "1", "2", None, None,
+         "1", None, "tie", "1", "1", "2"]
     # forward shows (model, baseline), reverse (baseline, model)
     assert judge.pair_score("1", "2") == 1.0  # model preferred in both orders
     assert judge.pair_score("1", "1") == 0.5  # a judge that always picks the first answer: no information
     assert judge.pair_score("2", "2") == 0.5  # ... or always the second
     assert judge.pair_score("tie", "2") == 0.75
-    assert judge.pair_score(None, "1") == 0.25  # unreadable counts as a tie
+    assert judge.pair_score(None, "1") is None and judge.pair_score("2", None) is None  # unread: no score, no tie
+    assert [judge.consistent(f, r) for f, r in [("1", "2"), ("1", "1"), ("tie", "tie"), ("tie", "1")]] == \
+        [True, False, True, False]
 
 
-def test_judge_pairs_asks_both_orders_and_counts_unreadable():
+def test_judge_pairs_asks_both_orders_and_leaves_unparsed_pairs_out():
     seen = []
 
     def ask(prompts):
@@ -28,11 +36,35 @@ def test_judge_pairs_asks_both_orders_and_counts_unreadable():
         # a judge that prefers whichever answer mentions "good"; unreadable on the last reverse prompt
         return ["1" if p.index("good") < p.index("Answer 2:") else "2" for p in prompts[:-1]] + ["hmm"]
 
-    v = judge.judge_pairs(ask, "{instruction}|Answer 1: {output_1}|Answer 2: {output_2}", ["q1", "q2"],
-                          ["good a", "bad b"], ["bad c", "good d"])
+    v = judge.judge_pairs(ask, "{instruction}|Answer 1: {output_1}|Answer 2: {output_2}", ["q1", "q2", "q3"],
+                          ["good a", "bad b", "good e"], ["bad c", "good d", "bad f"])
     assert seen == ["q1|Answer 1: good a|Answer 2: bad c", "q2|Answer 1: bad b|Answer 2: good d",
-                    "q1|Answer 1: bad c|Answer 2: good a", "q2|Answer 1: good d|Answer 2: bad b"]
-    assert v.scores == [1.0, 0.25] and v.unreadable == 1  # q2: baseline wins forward (0), unreadable reverse (1/2)
+                    "q3|Answer 1: good e|Answer 2: bad f",
+                    "q1|Answer 1: bad c|Answer 2: good a", "q2|Answer 1: good d|Answer 2: bad b",
+                    "q3|Answer 1: bad f|Answer 2: good e"]
+    assert v.scores == [1.0, 0.0, None] and v.unparsed == 1 and v.unparsed_replies() == ["hmm"]
+    assert v.distribution() == {"model_first": {"first": 2, "second": 1, "tie": 0, "unparsed": 0},
+                                "baseline_first": {"first": 1, "second": 1, "tie": 0, "unparsed": 1}}
+    cols = judge.summary(v, [3, 4, 5], [3, 4, 9], confidence=0.95, resamples=50, seed=0)
+    # q3 is left out: the rates are over q1 (1) and q2 (0), not a half for q3
+    assert cols["judge.win_rate"] == 0.5 and cols["judge.pairs"] == 2 and cols["judge.unparsed"] == 1
+    assert cols["judge.consistent"] == 1.0
+    assert v.kept([3, 4, 5], [3, 4, 9]) == ([1.0, 0.0], [3, 4], [3, 4])
+
+
+def test_a_judge_that_reads_positions_only_is_visible():
+    """Always "1": every read pair scores 1/2 and no pair is consistent; nothing readable: no rates, all counted."""
+    always_first = judge.judge_pairs(lambda ps: ["1"] * len(ps), "{instruction}{output_1}{output_2}", ["a", "b"],
+                                     ["x", "y"], ["z", "w"])
+    cols = judge.summary(always_first, [1, 2], [2, 1], confidence=0.95, resamples=50, seed=0)
+    assert cols["judge.win_rate"] == 0.5 and cols["judge.consistent"] == 0.0 and cols["judge.unparsed"] == 0
+    assert always_first.distribution()["baseline_first"] == {"first": 2, "second": 0, "tie": 0, "unparsed": 0}
+    mute = judge.judge_pairs(lambda ps: ["The answer is 42."] * len(ps), "{instruction}{output_1}{output_2}",
+                             ["a", "b"], ["x", "y"], ["z", "w"])
+    cols = judge.summary(mute, [1, 2], [2, 1], confidence=0.95, resamples=50, seed=0)
+    assert cols["judge.win_rate"] is None and cols["judge.lc_win_rate"] is None
+    assert cols["judge.pairs"] == 0 and cols["judge.unparsed"] == 4 and cols["judge.consistent"] is None
+    assert "unparsed 2" in judge.distribution_text(mute.distribution())
 
 
 def test_win_rate_interval_by_hand():
