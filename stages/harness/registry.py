@@ -84,14 +84,14 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.preprocess:run",
             upstream=(),
             params=("model", "data", "preprocess", "run.seed", "sft.chat_template_path"),
-            inputs=(*DATA_FILES, "model.name_or_path"),
+            inputs=(*DATA_FILES, "model.name_or_path", "sft.chat_template_path"),
         ),
         StageSpec(
             name="sft",
             entry="stages.pipeline.sft:run",
             upstream=("preprocess",),
             params=("model", "sft", "run.seed", "run.report_to"),
-            inputs=("model.name_or_path",),
+            inputs=("model.name_or_path", "sft.chat_template_path"),
             training_rows="stages.pipeline.sft:training_rows",
         ),
         StageSpec(
@@ -99,6 +99,7 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.reward:run",
             upstream=("preprocess", "sft"),
             params=(*MODEL_LOADING, "reward", "run.seed", "run.report_to"),
+            inputs=("reward.chat_template_path",),
             training_rows="stages.pipeline.reward:training_rows",
         ),
         StageSpec(
@@ -123,6 +124,7 @@ STAGES: dict[str, StageSpec] = {
             entry="stages.pipeline.policy:run",
             upstream=("preprocess", "sft", "reward", "score", "reference"),
             params=(*MODEL_LOADING, "policy", "run.seed", "run.report_to"),
+            inputs=("policy.dpo.chat_template_path",),
             training_rows="stages.pipeline.policy:training_rows",
             loads=tuple(m.trainer.partition(":")[0] for m in METHODS.values() if m.policy),
         ),
