@@ -114,19 +114,23 @@ def reported_names(tasks: list[str]) -> set[str]:
 
 def _members(index: dict[str, Any], name: str, depth: int = 0) -> set[str]:
     """`name` and, for a group or a tag, the names of its member tasks (and theirs)."""
-    from lm_eval.tasks._index import Kind
-
     entry = index.get(name)
     if entry is None or depth > 8:
         return {name}
+    return {name} | {found for m in _children(index, name) for found in _members(index, m, depth + 1)}
+
+
+def _children(index: dict[str, Any], name: str) -> list[str]:
+    """The member task names of a group or a tag in lm-eval's task index; [] for a task."""
+    from lm_eval.tasks._index import Kind
+
+    entry = index[name]
     if entry.kind == Kind.GROUP:
         members = entry.cfg.get("task", []) if entry.cfg else []
-        names = [m if isinstance(m, str) else m.get("task") for m in members]
-    elif entry.kind == Kind.TAG:
-        names = [other.name for other in index.values() if name in other.tags]
-    else:
-        return {name}
-    return {name} | {found for m in names if isinstance(m, str) for found in _members(index, m, depth + 1)}
+        return [m for m in (m if isinstance(m, str) else m.get("task") for m in members) if isinstance(m, str)]
+    if entry.kind == Kind.TAG:
+        return [other.name for other in index.values() if name in other.tags]
+    return []
 
 
 def check_datasets(specs: list[TaskSpec]) -> None:
@@ -171,14 +175,7 @@ def _datasets(index: dict[str, Any], name: str, depth: int = 0) -> set[tuple[str
         path = config.get("dataset_path")
         local = not path or path in ("json", "csv", "parquet", "text", "arrow") or Path(str(path)).exists()
         return set() if local else {(str(path), config.get("dataset_name"))}
-    if entry.kind == Kind.GROUP:
-        members = entry.cfg.get("task", []) if entry.cfg else []
-        names = [m if isinstance(m, str) else m.get("task") for m in members]
-    elif entry.kind == Kind.TAG:
-        names = [other.name for other in index.values() if name in other.tags]
-    else:
-        return set()
-    return {found for member in names if isinstance(member, str) for found in _datasets(index, member, depth + 1)}
+    return {found for member in _children(index, name) for found in _datasets(index, member, depth + 1)}
 
 
 def evaluate_model(folder: str, specs: list[TaskSpec], *, adapter: str | None = None, dtype: str = "float32",
