@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from stages.logprobs import causal_lm
 from stages.pair_packing import PackedPairs, packable, same_as_padded, worth_it
 
 CHECK_ROWS = 4  # rows of the first prompt compared packed against padded on a model's first packed forward
@@ -84,11 +85,12 @@ def group_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: i
 
 def pack_groups(model, batch: dict[str, torch.Tensor], width: int) -> PackedPairs | None:
     """The rollout `batch` (input_ids, attention_mask) packed per prompt for `model`, or None when the padded
-    rows should run (see the module doc)."""
-    if not packable(model):
+    rows should run (see the module doc). `model`: a module or a `stages.logprobs.CausalLM`."""
+    lm = causal_lm(model)
+    if not packable(lm):
         return None
     packed = group_layout(batch["input_ids"], batch["attention_mask"], width)
-    if not worth_it(model, packed, batch["input_ids"]):
+    if not worth_it(lm, packed, batch["input_ids"]):
         return None
     assert packed is not None
     first = torch.nonzero(packed.rows == packed.rows[0]).flatten()[:CHECK_ROWS]
@@ -96,6 +98,6 @@ def pack_groups(model, batch: dict[str, torch.Tensor], width: int) -> PackedPair
     sample = {"input_ids": batch["input_ids"][first], "attention_mask": attention,
               "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}  # left padding shifts no position
     check = group_layout(sample["input_ids"], sample["attention_mask"], width)
-    if check is None or not same_as_padded(model, sample, check):
+    if check is None or not same_as_padded(lm, sample, check):
         return None
     return packed

@@ -16,35 +16,79 @@
 
 The trainers then run the model's forward themselves (so DDP/FSDP hooks fire as usual),
 asking for the final hidden states and only one position of logits.
+
+`causal_lm(model)` reads what the forward's blocks need of a model once: the module to call (wrappers
+kept), the model inside the DDP / accelerate / FSDP1 wrappers, its final norm, the head to chunk with,
+its attention, sharding, sliding window and dtype. A trainer builds it at its edge and passes it down
+(`stages.trainers.pair_batches.token_logps` and the packing in `stages.pair_packing` take it), so no
+block below unwraps again.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from stages.kernels import chunked_logprobs
-from stages.sharding import chunking_allowed, gathered_head, module_type, unwrap
+from stages.sharding import chunking_allowed, gathered_head, module_type, sharding_engine, unwrap, unwrap_wrappers
 
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+@dataclass(frozen=True)
+class CausalLM:
+    """What the forward's blocks need of a causal LM, read once by `causal_lm` where a trainer's forward starts
+    and passed down, so no block below unwraps the model again."""
+
+    model: nn.Module              # what to call: DDP / accelerate / FSDP wrappers kept, so their hooks fire
+    inner: nn.Module              # inside those wrappers (PEFT kept): packing's check runs it
+    norm: nn.Module | None        # the final norm, whose output is the last hidden state (`final_norm`)
+    head: nn.Linear | None        # the output layer for chunked_logprobs; None: the logits path
+    attention: str | None         # config._attn_implementation
+    sharded: str | None           # `stages.sharding.sharding_engine`: FSDP2, FSDP1, ZeRO-3 or None
+    sliding_window: int | None
+    dtype: torch.dtype            # of the parameters
+
+    def hidden(self, inputs: dict, *, module: nn.Module | None = None, **kwargs) -> tuple[torch.Tensor, object]:
+        """`final_hidden` through this model's final norm; `module`: called instead of `model`."""
+        return hidden_through(self.model if module is None else module, self.norm, inputs, **kwargs)
+
+
+def causal_lm(model) -> CausalLM:
+    """`model` unwrapped once, and what the blocks need of it (a `CausalLM` is returned as it is). The head
+    depends on whether gradients are on (`stages.sharding.chunking_allowed`): build it where the forward runs."""
+    if isinstance(model, CausalLM):
+        return model
+    inner = unwrap_wrappers(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    engine = sharding_engine(model)
+    config = getattr(inner, "config", None)
+    return CausalLM(model=model, inner=inner, norm=_final_norm(base), head=_chunking_head(base, engine),
+                    attention=getattr(config, "_attn_implementation", None), sharded=engine,
+                    sliding_window=getattr(config, "sliding_window", None), dtype=next(inner.parameters()).dtype)
+
+
 def lm_head_for_chunking(model) -> nn.Linear | None:
     """The output layer to use with chunked_logprobs, or None when the logits path is required."""
-    inner = unwrap(model)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return _chunking_head(unwrap(model), sharding_engine(model))
+
+
+def _chunking_head(base: nn.Module, engine: str | None) -> nn.Linear | None:
+    """`lm_head_for_chunking` of `base` (unwrapped from every wrapper, PEFT's too) sharded by `engine`."""
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if module_type(head) is not nn.Linear:
         return None
-    config = getattr(inner, "config", None)
+    config = getattr(base, "config", None)
     for attr in LOGIT_POSTPROCESSING:
         value = getattr(config, attr, None)
         # a scale of 1 changes nothing; a soft-cap is applied whenever set (tanh(x / 1) * 1 is no identity)
         if value not in ((None,) if attr.endswith("softcapping") else (None, 1, 1.0)):
             return None
-    if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
-    if not chunking_allowed(model):
+    if not chunking_allowed(engine):
         return None
     return head
 
@@ -61,9 +105,13 @@ def selected_hidden(model, inputs: dict, select: torch.Tensor):
 def final_norm(model) -> nn.Module | None:
     """The module whose output is the model's last hidden state (`hidden_states[-1]`): the base model's final
     norm (`norm`: Llama, Mistral, Qwen2, Gemma; `ln_f`: GPT-2), or None when there is no such module."""
-    base = getattr(unwrap(model), "base_model", None)
+    return _final_norm(unwrap(model))
+
+
+def _final_norm(base: nn.Module) -> nn.Module | None:
+    trunk = getattr(base, "base_model", None)
     for name in ("norm", "ln_f"):
-        module = getattr(base, name, None)
+        module = getattr(trunk, name, None)
         if isinstance(module, nn.Module):
             return module
     return None
@@ -77,14 +125,18 @@ def final_hidden(model, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
     reference and rollout passes nothing else holds them). Models without a recognised final norm fall
     back to output_hidden_states. The forward is still `model`'s own, so DDP / FSDP hooks fire as usual.
     """
-    norm = final_norm(model)
+    return hidden_through(model, final_norm(model), inputs, **kwargs)
+
+
+def hidden_through(module: nn.Module, norm: nn.Module | None, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+    """`module(**inputs, **kwargs)` and the output of `norm` inside it (see `final_hidden`)."""
     if norm is None:
-        out = model(**inputs, output_hidden_states=True, **kwargs)
+        out = module(**inputs, output_hidden_states=True, **kwargs)
         return out.hidden_states[-1], out
     caught = []
-    handle = norm.register_forward_hook(lambda module, args, output: caught.append(output))
+    handle = norm.register_forward_hook(lambda _module, args, output: caught.append(output))
     try:
-        out = model(**inputs, **kwargs)
+        out = module(**inputs, **kwargs)
     finally:
         handle.remove()
     return caught[-1], out

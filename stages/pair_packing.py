@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.logprobs import CausalLM
 from stages.precision import CPU_FP32_SDPA
-from stages.sharding import sharding_engine, unwrap_wrappers
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ class PackedPairs:
     rows: torch.Tensor           # (2B,) packed row of each padded row
     index: torch.Tensor          # (2B, T) packed position of each padded position (0 at padding)
 
-    def inputs(self, model) -> dict[str, torch.Tensor]:
-        """The forward's input_ids, position_ids and 4D attention_mask, in the form `model`'s attention takes."""
+    def inputs(self, lm: CausalLM) -> dict[str, torch.Tensor]:
+        """The forward's input_ids, position_ids and 4D attention_mask, in the form `lm`'s attention takes."""
         mask = self.mask
-        if attention_implementation(model) == "eager":  # additive: 0 where attended, the dtype's minimum elsewhere
-            dtype = next(unwrap_wrappers(model).parameters()).dtype
+        if lm.attention == "eager":  # additive: 0 where attended, the dtype's minimum elsewhere
+            dtype = lm.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": mask}
 
@@ -84,11 +84,6 @@ class PackedPairs:
         offsets = lengths.cumsum(0) - lengths
         return PackedPairs(self.input_ids[valid][None], self.position_ids[valid][None], mask[None, None],
                            torch.zeros_like(self.rows), offsets[self.rows][:, None] + self.index)
-
-
-def attention_implementation(model) -> str | None:
-    config = getattr(unwrap_wrappers(model), "config", None)
-    return getattr(config, "_attn_implementation", None)
 
 
 def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int = 0) -> PackedPairs | None:
@@ -129,73 +124,72 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: 
     return PackedPairs(ids[:, :width_p], pos[:, :width_p], mask[:, None], rows, index)
 
 
-def forward_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool,
+def forward_inputs(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pairs: bool,
                    padding_free: bool = False):
     """(the forward's inputs, a function taking its per-position outputs back to the padded rows): packed where
     `pairs` and `pack_pairs` allow, else the padded rows themselves and the identity. `padding_free` (TRL's
     DPOConfig.padding_free): always packed, and the batch joined into one row without padding
     (`PackedPairs.joined`); a ValueError saying why when the model cannot run that."""
     if padding_free:
-        joined = padding_free_pairs(model, input_ids, attention_mask)
-        return joined.inputs(model), joined.unpack
-    packed = pack_pairs(model, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
+        joined = padding_free_pairs(lm, input_ids, attention_mask)
+        return joined.inputs(lm), joined.unpack
+    packed = pack_pairs(lm, {"input_ids": input_ids, "attention_mask": attention_mask}) if pairs else None
     if packed is None:
         return {"input_ids": input_ids, "attention_mask": attention_mask}, (lambda x: x)
-    return packed.inputs(model), packed.unpack
+    return packed.inputs(lm), packed.unpack
 
 
-def pack_pairs(model, batch: dict[str, torch.Tensor]) -> PackedPairs | None:
-    """`batch` (2B padded pair rows) packed for `model`, or None when the padded rows should be used."""
-    if not packable(model):
+def pack_pairs(lm: CausalLM, batch: dict[str, torch.Tensor]) -> PackedPairs | None:
+    """`batch` (2B padded pair rows) packed for `lm`, or None when the padded rows should be used."""
+    if not packable(lm):
         return None
     packed = layout(batch["input_ids"], batch["attention_mask"])
-    if not worth_it(model, packed, batch["input_ids"]):
+    if not worth_it(lm, packed, batch["input_ids"]):
         return None
-    return packed if verified(model, batch) else None
+    return packed if verified(lm, batch) else None
 
 
-def padding_free_pairs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedPairs:
-    """The 2B padded pair rows as one packed row without padding; a ValueError when `model` cannot run it."""
+def padding_free_pairs(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedPairs:
+    """The 2B padded pair rows as one packed row without padding; a ValueError when `lm` cannot run it."""
     why = None
-    if not packable(model):
-        why = (f"its attention is {attention_implementation(model)!r}{' and sharded' if sharding_engine(model) else ''}"
+    if not packable(lm):
+        why = (f"its attention is {lm.attention!r}{' and sharded' if lm.sharded else ''}"
                f"; the pairs share their prefix through a 4D mask, which needs an unsharded model with one of "
                f"{', '.join(MASKED_ATTENTION)} (attn_implementation)")
     packed = layout(input_ids, attention_mask) if why is None else None
     if why is None and packed is None:
         why = "the batch is not PairCollator's right-padded chosen-then-rejected rows"
-    window = getattr(getattr(unwrap_wrappers(model), "config", None), "sliding_window", None)
+    window = lm.sliding_window
     if packed is not None and window is not None and packed.position_ids.max() >= window:
         why = f"a pair is longer than the model's sliding window ({window} tokens), which a 4D mask replaces"
-    if why is None and not verified(model, {"input_ids": input_ids, "attention_mask": attention_mask}):
+    if why is None and not verified(lm, {"input_ids": input_ids, "attention_mask": attention_mask}):
         why = "its packed forward differs from the padded one (it ignores position_ids or 4D attention masks)"
     if why is not None:
-        raise ValueError(f"padding_free = True: {type(unwrap_wrappers(model)).__name__} cannot run a batch as one "
+        raise ValueError(f"padding_free = True: {type(lm.inner).__name__} cannot run a batch as one "
                          f"row without padding: {why}; set padding_free: false (pairs then run padded, or packed "
                          "where it saves tokens)")
     assert packed is not None
     return packed.joined()
 
 
-def packable(model) -> bool:
-    """Whether `model` can run packed rows at all: a 4D-mask attention and unsharded parameters."""
-    return attention_implementation(model) in MASKED_ATTENTION and not sharding_engine(model)
+def packable(lm: CausalLM) -> bool:
+    """Whether `lm` can run packed rows at all: a 4D-mask attention and unsharded parameters."""
+    return lm.attention in MASKED_ATTENTION and not lm.sharded
 
 
-def worth_it(model, packed: PackedPairs | None, padded_ids: torch.Tensor) -> bool:
+def worth_it(lm: CausalLM, packed: PackedPairs | None, padded_ids: torch.Tensor) -> bool:
     """Whether `packed` saves at least MIN_SAVING of the padded tokens and fits the model's sliding window."""
     if packed is None or packed.tokens > (1 - MIN_SAVING) * padded_ids.numel():
         return False
-    window = getattr(getattr(unwrap_wrappers(model), "config", None), "sliding_window", None)
+    window = lm.sliding_window
     return window is None or packed.position_ids.max() < window
 
 
-def verified(model, batch: dict[str, torch.Tensor]) -> bool:
-    """Whether `model` computes the same final hidden states packed as padded (checked once per model, on the
+def verified(lm: CausalLM, batch: dict[str, torch.Tensor]) -> bool:
+    """Whether `lm` computes the same final hidden states packed as padded (checked once per model, on the
     first CHECK_PAIRS pairs of `batch`)."""
-    inner = unwrap_wrappers(model)
-    if inner in _checked:
-        return _checked[inner]
+    if lm.inner in _checked:
+        return _checked[lm.inner]
     b = batch["input_ids"].shape[0] // 2
     n = min(CHECK_PAIRS, b)
     keep = torch.cat([torch.arange(n), b + torch.arange(n)]).to(batch["input_ids"].device)
@@ -204,26 +198,24 @@ def verified(model, batch: dict[str, torch.Tensor]) -> bool:
     ids, attn = ids[:, :width], attn[:, :width]
     packed = layout(ids, attn)
     assert packed is not None  # a slice of a layout that packed
-    return same_as_padded(model, {"input_ids": ids, "attention_mask": attn}, packed)
+    return same_as_padded(lm, {"input_ids": ids, "attention_mask": attn}, packed)
 
 
-def same_as_padded(model, padded: dict[str, torch.Tensor], packed: PackedPairs) -> bool:
-    """Whether `model`'s final hidden states of the `padded` rows equal those of `packed`, unpacked, at every
+def same_as_padded(lm: CausalLM, padded: dict[str, torch.Tensor], packed: PackedPairs) -> bool:
+    """Whether `lm`'s final hidden states of the `padded` rows equal those of `packed`, unpacked, at every
     attended position (eval mode, no gradients); remembered per model, and logged by name when not."""
-    from stages.logprobs import final_hidden, final_norm
-
-    inner = unwrap_wrappers(model)
+    inner = lm.inner
     if inner in _checked:
         return _checked[inner]
-    if final_norm(inner) is None:
+    if lm.norm is None:
         _checked[inner] = False
         return False
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
-            expected, _ = final_hidden(inner, {**padded, "use_cache": False})
-            hidden, _ = final_hidden(inner, {**packed.inputs(inner), "use_cache": False})
+            expected, _ = lm.hidden({**padded, "use_cache": False}, module=inner)
+            hidden, _ = lm.hidden({**packed.inputs(lm), "use_cache": False}, module=inner)
     finally:
         inner.train(was_training)
     valid = padded["attention_mask"].bool()

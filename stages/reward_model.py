@@ -21,6 +21,7 @@ from torch import nn
 from stages.data.formats import is_conversational
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
+from stages.logprobs import causal_lm
 from stages.pair_packing import forward_inputs
 from stages.sharding import unwrap
 from stages.tensors import pad
@@ -139,7 +140,7 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     rejected); each pair then runs as one row packed on its shared prefix where the model allows
     (`stages.pair_packing`), with the same rewards.
     """
-    inputs, unpack = forward_inputs(model, input_ids, attention_mask, pairs=pairs)
+    inputs, unpack = forward_inputs(causal_lm(model), input_ids, attention_mask, pairs=pairs)
     captured = []
     handle = score_head(model).register_forward_hook(lambda _module, _args, out: captured.append(out))
     try:

@@ -60,10 +60,10 @@ def module_type(module: nn.Module) -> type:
     return cls
 
 
-def chunking_allowed(model) -> bool:
-    """Whether the head's weight may be read outside the forward: never under FSDP1, and under
-    FSDP2 / ZeRO-3 only when no gradient is taken (see the module docstring)."""
-    engine = sharding_engine(model)
+def chunking_allowed(engine: str | None) -> bool:
+    """Whether the head's weight may be read outside the forward of a model sharded by `engine`
+    (`sharding_engine`): never under FSDP1, and under FSDP2 / ZeRO-3 only when no gradient is taken
+    (see the module docstring)."""
     return engine is None or (engine != FSDP1 and not torch.is_grad_enabled())
 
 

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from transformers import Trainer
 
+from stages.logprobs import CausalLM, causal_lm
 from stages.losses import preference_loss, resolve_objective
 from stages.losses.pair_length import ld_logps, wpo_weights
 from stages.precision import trainer_precision, use_fp32_cpu_attention
@@ -154,39 +155,40 @@ class DPOTrainer(PairPredictions, PrecomputedReference, CheckpointsRewardMean, O
         data = train_dataset if train_dataset is not None else self.train_dataset
         return FlatSampler(BalancedBatchSampler(data[BALANCE_KEY], self._train_batch_size, seed=self.args.seed))
 
-    def reference_logps(self, model, batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def reference_logps(self, lm: CausalLM, batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Summed reference log-probs of the chosen and rejected completions: (B,) each."""
         columns = precomputed(batch)
         if columns is not None:
             return columns
         if self.args.reference_free:
             return None, None
-        with reference_model(model, self.ref_model, precision=trainer_precision(self.args)) as ref:
+        with reference_model(lm, self.ref_model, precision=trainer_precision(self.args)) as ref:
             return reference_sequence_logps(ref, batch, chunked=self.args.use_chunked_logprobs, pairs=True,
                                             ld_alpha=self.args.ld_alpha, padding_free=self.args.padding_free
                                             ).chunk(2)
 
-    def policy_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def policy_logps(self, lm: CausalLM, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's summed completion log-probs, (2B,) (LD-DPO's with `ld_alpha`), and the pair weights, (B,)
         or None: the `weight` column times WPO's weights with `use_weighting`."""
         weight = inputs.get("weight")
         # a router loss counts every token of the forward: the pair's rows as they are, not packed on their prefix
         aux = self.router_aux_loss_coef > 0
-        per_token, sum_sq = token_logps(model, inputs, chunked=self.args.use_chunked_logprobs, pairs=not aux,
+        per_token, sum_sq = token_logps(lm, inputs, chunked=self.args.use_chunked_logprobs, pairs=not aux,
                                         sum_sq=self.args.use_weighting, padding_free=self.args.padding_free)
         mask = inputs["completion_mask"][:, 1:]
         logps = per_token.sum(-1) if self.args.ld_alpha is None else ld_logps(per_token, mask, self.args.ld_alpha)
         if sum_sq is not None:
             wpo = wpo_weights(per_token, sum_sq, mask)
-            self._metrics["train" if model.training else "eval"]["wpo_weight"].append(
+            self._metrics["train" if lm.model.training else "eval"]["wpo_weight"].append(
                 self.accelerator.gather_for_metrics(wpo).mean().item())
             weight = wpo if weight is None else weight * wpo
         return logps, weight
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        lm = causal_lm(model)  # unwrapped once: what the packing, the forward and the head need (stages.logprobs)
         with router_losses(model, self.router_aux_loss_coef > 0) as aux:
-            logps, weight = self.policy_logps(model, inputs)
-        ref_chosen, ref_rejected = self.reference_logps(model, inputs)
+            logps, weight = self.policy_logps(lm, inputs)
+        ref_chosen, ref_rejected = self.reference_logps(lm, inputs)
         bco_delta = None
         if self.reward_mean is not None:
             if model.training:

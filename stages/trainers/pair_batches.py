@@ -21,7 +21,7 @@ import torch
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
-from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
+from stages.logprobs import causal_lm, head_logprobs
 from stages.losses.pair_length import ld_logps, log_sum_sq_probs
 from stages.pair_packing import forward_inputs
 from stages.tensors import pad
@@ -107,20 +107,23 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
                 sum_sq: bool = False, padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token completion log-probs of every row, (rows, T-1), 0 outside the completion; and with `sum_sq`
     the detached log Σ_v p(v)² at the same positions (WPO's alignment, `stages.losses.pair_length`), else None.
-    `sum_sq` needs the whole distribution, so it takes the logits path even where chunking is possible."""
-    inputs, unpack = forward_inputs(model, batch["input_ids"], batch["attention_mask"], pairs=pairs,
+    `sum_sq` needs the whole distribution, so it takes the logits path even where chunking is possible.
+    `model`: a module, or the `stages.logprobs.CausalLM` the trainer built of it; read once here, the view goes
+    down to the packing, the forward and the head."""
+    lm = causal_lm(model)
+    inputs, unpack = forward_inputs(lm, batch["input_ids"], batch["attention_mask"], pairs=pairs,
                                     padding_free=padding_free)
     targets = batch["input_ids"][:, 1:]
     select = batch["completion_mask"][:, 1:].bool()
-    head = lm_head_for_chunking(model) if chunked and not sum_sq else None
+    head = lm.head if chunked and not sum_sq else None
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
     squares = None
     if head is not None:
-        hidden, _ = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=1)
+        hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=1)
         hidden = unpack(hidden)[:, :-1][select]
         per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
     else:
-        logits = unpack(model(**inputs, use_cache=False).logits)[:, :-1]
+        logits = unpack(lm.model(**inputs, use_cache=False).logits)[:, :-1]
         per_token = torch.where(select, selective_log_softmax(logits, targets).float(), per_token)
         if sum_sq:
             with torch.no_grad():

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stages.logprobs import CausalLM
 from stages.precision import autocast_forward
 from stages.sharding import sharded_reference, sharding_engine, unwrap, unwrap_wrappers  # noqa: F401 (re-exported)
 from stages.trainers.pair_batches import (
@@ -59,8 +60,9 @@ def reference_model(model, ref_model, *, precision: str = "no"):
     """The module to run as the reference: `ref_model` on `model`'s device, or `model` (unwrapped from
     DDP) with its adapter off; its forward under the policy's autocast `precision` ("no", "bf16", "fp16";
     `stages.precision.trainer_precision(args)`), as the Trainer runs the policy's, so that the
-    policy at step 0 equals its reference. Run it under no_grad."""
-    inner = unwrap_wrappers(model)
+    policy at step 0 equals its reference. Run it under no_grad. `model`: a module or its
+    `stages.logprobs.CausalLM`."""
+    inner = model.inner if isinstance(model, CausalLM) else unwrap_wrappers(model)
     if ref_model is not None:
         with autocast_forward(ref_model.to(next(inner.parameters()).device), precision) as ref:
             yield ref

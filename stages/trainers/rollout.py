@@ -30,7 +30,7 @@ from torch import nn
 
 from stages.group_packing import pack_groups
 from stages.kernels import entropy_from_logits, selective_log_softmax
-from stages.logprobs import final_hidden, head_logprobs, lm_head_for_chunking
+from stages.logprobs import causal_lm, head_logprobs, lm_head_for_chunking
 from stages.sharding import unwrap
 from stages.tensors import completion_mask_from_eos, pad
 from stages.trainers.value_head import PreTrainedModelWrapper
@@ -113,8 +113,9 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
     else:
         extra = {"logits_to_keep": 1} if head is not None else {}
         # the completions of one prompt as one row; not with a router loss, which would count the prompt once
-        packed = pack_groups(model, batch, width) if head is not None and not with_aux_loss else None
-        hidden, out = final_hidden(model, {**inputs, **packed.inputs(model)} if packed else inputs, **extra)
+        lm = causal_lm(model)
+        packed = pack_groups(lm, batch, width) if head is not None and not with_aux_loss else None
+        hidden, out = lm.hidden({**inputs, **packed.inputs(lm)} if packed else inputs, **extra)
         hidden = packed.unpack(hidden) if packed else hidden
         logits, values, aux_loss = out.logits, None, getattr(out, "aux_loss", None)
     window = slice(start, start + width)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stages import pair_packing
+from stages.logprobs import causal_lm
 from stages.pair_packing import layout, pack_pairs
 from stages.tensors import pad
 from stages.trainers.pair_batches import PairCollator, sequence_logps, tokenize_pairs
@@ -69,7 +70,7 @@ def test_packed_logps_and_gradients_equal_the_padded_rows_on_every_architecture(
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, rows, 128))
-        packed = pack_pairs(model, batch)
+        packed = pack_pairs(causal_lm(model), batch)
         assert packed is not None, arch
         assert packed.tokens < 0.75 * batch["input_ids"].numel(), arch  # the built-in pairs share most tokens
         results = []
@@ -96,7 +97,7 @@ def test_packed_rewards_and_gradients_equal_the_padded_rows(tmp_path):
     model = load_reward_model(str(path)).train()
     batch = RewardCollator(tok.pad_token_id)(reward_pairs(tok, builtin_rows("preference", "preference",
                                                                           num_preference=6), 128))
-    assert pack_pairs(model, batch) is not None
+    assert pack_pairs(causal_lm(model), batch) is not None
     results = []
     for pairs in (False, True):
         model.zero_grad()
@@ -127,9 +128,9 @@ def test_a_model_that_ignores_the_packed_mask_keeps_the_padded_rows(tmp_path, ca
     batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, builtin_rows("preference", "preference",
                                                                            num_preference=4), 128))
     with caplog.at_level(logging.WARNING, logger=pair_packing.__name__):
-        assert pack_pairs(model, batch) is None
+        assert pack_pairs(causal_lm(model), batch) is None
     assert "packing is off for LlamaForCausalLM" in caplog.text
-    assert pack_pairs(model, batch) is None  # remembered: checked once per model
+    assert pack_pairs(causal_lm(model), batch) is None  # remembered: checked once per model
 
 
 def test_no_packing_when_it_saves_little(tmp_path):
@@ -138,7 +139,7 @@ def test_no_packing_when_it_saves_little(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny(tmp_path / "m"))
     batch = _batch([([5, 6, 7, 8], [9, 10, 11, 12], 0), ([13, 14, 15], [16, 17, 18], 0)])
-    assert pack_pairs(model, batch) is None
+    assert pack_pairs(causal_lm(model), batch) is None
     assert sequence_logps(model, batch, pairs=True).shape == (4,)
 
 
@@ -155,7 +156,7 @@ def test_packing_is_kept_under_bf16_autocast(tmp_path):
     batch = PairCollator(tok.pad_token_id)(tokenize_pairs(tok, builtin_rows("preference", "preference",
                                                                            num_preference=8), 128))
     with autocast_forward(model, "bf16"):
-        assert pack_pairs(model, batch) is not None
+        assert pack_pairs(causal_lm(model), batch) is not None
         packed, padded = sequence_logps(model, batch, pairs=True), sequence_logps(model, batch)
     torch.testing.assert_close(packed, padded, rtol=2e-2, atol=0.1)
 

@@ -83,6 +83,7 @@ def test_one_packed_forward_gives_the_same_loss_and_kl_as_separate_rows(setup, t
     (one forward per model); the loss, the KL and the gradients equal those of the separate padded rows."""
     from transformers import AutoModelForCausalLM
 
+    from stages.logprobs import causal_lm
     from stages.pair_packing import pack_pairs
     from stages.trainers.kto_trainer import _pairs
 
@@ -91,7 +92,7 @@ def test_one_packed_forward_gives_the_same_loss_and_kl_as_separate_rows(setup, t
                          train_dataset=rows)
     model = trainer.model.train()
     batch = KTOCollator(tok.pad_token_id, 256)(tokenize_unpaired(tok, rows[:8], 256))
-    packed = pack_pairs(model, _pairs(batch))
+    packed = pack_pairs(causal_lm(model), _pairs(batch))
     assert packed is not None and packed.tokens < 0.9 * _pairs(batch)["input_ids"].numel()  # the prompt once
 
     def loss_and_grads(inputs):
