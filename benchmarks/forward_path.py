@@ -22,6 +22,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import itertools
 import sys
 import tempfile
 from functools import cache
@@ -85,7 +86,7 @@ def heights(modules: set[str]) -> dict[str, int]:
 def counts(calls: list[tuple[str, str]]) -> dict:
     mods = [m for m, _ in calls]
     h = heights(set(mods))
-    ups = [(a, b) for (a, _), (b, _) in zip(calls, calls[1:]) if h[b] > h[a]]
+    ups = [(a, b) for (a, _), (b, _) in itertools.pairwise(calls) if h[b] > h[a]]
     unwraps = [i for i, (m, f) in enumerate(calls) if (m, f) == ("stages.sharding", "unwrap_wrappers")]
     callers = sorted({calls[i - 1][0] + "." + calls[i - 1][1] for i in unwraps if i})
     return {"stops": len(calls), "modules": sorted(set(mods), key=lambda m: -h[m]), "heights": h,

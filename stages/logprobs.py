@@ -51,9 +51,9 @@ class CausalLM:
     sliding_window: int | None
     dtype: torch.dtype            # of the parameters
 
-    def hidden(self, inputs: dict, *, module: nn.Module | None = None, **kwargs) -> tuple[torch.Tensor, object]:
-        """`final_hidden` through this model's final norm; `module`: called instead of `model`."""
-        return hidden_through(self.model if module is None else module, self.norm, inputs, **kwargs)
+    def hidden(self, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+        """`final_hidden` of `model`, through the final norm found once."""
+        return hidden_through(self.model, self.norm, inputs, **kwargs)
 
 
 def causal_lm(model) -> CausalLM:
@@ -75,7 +75,7 @@ def lm_head_for_chunking(model) -> nn.Linear | None:
     return _chunking_head(unwrap(model), sharding_engine(model))
 
 
-def _chunking_head(base: nn.Module, engine: str | None) -> nn.Linear | None:
+def _chunking_head(base, engine: str | None) -> nn.Linear | None:
     """`lm_head_for_chunking` of `base` (unwrapped from every wrapper, PEFT's too) sharded by `engine`."""
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if module_type(head) is not nn.Linear:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.logprobs import CausalLM
+from stages.logprobs import CausalLM, hidden_through
 from stages.precision import CPU_FP32_SDPA
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def worth_it(lm: CausalLM, packed: PackedPairs | None, padded_ids: torch.Tensor)
     if packed is None or packed.tokens > (1 - MIN_SAVING) * padded_ids.numel():
         return False
     window = lm.sliding_window
-    return window is None or packed.position_ids.max() < window
+    return window is None or bool(packed.position_ids.max() < window)
 
 
 def verified(lm: CausalLM, batch: dict[str, torch.Tensor]) -> bool:
@@ -214,8 +214,8 @@ def same_as_padded(lm: CausalLM, padded: dict[str, torch.Tensor], packed: Packed
     inner.eval()
     try:
         with torch.no_grad():
-            expected, _ = lm.hidden({**padded, "use_cache": False}, module=inner)
-            hidden, _ = lm.hidden({**packed.inputs(lm), "use_cache": False}, module=inner)
+            expected, _ = hidden_through(inner, lm.norm, {**padded, "use_cache": False})
+            hidden, _ = hidden_through(inner, lm.norm, {**packed.inputs(lm), "use_cache": False})
     finally:
         inner.train(was_training)
     valid = padded["attention_mask"].bool()

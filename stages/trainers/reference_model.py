@@ -62,7 +62,7 @@ def reference_model(model, ref_model, *, precision: str = "no"):
     `stages.precision.trainer_precision(args)`), as the Trainer runs the policy's, so that the
     policy at step 0 equals its reference. Run it under no_grad. `model`: a module or its
     `stages.logprobs.CausalLM`."""
-    inner = model.inner if isinstance(model, CausalLM) else unwrap_wrappers(model)
+    inner: Any = model.inner if isinstance(model, CausalLM) else unwrap_wrappers(model)
     if ref_model is not None:
         with autocast_forward(ref_model.to(next(inner.parameters()).device), precision) as ref:
             yield ref
