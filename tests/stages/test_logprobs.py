@@ -105,3 +105,38 @@ def test_final_hidden_is_the_last_of_output_hidden_states(arch, tmp_path):
             lean, lean_out = final_hidden(model, inputs, logits_to_keep=1)
         assert torch.equal(hidden.float(), out.hidden_states[-1].float()), precision
         assert lean.requires_grad and lean.shape == hidden.shape and lean_out.hidden_states is None
+
+
+def test_causal_lm_reads_a_wrapped_peft_model_once_as_the_functions_read_it(model):
+    """The view of a PEFT model inside a DDP-like wrapper (`.module`) holds what the per-call functions find, and
+    the forward through the view is the wrapper's own (its hooks fire)."""
+    from peft import LoraConfig, get_peft_model
+
+    from stages.logprobs import causal_lm, final_hidden, final_norm
+
+    class Wrapper(nn.Module):  # what DDP and accelerate look like to unwrap_wrappers: the model under `.module`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.calls = 0
+
+        def forward(self, **kw):
+            self.calls += 1
+            return self.module(**kw)
+
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    try:
+        wrapped = Wrapper(peft)
+        lm = causal_lm(wrapped)
+        assert causal_lm(lm) is lm and lm.model is wrapped and lm.inner is peft
+        assert lm.head is lm_head_for_chunking(wrapped) is model.lm_head
+        assert lm.norm is final_norm(wrapped) is model.model.norm
+        assert (lm.attention, lm.sharded, lm.dtype) == (model.config._attn_implementation, None, torch.float32)
+        ids = torch.randint(0, 300, (2, 7))
+        hidden, _ = lm.hidden({"input_ids": ids})
+        assert wrapped.calls == 1 and hidden.shape == (2, 7, model.config.hidden_size)
+        assert torch.equal(hidden, final_hidden(wrapped, {"input_ids": ids})[0])
+        with torch.no_grad():  # without gradients the head stays (unsharded: always); the view is read per forward
+            assert causal_lm(wrapped).head is model.lm_head
+    finally:
+        peft.unload()
