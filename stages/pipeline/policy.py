@@ -4,7 +4,8 @@ The methods are the policy records of `stages.methods` (docs/methods.md describe
 says what the method trains on (`method_rows`): offline pairs (score's sampled-and-scored pairs, or
 preprocess's preference data; reference log-probs from stage `reference` when precomputed), unpaired rows
 (preprocess's unpaired data, or the pairs split), or prompts it samples from during training with the
-section's reward functions (online and RL methods). Its trainer is called as TRL's (`build_trainer`).
+section's reward functions (online and RL methods), through the tools it names (`policy.grpo.tools`: episodes
+that call them, `stages.tools`). Its trainer is called as TRL's (`build_trainer`).
 Every method starts from the SFT model, which is also the frozen reference (or, with
 `policy.<method>.lora`, the same weights with the adapter disabled). Checkpoints and crash-resume as
 in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
@@ -114,9 +115,19 @@ def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, 
         kwargs["reward_funcs"] = rewards
     if method.teacher:
         kwargs["teacher_model"] = teacher_path(ctx, method)
+    tools = tool_functions(ctx.params.policy.trained)  # checked at params validation
+    if tools:
+        kwargs["tools"] = tools
     if getattr(config, "reward_head", None) == "shared":
         kwargs["preference_dataset"] = preference_pairs(ctx, "preprocess", key=f"{method.section}.reward_head")[1]
     return trainer_cls(model, **kwargs)
+
+
+def tool_functions(section) -> list:
+    """The functions a policy section's `tools` names (the trainer's tools=; [] for a section without tools)."""
+    from stages.tools.paths import resolve_tool
+
+    return [resolve_tool(path) for path in getattr(section, "tools", None) or []]
 
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:
