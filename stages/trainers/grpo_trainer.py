@@ -184,9 +184,14 @@ def prompt_rows(dataset, key: str, *, needs_prompt: bool = True) -> list[dict]:
     return rows
 
 
-def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None) -> list:
+def render_prompts(tokenizer, prompts: list, chat_template_kwargs: dict | None, tools: list | None = None) -> list:
     """Conversational prompts rendered with the extra template arguments (a prompt ending in an assistant message
-    is continued, else a generation prompt is added); None, or plain-text prompts: unchanged."""
+    is continued, else a generation prompt is added); None, or plain-text prompts: unchanged. Rows with a `tools`
+    column (one value per prompt): rendered with them (`stages.trainers.online_extras.render_prompts`)."""
+    if tools is not None and any(tools):
+        from stages.trainers import online_extras
+
+        return online_extras.render_prompts(tokenizer, prompts, chat_template_kwargs, tools)
     if not chat_template_kwargs:
         return prompts
     out = []

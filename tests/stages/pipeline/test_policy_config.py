@@ -71,10 +71,11 @@ def test_a_tool_path_that_does_not_resolve_is_refused_before_any_stage(tmp_path)
     from stages.harness.params_loader import ParamsError
     from tests.conftest import write_params
 
-    path = write_params(tmp_path, {"policy": {"method": "grpo", "grpo": {"tools": [
-        "stages.builtin.arithmetic_tools.add", "stages.builtin.arithmetic_tools.sub", "tests.stages.tools.user_tools:mul"]}}})
+    tools = ["stages.builtin.arithmetic_tools.add", "stages.builtin.arithmetic_tools.sub",
+             "tests.stages.tools.user_tools:mul"]
+    path = write_params(tmp_path, {"policy": {"method": "grpo", "grpo": {"tools": tools}}})
     with pytest.raises(ParamsError) as e:
         load_params(path)
-    assert "policy.grpo.tools[1] = 'stages.builtin.arithmetic_tools.sub': stages.builtin.arithmetic_tools has no 'sub'" \
-        in str(e.value)
+    assert ("policy.grpo.tools[1] = 'stages.builtin.arithmetic_tools.sub': stages.builtin.arithmetic_tools has no "
+            "'sub'") in str(e.value)
     assert "tools[0]" not in str(e.value) and "tools[2]" not in str(e.value)
