@@ -57,8 +57,10 @@ class Answers:
 
 
 def answer_with_tools(model, tokenizer, rows: list[dict], sampling: SamplingParams, settings: ToolSettings, *,
-                      batch_size: int, model_name: str) -> Answers:
-    """One episode per row (see the module doc); greedy, beam or sampled as `sampling` says (one per row)."""
+                      batch_size: int, model_name: str, **backend_options) -> Answers:
+    """One episode per row (see the module doc); greedy, beam or sampled as `sampling` says (one per row).
+    `model` and `backend_options` as `stages.generation.generate` takes them (a model folder and base_url= for
+    the "vllm" backend)."""
     from stages.tools.episodes import transcript
     from stages.trainers.tool_rollout import Agent, token_prompts
 
@@ -71,7 +73,8 @@ def answer_with_tools(model, tokenizer, rows: list[dict], sampling: SamplingPara
         # deterministic (greedy and beams give the same tokens each time)
         once = not sampling.do_sample
         gens = generation.generate(model, tokenizer, token_prompts(tokenizer, contexts),
-                                   base if once else dataclasses.replace(base, n=n), batch_size=batch_size)
+                                   base if once else dataclasses.replace(base, n=n), batch_size=batch_size,
+                                   **backend_options)
         ids = [list(c) for c in gens.completion_ids]
         if once:
             ids = [c for c in ids for _ in range(n)]
