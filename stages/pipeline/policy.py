@@ -23,6 +23,7 @@ from stages.models import load_tokenizer, pick_device
 from stages.pipeline import reference, training
 from stages.pipeline.prompts import preference_pairs, prompt_rows, reward_model_path, unpaired_rows
 from stages.reward_functions import build_reward_functions
+from stages.tools.paths import resolve_tool
 
 
 def run(ctx) -> dict[str, Any]:
@@ -115,19 +116,12 @@ def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, 
         kwargs["reward_funcs"] = rewards
     if method.teacher:
         kwargs["teacher_model"] = teacher_path(ctx, method)
-    tools = tool_functions(ctx.params.policy.trained)  # checked at params validation
-    if tools:
+    tools = [resolve_tool(path) for path in getattr(ctx.params.policy.trained, "tools", None) or []]
+    if tools:  # each path resolved at params validation already
         kwargs["tools"] = tools
     if getattr(config, "reward_head", None) == "shared":
         kwargs["preference_dataset"] = preference_pairs(ctx, "preprocess", key=f"{method.section}.reward_head")[1]
     return trainer_cls(model, **kwargs)
-
-
-def tool_functions(section) -> list:
-    """The functions a policy section's `tools` names (the trainer's tools=; [] for a section without tools)."""
-    from stages.tools.paths import resolve_tool
-
-    return [resolve_tool(path) for path in getattr(section, "tools", None) or []]
 
 
 def training_rows(params, manifests: dict[str, dict]) -> dict[str, Any] | None:

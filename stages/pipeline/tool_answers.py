@@ -33,12 +33,12 @@ class ToolSettings:
 
 def tool_settings(params) -> ToolSettings | None:
     """The tools of the trained policy section and how they run; None when it names none (or policy.method none)."""
-    from stages.pipeline.policy import tool_functions
+    from stages.tools.paths import resolve_tool
 
     if params.policy.method == "none":
         return None
     section = params.policy.trained
-    tools = tool_functions(section)
+    tools = [resolve_tool(path) for path in getattr(section, "tools", None) or []]
     if not tools:
         return None
     return ToolSettings(tools, section.max_tool_calling_iterations, section.tool_timeout, section.tool_mode,
