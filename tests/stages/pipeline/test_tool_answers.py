@@ -67,10 +67,12 @@ def test_through_a_server_the_answer_is_the_last_turn_after_the_tool(tiny_tools)
     assert len(bodies) == 6 and all(tok.decode(b).startswith("<|system|>\ntools: add(a, b)<|end|>") for b in bodies)
 
 
-def test_in_process_a_model_that_never_calls_answers_as_plain_generation(tiny_tools):
-    """The untrained model makes no call: each episode is one turn, the same tokens greedy generation gives."""
+@pytest.mark.parametrize("backend", ["hf", "decoder"])
+def test_in_process_a_model_that_never_calls_answers_as_plain_generation(tiny_tools, backend):
+    """The untrained model makes no call: each episode is one turn, the same tokens greedy generation gives, on
+    HF generate and on the CPU decoder (both take the episode's token ids as they are)."""
     _, model, tok = tiny_tools
-    greedy = SamplingParams(max_new_tokens=12)
+    greedy = SamplingParams(max_new_tokens=12, backend=backend)
     got = answer_with_tools(model, tok, ROWS, greedy, SETTINGS, batch_size=2, model_name="m")
     plain = generate(model, tok, [r["prompt"] for r in ROWS], greedy, tools=[r["tools"] for r in ROWS])
     assert got.calls == 0 and got.lengths == [len(ids) for ids in plain.completion_ids]
