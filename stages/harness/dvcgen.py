@@ -31,7 +31,7 @@ def dvc_stages(output_dir: str = OUTPUT_DIR, params: Params | None = None) -> di
     for spec in STAGES.values():
         out[spec.name] = {
             "cmd": f"python -m stages {spec.name}",
-            "deps": [*spec.code(), *(f"{output_dir}/{u}" for u in spec.upstream), *input_files(spec, params)],
+            "deps": [*spec.code(params=params), *(f"{output_dir}/{u}" for u in spec.upstream), *input_files(spec, params)],
             "params": list(spec.params),
             # the flat metrics file cached like the folder: an uncached plain out would turn off DVC's run-cache
             "outs": [f"{output_dir}/{spec.name}", f"{output_dir}/metrics/{spec.name}.json"],

@@ -21,8 +21,9 @@ from typing import Any
 
 from stages.harness import imports
 from stages.harness.artifacts import CODE_ROOT
-from stages.harness.config import POLICY_METHODS
+from stages.harness.config import POLICY_METHODS, TRAINING_SECTIONS, Params
 from stages.methods import METHODS
+from stages.tools.paths import split_path
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class StageSpec:
     # project modules the stage imports by name ("module:Class" references: stages.methods' trainers), hashed
     # with its code like the modules it imports
     loads: tuple[str, ...] = ()
+    # dotted params keys naming functions by import path (policy.grpo.tools): those in this project's modules are
+    # the stage's code with these params (a tool in stages/ is hashed and a dvc dep); user modules are the user's,
+    # named in the params as the stage reads them
+    code_keys: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -53,15 +58,18 @@ class StageSpec:
     def trains(self) -> bool:
         return self.training_rows is not None
 
-    def code(self, root: Path = CODE_ROOT) -> tuple[str, ...]:
+    def code(self, root: Path = CODE_ROOT, params: Params | None = None) -> tuple[str, ...]:
         """The files (relative to `root`) the stage runs: the import closure of its entry module, of the modules it
         `loads` from this project (a method's trainer in a package of your own is your code, like a reward
-        function's module) and of RUN_WITH."""
-        return imports.closures(self.runs(), root)
+        function's module), of RUN_WITH and, with `params`, of the project modules its `code_keys` name."""
+        return imports.closures(self.runs(params), root)
 
-    def runs(self) -> tuple[str, ...]:
+    def runs(self, params: Params | None = None) -> tuple[str, ...]:
         """The modules whose import closures are the stage's code (see `code`)."""
-        return (self.module, *(m for m in self.loads if m.split(".")[0] in imports.LIBRARY), *RUN_WITH)
+        named = [] if params is None else [split_path(path)[0] for key in self.code_keys
+                                           for path in params.select((key,)).get(key) or []]
+        return tuple(dict.fromkeys((self.module, *(m for m in (*self.loads, *named)
+                                                   if m.split(".")[0] in imports.LIBRARY), *RUN_WITH)))
 
 
 # What stages.harness.runner runs every stage with that shapes its outputs (the seeds drawn before it starts); the
@@ -75,6 +83,14 @@ RUNTIME_KEYS = ("run.output_dir", "run.device", "run.threads",
                 # where a run reports (score and evaluate log to the training stages' trackers: stages.trackers)
                 "run.report_to", "sft.report_to", "reward.report_to",
                 *(f"policy.{m}.report_to" for m in POLICY_METHODS if m != "none"))
+
+# The policy sections that run tools (`ToolKeys`): policy samples episodes that call them, and evaluate answers every
+# held-out prompt through the same episodes.
+TOOL_SECTIONS = tuple(m.section for m in METHODS.values()
+                      if m.policy and "tools" in TRAINING_SECTIONS[m.section].__dataclass_fields__)
+TOOL_PATHS = tuple(f"{s}.tools" for s in TOOL_SECTIONS)
+TOOL_KEYS = tuple(f"{s}.{key}" for s in TOOL_SECTIONS
+                  for key in ("tools", "max_tool_calling_iterations", "tool_timeout", "tool_mode"))
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
@@ -127,6 +143,7 @@ STAGES: dict[str, StageSpec] = {
             inputs=("policy.dpo.chat_template_path",),
             training_rows="stages.pipeline.policy:training_rows",
             loads=tuple(m.trainer.partition(":")[0] for m in METHODS.values() if m.policy),
+            code_keys=TOOL_PATHS,
         ),
         StageSpec(
             name="merge",
@@ -139,11 +156,12 @@ STAGES: dict[str, StageSpec] = {
             name="evaluate",
             entry="stages.pipeline.evaluate:run",
             upstream=("preprocess", "sft", "reward", "score", "policy", "merge"),
-            params=("model", "evaluate", "run.seed"),
+            params=("model", "evaluate", "run.seed", "policy.method", *TOOL_KEYS),
             # the shipped judge prompt and lm-eval tasks are its code (their modules' CODE_FILES); the user's are inputs
             inputs=("model.name_or_path", "evaluate.lm_eval.tasks", "evaluate.lm_eval.gsm8k_data",
                     "evaluate.judge.prompt_file", "evaluate.judge.model_path"),
             shards="stages.pipeline.evaluate:run_shard",
+            code_keys=TOOL_PATHS,
         ),
     ]
 }

@@ -110,7 +110,7 @@ def _fingerprint(name: str, params: Params, upstream_hashes: dict[str, str],
     """The stage's params keys, the content of its code (the import closure of its module, read under `root`),
     its upstream outputs' hashes and the content of the user's files it reads (StageSpec.inputs)."""
     spec = get_stage(name)
-    code = artifacts.code_hash(spec.code(root), root)
+    code = artifacts.code_hash(spec.code(root, params), root)
     files = input_hashes(spec, params)
     inputs = {**upstream_hashes, **files}
     return artifacts.fingerprint(name, _by_content(params.select(spec.params), files), code, inputs)
@@ -226,7 +226,7 @@ def _build(spec: StageSpec, params: Params, state: StageState) -> dict[str, Any]
     started, t0 = datetime.now(UTC), time.perf_counter()
     work = work_dir(params, name, state.fingerprint)
     work.mkdir(parents=True, exist_ok=True)
-    code = spec.code()
+    code = spec.code(params=params)
     with artifacts.atomic_output(state.folder) as tmp:
         ctx = StageContext(params=params, out=tmp, inputs={u: output_dir(params, u) for u in spec.upstream},
                            log=logging.getLogger(f"stages.{name}"), work=work, stage=name)

@@ -2,7 +2,9 @@
 
 Rows: base (with `evaluate.baseline`), sft, policy (absent with policy.method: none) and merged (the model
 that is served and promoted; it should equal the policy row within noise). Completions come from
-`stages.generation` (greedy, beam or sampled: `evaluate.decoding`, seeded by run.seed). Columns
+`stages.generation` (greedy, beam or sampled: `evaluate.decoding`, seeded by run.seed); when the policy section
+names tools (`policy.grpo.tools`), every model answers through them, in the episodes the policy trains on
+(`stages.pipeline.tool_answers`: the answer is the last turn, the report shows the transcript). Columns
 (`evaluate.metrics`): accuracy (exact match of `answer_regex`), bleu and rouge (metric modules shipped in
 `stages/metrics/`), reward (stage `reward`'s model), win_rate (that same reward model prefers the row's
 completion to the SFT model's; ties 1/2: the policy was trained against it, so it is not an outside
@@ -40,6 +42,7 @@ from stages.harness.artifacts import write_json_atomic
 from stages.harness.model_paths import resolve_model
 from stages.models import load_causal_lm, load_tokenizer, pick_device
 from stages.openai_client import EndpointError
+from stages.pipeline import tool_answers
 
 REFERENCE_METRICS = ("accuracy", "bleu", "rouge")
 
@@ -196,7 +199,7 @@ def completions_table(predictions: list[dict[str, Any]], labels: list[str], limi
         row: dict[str, Any] = {"prompt": judge.instruction_text(first["prompt"]), "reference": first["reference"]}
         for label in labels:
             pred = by_model[label][i]
-            row[f"{label} completion"] = pred["completion"]
+            row[f"{label} completion"] = pred.get("transcript", pred["completion"])
             for key in ("reward", "judge", "correct"):
                 if key in pred:
                     row[f"{label} {key}"] = pred[key]
@@ -248,7 +251,15 @@ def model_outputs(ctx, label: str, path: str, base: str | None, rows: list[dict]
         return Outputs(**json.loads(saved.read_text()))
     model, tokenizer = load_model(path, base, dtype=p.model.dtype, device=device,
                                   trust_remote_code=p.model.trust_remote_code)
-    out = generate_outputs(model, tokenizer, rows, sampling_params(e, p.run.seed), batch_size=e.batch_size)
+    settings = tool_answers.tool_settings(p)
+    if settings is None:
+        out = generate_outputs(model, tokenizer, rows, sampling_params(e, p.run.seed), batch_size=e.batch_size)
+    else:
+        if label == "base":  # the prompts and calls in the template the pipeline trains with (sft.chat_template_path)
+            tokenizer.chat_template = load_tokenizer(str(ctx.inputs["sft"] / "model"),
+                                                     trust_remote_code=p.model.trust_remote_code).chat_template
+        out = tool_outputs(model, tokenizer, rows, sampling_params(e, p.run.seed), settings, batch_size=e.batch_size,
+                           model_name=label)
     del model
     write_json_atomic(saved, asdict(out))
     return out
@@ -296,12 +307,22 @@ class Outputs:
     completions: list[str]
     reasoning: list[str | None]
     lengths: list[int]
+    transcripts: list[str] | None = None  # answered through tools: each episode's turns, calls and results
+    tool_calls: int | None = None  # answered through tools: the calls made
 
 
 def generate_outputs(model, tokenizer, rows: list[dict], sampling: SamplingParams, *, batch_size: int) -> Outputs:
     gens = generation.generate(model, tokenizer, [r["prompt"] for r in rows], sampling, batch_size=batch_size,
                                progress=True, tools=[r.get("tools") for r in rows])
     return Outputs(gens.completions, gens.reasoning, [len(ids) for ids in gens.completion_ids])
+
+
+def tool_outputs(model, tokenizer, rows: list[dict], sampling: SamplingParams, settings, *, batch_size: int,
+                 model_name: str) -> Outputs:
+    """Answers reached through the policy's tools (`stages.pipeline.tool_answers`); lengths count the tool turns."""
+    got = tool_answers.answer_with_tools(model, tokenizer, rows, sampling, settings, batch_size=batch_size,
+                                         model_name=model_name)
+    return Outputs(got.answers, [None] * len(rows), got.lengths, got.transcripts, got.calls)
 
 
 def generate(model, tokenizer, prompts: list, *, batch_size: int, max_new_tokens: int, seed: int
@@ -349,6 +370,8 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
     for i, row in enumerate(rows):
         pred = {"prompt": row["prompt"], "reference": references[i], "completion": texts[i],
                 "length": out.lengths[i]}
+        if out.transcripts is not None:
+            pred["transcript"] = out.transcripts[i]
         if "accuracy" in metrics:
             answer, expected = extract(out.completions[i], pattern), extract(references[i], pattern)
             ok = answer is not None and answer == expected
@@ -382,6 +405,8 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
         row["format"] = round(sum(reasoning_format([], out.completions, reasoning=out.reasoning)) / n, 4)
     if "length" in metrics:
         row["mean_completion_tokens"] = round(sum(out.lengths) / n, 2)
+    if out.tool_calls is not None:
+        row["tool_calls_per_prompt"] = round(out.tool_calls / n, 4)
     return row, preds
 
 

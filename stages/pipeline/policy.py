@@ -4,7 +4,8 @@ The methods are the policy records of `stages.methods` (docs/methods.md describe
 says what the method trains on (`method_rows`): offline pairs (score's sampled-and-scored pairs, or
 preprocess's preference data; reference log-probs from stage `reference` when precomputed), unpaired rows
 (preprocess's unpaired data, or the pairs split), or prompts it samples from during training with the
-section's reward functions (online and RL methods). Its trainer is called as TRL's (`build_trainer`).
+section's reward functions (online and RL methods), through the tools it names (`policy.grpo.tools`: episodes
+that call them, `stages.tools`). Its trainer is called as TRL's (`build_trainer`).
 Every method starts from the SFT model, which is also the frozen reference (or, with
 `policy.<method>.lora`, the same weights with the adapter disabled). Checkpoints and crash-resume as
 in `sft`. Writes `model/`, `tensorboard/` and `log_history.json`.
@@ -22,6 +23,7 @@ from stages.models import load_tokenizer, pick_device
 from stages.pipeline import reference, training
 from stages.pipeline.prompts import preference_pairs, prompt_rows, reward_model_path, unpaired_rows
 from stages.reward_functions import build_reward_functions
+from stages.tools.paths import resolve_tool
 
 
 def run(ctx) -> dict[str, Any]:
@@ -114,6 +116,9 @@ def build_trainer(ctx, method: Method, model, tokenizer, config, rows, rewards, 
         kwargs["reward_funcs"] = rewards
     if method.teacher:
         kwargs["teacher_model"] = teacher_path(ctx, method)
+    tools = [resolve_tool(path) for path in getattr(ctx.params.policy.trained, "tools", None) or []]
+    if tools:  # each path resolved at params validation already
+        kwargs["tools"] = tools
     if getattr(config, "reward_head", None) == "shared":
         kwargs["preference_dataset"] = preference_pairs(ctx, "preprocess", key=f"{method.section}.reward_head")[1]
     return trainer_cls(model, **kwargs)

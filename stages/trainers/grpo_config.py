@@ -23,7 +23,7 @@ from stages.trainers.method_fields import (
     tis_cap_field,
     tis_warn_field,
 )
-from stages.trainers.pipeline_section import RewardKeys, TrainingStage, section, stage_default
+from stages.trainers.pipeline_section import RewardKeys, ToolKeys, TrainingStage, section, stage_default
 from stages.trainers.tool_fields import ToolFields
 
 TrainingArguments = training_arguments()
@@ -208,7 +208,7 @@ def _processes(config) -> int:
 
 
 @section
-class GRPOSection(RewardKeys, TrainingStage, GRPOConfig):
+class GRPOSection(ToolKeys, RewardKeys, TrainingStage, GRPOConfig):
     """Section `policy.grpo`: stages.trainers.grpo_config.GRPOConfig plus the pipeline's keys, and the
     pipeline's defaults where they differ from the config's (GRPOSection there, each with why)."""
 

@@ -7,9 +7,10 @@ Each `stages/trainers/<method>_config.py` declares, below its config, the sectio
         learning_rate: float = stage_default(5e-5, "why the pipeline starts elsewhere than DPOConfig")
 
 So the section is the config (every field and default as the Python API has them), the pipeline's own keys
-(`TrainingStage`: mixed precision, LoRA, ...; `RewardKeys` for the methods that score samples), and, written once
-beside the key with the reason, each default where the pipeline starts from another value than the Python API:
-`STAGE_DEFAULTS` for every section, the section's own `stage_default` fields for one method. A section declares
+(`TrainingStage`: mixed precision, LoRA, ...; `RewardKeys` for the methods that score samples; `ToolKeys` for
+those that run tools), and, written once beside the key with the reason, each default where the pipeline starts
+from another value than the Python API: `STAGE_DEFAULTS` for every section, the section's own `stage_default`
+fields for one method. A section declares
 no key of its own: `section` refuses one that neither its config nor the pipeline's keys declare.
 
 Torch-free: params validation reads the sections from the config modules executed on the light TrainingArguments
@@ -121,6 +122,22 @@ class RewardKeys:
     def validate(self) -> list[tuple[str, str]]:
         return super().validate() + check_reward_functions(  # type: ignore[misc]
             self.reward_functions, self.reward_weights)
+
+
+@dataclass
+class ToolKeys:
+    """The tools a method that runs multi-turn episodes imports by path (the trainer's `tools=`; how they run: the
+    config's max_tool_calling_iterations, tool_timeout, tool_mode). Each path is resolved when params are
+    validated, so a bad one stops the run before any stage."""
+
+    tools: list[str] = param(default_factory=list, help=(
+        "tools the model may call while it samples: import paths module:function or module.function of functions "
+        "with type hints and a docstring (the trainer's tools=; e.g. stages.builtin.arithmetic_tools.add); [] : none"))
+
+    def validate(self) -> list[tuple[str, str]]:
+        from stages.tools.paths import tool_problems
+
+        return super().validate() + tool_problems(self.tools)  # type: ignore[misc]
 
 
 S = TypeVar("S", bound=type)

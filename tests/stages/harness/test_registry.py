@@ -66,3 +66,27 @@ def test_touching_a_module_marks_stale_exactly_the_stages_whose_closure_holds_it
     assert {0, 1, len(STAGES)} <= counts  # files of no stage, of one stage, of every stage
     assert fingerprints(root) == before
 
+
+
+def test_tools_named_in_params_enter_the_fingerprints_of_policy_and_evaluate(tmp_path):
+    """policy.grpo.tools is read by policy (the trainer's tools=) and evaluate (answers through them): changing it
+    makes both stale and no other stage; a tool in a project module is their code (hashed, a dvc dep)."""
+    from stages.harness.dvcgen import dvc_stages
+
+    inputs = {name: {up: f"outputs-of-{up}" for up in spec.upstream} for name, spec in STAGES.items()}
+
+    def params(folder, tools):
+        (tmp_path / folder).mkdir()
+        return load_params(write_params(tmp_path / folder, {"policy": {"grpo": {"tools": tools}}}))
+
+    plain = params("a", [])
+    tools = params("b", ["tests.stages.tools.user_tools.mul"])
+    project = params("c", ["stages.builtin.arithmetic_errors.error_kind"])
+    before = {n: runner._fingerprint(n, plain, inputs[n]) for n in STAGES}
+    for changed in (tools, project):
+        after = {n: runner._fingerprint(n, changed, inputs[n]) for n in STAGES}
+        assert {n for n in STAGES if after[n] != before[n]} == {"policy", "evaluate"}
+    assert "tests.stages.tools.user_tools" not in STAGES["policy"].runs(tools)  # the user's code, named in params
+    for stage in ("policy", "evaluate"):
+        assert "stages.builtin.arithmetic_errors" in STAGES[stage].runs(project) and "stages.builtin.arithmetic_errors" not in STAGES[stage].runs()
+    assert "stages/builtin/arithmetic_errors.py" in dvc_stages("out", project)["stages"]["policy"]["deps"]

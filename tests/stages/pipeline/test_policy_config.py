@@ -64,3 +64,18 @@ def test_preflight_reports_what_transformers_refuses_before_any_stage(tmp_path):
                           "--set", f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 2 and "sft.optim" in res.stderr and "refused by sft's trainer config" in res.stderr
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_tool_path_that_does_not_resolve_is_refused_before_any_stage(tmp_path):
+    """policy.grpo.tools is resolved when params load: each bad path is reported with its index, nothing runs."""
+    from stages.harness.params_loader import ParamsError
+    from tests.conftest import write_params
+
+    tools = ["stages.builtin.arithmetic_tools.add", "stages.builtin.arithmetic_tools.sub",
+             "tests.stages.tools.user_tools:mul"]
+    path = write_params(tmp_path, {"policy": {"method": "grpo", "grpo": {"tools": tools}}})
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert ("policy.grpo.tools[1] = 'stages.builtin.arithmetic_tools.sub': stages.builtin.arithmetic_tools has no "
+            "'sub'") in str(e.value)
+    assert "tools[0]" not in str(e.value) and "tools[2]" not in str(e.value)
