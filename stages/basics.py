@@ -147,3 +147,20 @@ class Progress:
             parts.append(f"ETA {duration((self.total - self.done) / rate)}")
         parts += [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()]
         return ", ".join(parts)
+
+
+def import_user_module(module_name: str):
+    """The module a user's import path names (a reward function, a tool); ValueError saying why it cannot be
+    imported: not found (and how to make it findable), or the module's own error while importing. The caller adds
+    the params key."""
+    import importlib
+
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"module {module_name} not found (install its package, or run from the folder that "
+                             "contains it / add that folder to PYTHONPATH)") from None
+        raise ValueError(f"importing {module_name} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - the module itself raised while importing: the user's to fix
+        raise ValueError(f"importing {module_name} failed: {type(e).__name__}: {e}") from e

@@ -16,7 +16,6 @@ sums them with weights.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -25,6 +24,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from stages.basics import import_user_module
 from stages.completion_text import THINK_TAGS, answer_after_reasoning
 from stages.reward_function_names import BUILTIN_REWARD_CALLABLES, REWARD_MODEL_REWARDS
 
@@ -177,14 +177,9 @@ def load_reward_function(name: str, *, reward_model_path: str | None = None, dev
     if not module_name or not attr or ":" in attr:
         raise ValueError(f"{key} = {name!r}: expected exactly one module:function, e.g. mypkg.rewards:score")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"{key} = {name!r}: module {module_name} not found (install its package, or run from "
-                             "the folder that contains it / add that folder to PYTHONPATH)") from None
-        raise ValueError(f"{key} = {name!r}: importing {module_name} failed: {e}") from e
-    except Exception as e:  # the module itself raised while importing
-        raise ValueError(f"{key} = {name!r}: importing {module_name} failed: {type(e).__name__}: {e}") from e
+        module = import_user_module(module_name)
+    except ValueError as e:
+        raise ValueError(f"{key} = {name!r}: {e}") from e.__cause__
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

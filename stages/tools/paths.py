@@ -7,9 +7,10 @@ validation resolves every path before any stage runs.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
+
+from stages.basics import import_user_module
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -24,15 +25,7 @@ def split_path(path: str) -> tuple[str, str]:
 def resolve_tool(path: str) -> Callable:
     """The function `path` names; ValueError saying why it cannot be a tool (the caller adds the params key)."""
     module_name, name = split_path(path)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"module {module_name} not found (install its package, or run from the folder that "
-                             "contains it / add that folder to PYTHONPATH)") from None
-        raise ValueError(f"importing {module_name} failed: {e}") from e
-    except Exception as e:  # noqa: BLE001 - the module itself raised while importing: the user's to fix
-        raise ValueError(f"importing {module_name} failed: {type(e).__name__}: {e}") from e
+    module = import_user_module(module_name)
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
