@@ -40,17 +40,24 @@ def row_uses_tools(row: dict[str, Any]) -> bool:
 
 # ---------------------------------------------------------------------------------------- the `tools` column
 
+def _json(text: str) -> tuple[Any, str]:
+    """(the parsed value, '') of a JSON string, or (None, where it fails: "<message> at character <n>")."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"{e.msg} at character {e.pos}"
+
+
 def tools_problem(value: Any, name: str = "tools") -> str:
     """'' if `value` is a valid `tools` column (None, a list of schemas or Python functions, or that list as a
     JSON string), else why not, naming the entry."""
     if value is None:
         return ""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return (f"field '{name}' is a string but not JSON ({e.msg} at character {e.pos}); give a list of tool "
-                    f"schemas, or that list as a JSON string")
+        value, bad = _json(value)
+        if bad:
+            return f"field '{name}' is a string but not JSON ({bad}); give a list of tool schemas, or that list as a " \
+                   "JSON string"
     if not isinstance(value, list):
         return f"field '{name}' must be a list of tool schemas, got {type(value).__name__}"
     for i, tool in enumerate(value):
@@ -136,11 +143,10 @@ def tool_calls_problem(field: str, calls: Any) -> str:
             return f"field '{where}.function.name' must be the called function's name, got {_short(fn.get('name'))}"
         args = fn.get("arguments")
         if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                return (f"field '{where}.function.arguments' is not JSON ({e.msg} at character {e.pos}: "
-                        f"{_short(fn['arguments'])}); give an object of arguments, or one as a JSON string")
+            args, bad = _json(args)
+            if bad:
+                return (f"field '{where}.function.arguments' is not JSON ({bad}: {_short(fn['arguments'])}); give an "
+                        "object of arguments, or one as a JSON string")
         if not isinstance(args, dict):
             return (f"field '{where}.function.arguments' must be an object of arguments (or one as a JSON "
                     f"string), got {_short(fn.get('arguments'))}")
