@@ -266,7 +266,7 @@ def seed_params(out: Path, seed: int, overrides: dict[str, Any], params_file: Pa
 
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
              eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess",
-             params_file: Path | None = None) -> list[dict[str, Any]]:
+             params_file: Path | None = None, sides: tuple[str, ...] = SIDES) -> list[dict[str, Any]]:
     import torch
 
     from stages.harness import runner
@@ -286,7 +286,8 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
     need_sft = "sft" in methods or ("grpo" in methods or dpo_start == str(sft_model)) and not sft_model.is_dir()
     for method in ["sft"] * need_sft + [m for m in methods if m != "sft"]:
         for side in SIDES:
-            if method == "sft" and side == "trl" and "sft" not in methods:
+            if method != "sft" and side not in sides or method == "sft" and side == "trl" and (
+                    "sft" not in methods or side not in sides):
                 continue
             torch.manual_seed(seed)
             work = out / f"work-{method}-{side}"
@@ -346,6 +347,8 @@ def parse(argv=None):
                     help="every method's steps = scale x its default number of optimizer steps")
     for m in METHODS:
         ap.add_argument(f"--{m}-steps", type=int, default=None, help=f"max_steps of {m} on both sides")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
+                    help="which sides to run (our SFT model of a seed is trained when missing, whichever side)")
     ap.add_argument("--eval-samples", type=int, default=-1, help="first N eval prompts (default: all)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: autocast (bf16=True) on both sides, fp32 weights")
@@ -429,7 +432,7 @@ def run(argv=None) -> list[dict[str, Any]]:
     try:
         for seed in a.seeds:
             records += run_seed(seed, a.methods, out / f"seed-{seed}", overrides, steps, a.eval_samples,
-                                a.precision, report, a.dpo_pairs, a.params)
+                                a.precision, report, a.dpo_pairs, a.params, tuple(a.sides))
     finally:
         if not a.output_dir:
             shutil.rmtree(out, ignore_errors=True)
