@@ -38,7 +38,8 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
 
 
 # A CPU-bound neighbour: another training job's matmuls, on as many torch threads as given
-BUSY = "import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(512, 512)\nwhile True: a = (a @ a).tanh()"
+BUSY = ("import torch, sys; torch.set_num_threads(int(sys.argv[1])); a = torch.randn(512, 512)\n"
+        "while True: a = (a @ a).tanh()")
 
 
 @contextmanager

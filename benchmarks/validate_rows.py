@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
         params_of(REPO, "params.yaml")
         variants = [("load_params, no row checks", False, [])] + [
-            (f"load_params, rows checked, data.validate_rows={cap}", True, [f"data.validate_rows={cap}"]) for cap in args.caps]
+            (f"load_params, rows checked, data.validate_rows={cap}", True, [f"data.validate_rows={cap}"])
+            for cap in args.caps]
         codes = [("python -m stages status (this checkout)", REPO, folder / "params.yaml")] + [
             (f"python -m stages status ({code})", code, params_of(code, f"params-{i}.yaml"))
             for i, code in enumerate(args.status_code)]

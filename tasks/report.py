@@ -1,4 +1,5 @@
-"""Stage evaluate's report as a Prefect artifact, after the stage (tasks/stage.py); after stage promote, with its decision."""
+"""Stage evaluate's report as a Prefect artifact, after the stage (tasks/stage.py); after stage promote, with its
+decision."""
 from __future__ import annotations
 
 import json

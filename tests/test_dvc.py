@@ -118,7 +118,8 @@ def test_repro_noop_partial_rerun_and_run_cache(built):
     set_param(built, "max_new_tokens: 5", "max_new_tokens: 4")
     assert ran(sh("dvc", "repro", cwd=built).stdout) == []  # restored from DVC's run-cache
     status = sh(sys.executable, "-m", "stages", "status", cwd=built).stdout
-    assert status.count("current") == len(STAGE_ORDER), status  # ... and the restored files verify against their manifest
+    # ... and the restored files verify against their manifest
+    assert status.count("current") == len(STAGE_ORDER), status
     assert sh("git", "status", "--porcelain", cwd=built).stdout == ""
 
 

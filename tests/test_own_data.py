@@ -32,7 +32,8 @@ def test_sft_only_stops_at_params_validation_naming_the_fix_then_runs_with_it(tm
         load_params(params_file)
     assert ("score.reward_functions = ['reward_model'] includes reward_model, but there is no preference data to "
             "train one: set --set policy.method=grpo --set score.enabled=false (GRPO learns from the rule reward on "
-            "every sample), or keep policy.method = dpo with --set score.reward_functions=[exact_match] if") in str(e.value)
+            "every sample), or keep policy.method = dpo with --set score.reward_functions=[exact_match] "
+            "if") in str(e.value)
     assert not (tmp_path / "artifacts").exists()  # nothing built, not even the model
 
     # the fix named first: an online method with the rule reward (the tiny model's rule-scored pairs would all tie)

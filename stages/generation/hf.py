@@ -42,7 +42,8 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
     "decoder" raises ValueError with the reason when the decoder cannot run this model or decoding.
     """
     if backend not in CHOICES:
-        raise ValueError(f"generation backend = {backend!r}: not an in-process backend; choose from {', '.join(CHOICES)}")
+        raise ValueError(f"generation backend = {backend!r}: not an in-process backend; "
+                         f"choose from {', '.join(CHOICES)}")
     if isinstance(model, (str, os.PathLike)):
         from stages.models import load_causal_lm, load_tokenizer
 

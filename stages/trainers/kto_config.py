@@ -1,4 +1,5 @@
-"""`KTOConfig`: Kahneman-Tversky optimisation's settings, TRL's names, one declaration (`stages.trainers.kto_trainer`)."""
+"""`KTOConfig`: Kahneman-Tversky optimisation's settings, TRL's names, one declaration
+(`stages.trainers.kto_trainer`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

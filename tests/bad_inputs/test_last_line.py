@@ -54,7 +54,8 @@ def test_bad_value(tmp_path, params_for):
     params = params_for()
     rc, lines, _ = run_stages(tmp_path, "sft", "--params", str(params), "--set", "sft.learning_rate=-1")
     assert rc == 2
-    assert show("bad value", lines) == "  - sft.learning_rate = -1: must be > 0 (The initial learning rate for the optimizer.)"
+    assert show("bad value", lines) == ("  - sft.learning_rate = -1: must be > 0 "
+                                        "(The initial learning rate for the optimizer.)")
 
 
 @pytest.mark.parametrize("name", ["models/my-qwen", "./my-qwen", "~/no-such-align-model", "my-qwen"])

@@ -85,7 +85,8 @@ def test_custom_code_needs_trust_remote_code(capsys, tmp_path, params_for, model
     assert_rejected(capsys, params, "preprocess", r"model\.name_or_path = '" + escape(folder) + r"': config\.json "
                     r"needs custom code \(auto_map: AutoConfig -> modeling_custom\.CustomConfig, AutoModelForCausalLM "
                     r"-> modeling_custom\.CustomModel\), and model\.trust_remote_code is false: loading would run "
-                    r"code from the model folder\. Read that code, then set model\.trust_remote_code: true if you trust it",
+                    r"code from the model folder\. Read that code, then set model\.trust_remote_code: true if you "
+                    r"trust it",
                     code=2)
     assert not marker.exists() and not (tmp_path / "artifacts").exists()
     load_params(params, ["model.trust_remote_code=true"])  # consent given: validation lets it through

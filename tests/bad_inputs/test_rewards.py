@@ -22,7 +22,8 @@ CASES = [
       r"tests\.bad_inputs\.rewards_broken failed: RuntimeError: reward module misconfigured"]),
     ("code_in_the_path", "os:system('touch pwned')", [r"score\.reward_functions\[0\] = \"os:system\('touch pwned'\)\": "
                                                        r"os has no attribute"]),
-    ("wrong_length", f"{M}:wrong_length", [rf"reward function '{M}:wrong_length' returned 1 values for 36 completions"]),
+    ("wrong_length", f"{M}:wrong_length",
+     [rf"reward function '{M}:wrong_length' returned 1 values for 36 completions"]),
     ("not_numbers", f"{M}:strings", [rf"reward function '{M}:strings', row 0: 'good' \(str\) is not a number"]),
     ("not_finite", f"{M}:nan_scores", [rf"reward function '{M}:nan_scores', row 0: nan is not finite"]),
 ]

@@ -1,4 +1,5 @@
-"""`python -m benchmarks alignment`: the tuning budget, the choice, and a sweep that looks at eval only for the choice."""
+"""`python -m benchmarks alignment`: the tuning budget, the choice, and a sweep that looks at eval only for the
+choice."""
 from __future__ import annotations
 
 import re

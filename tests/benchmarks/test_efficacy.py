@@ -1,4 +1,5 @@
-"""`python -m benchmarks efficacy`: ours vs TRL on tiny settings prints its table (one method, one seed, a few steps)."""
+"""`python -m benchmarks efficacy`: ours vs TRL on tiny settings prints its table (one method, one seed, a few
+steps)."""
 from __future__ import annotations
 
 import re

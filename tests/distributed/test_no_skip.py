@@ -3,9 +3,10 @@
 One launch of tests/distributed/no_skip_worker.py trains online DPO, GRPO and PPO for 2 SGD steps with real
 sampling and a reward that ties everything on rank 1 only (online DPO: every pair drops; GRPO: every
 advantage is 0; PPO: every completion unscored). Rank 1 still runs the step (a zero-weighted placeholder
-pair, zero advantages, an empty mask) so DDP's all-reduce and the metric gathers pair up: both ranks finish with the same weights, which rank 0's pairs
-moved. The same launch samples a target prompt on each rank inside a batch of 8 at another position; rank
-1's completions equal those of this process sampling the prompt alone.
+pair, zero advantages, an empty mask) so DDP's all-reduce and the metric gathers pair up: both ranks finish
+with the same weights, which rank 0's pairs moved. The same launch samples a target prompt on each rank
+inside a batch of 8 at another position; rank 1's completions equal those of this process sampling the
+prompt alone.
 """
 import json
 import math

@@ -1,4 +1,5 @@
-"""Sampling seeded per prompt (stages.generation.per_row_sampler): a prompt's completions do not depend on where it lands.
+"""Sampling seeded per prompt (stages.generation.per_row_sampler): a prompt's completions do not depend on where it
+lands.
 
 The rank half of "alone, in a batch of 8, on rank 1 of 2" is in tests/distributed/test_no_skip.py (a real
 2-process run samples the same prompt on rank 1); here the seed formula is checked to take no rank at all.

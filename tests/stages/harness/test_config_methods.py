@@ -115,7 +115,8 @@ def test_a_deprecated_python_argument_warns_and_moves():
     with pytest.warns(FutureWarning, match="SFTConfig.max_seq_length is deprecated.*use SFTConfig.max_length"):
         assert SFTConfig(output_dir="/tmp/unused", use_cpu=True, max_seq_length=64).max_length == 64
     with pytest.warns(FutureWarning, match="OnlineDPOConfig.generation is deprecated"):
-        assert OnlineDPOConfig(output_dir="/tmp/unused", use_cpu=True, generation={"max_new_tokens": 8}).max_new_tokens == 8
+        assert OnlineDPOConfig(output_dir="/tmp/unused", use_cpu=True,
+                               generation={"max_new_tokens": 8}).max_new_tokens == 8
     with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap"):
         assert GRPOConfig(output_dir="/tmp/unused", use_cpu=True, tis_cap=3.0).vllm_importance_sampling_cap == 3.0
 

@@ -37,8 +37,9 @@ def test_full_policy_model_is_resaved_without_extras(built_pipeline, tmp_path):
     policy = tmp_path / "policy"
     shutil.copytree(runner.output_dir(params, "policy"), policy)
     save_file({"v_head.summary.weight": torch.ones(1, 32)}, str(policy / "model" / "value_head.safetensors"))
-    ctx = StageContext(params=params, out=tmp_path / "out", inputs={"preprocess": runner.output_dir(params, "preprocess"),
-                       "sft": runner.output_dir(params, "sft"), "policy": policy}, log=logging.getLogger("t"),
+    ctx = StageContext(params=params, out=tmp_path / "out",
+                       inputs={"preprocess": runner.output_dir(params, "preprocess"),
+                               "sft": runner.output_dir(params, "sft"), "policy": policy}, log=logging.getLogger("t"),
                        work=tmp_path / "work", stage="merge")
     ctx.out.mkdir()
     merge_stage.run(ctx)
