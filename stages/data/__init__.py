@@ -22,8 +22,9 @@ from stages.data.hub import read_rows as read_spec_rows
 from stages.data.io import DataError, read_jsonl, read_rows, write_jsonl
 from stages.data.templates import apply_chat_template, maybe_extract_prompt, unpair_preference_dataset
 
-__all__ = ["DataError", "LoadReport", "load_source", "load_grouped", "iter_rows", "iter_source", "check_report", "is_conversational", "read_jsonl", "write_jsonl", "FORMATS",
-           "apply_chat_template", "maybe_extract_prompt", "unpair_preference_dataset", "pack_dataset"]
+__all__ = ["DataError", "LoadReport", "load_source", "load_grouped", "iter_rows", "iter_source", "check_report",
+           "is_conversational", "read_jsonl", "write_jsonl", "FORMATS", "apply_chat_template", "maybe_extract_prompt",
+           "unpair_preference_dataset", "pack_dataset"]
 
 
 def __getattr__(name: str):  # packing imports numpy: loaded on first use, so params validation stays light

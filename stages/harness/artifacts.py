@@ -102,7 +102,8 @@ def verify(folder: Path, expected_fingerprint: str | None = None) -> tuple[bool,
     recorded = {**manifest.get("outputs", {}).get("files", {}), **manifest.get("logs", {}).get("files", {})}
     actual = file_hashes(folder)
     if actual != recorded:
-        changed = sorted(set(recorded) ^ set(actual) | {k for k in recorded if actual.get(k, recorded[k]) != recorded[k]})
+        changed = sorted(set(recorded) ^ set(actual)
+                         | {k for k in recorded if actual.get(k, recorded[k]) != recorded[k]})
         return False, f"files changed since the manifest was written: {', '.join(changed[:5])}"
     return True, ""
 

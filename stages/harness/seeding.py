@@ -1,6 +1,7 @@
 """Seeds and determinism settings, set once before a stage runs; what its outputs still depend on.
 
-`stages.harness.runner` calls `prepare(run)` (threads from `run.threads`, then `seed_everything(run.seed)`) before every stage entry point (and every
+`stages.harness.runner` calls `prepare(run)` (threads from `run.threads`, then
+`seed_everything(run.seed)`) before every stage entry point (and every
 shard, and every launched rank), whichever way it was started (the Prefect flow, `python -m
 stages`, `dvc repro`). So whatever a stage draws before its trainer sets its own seed — a fresh
 reward-model `score` head, a PPO value head, LoRA's `A` matrices, dropout — is drawn from the

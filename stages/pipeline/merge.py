@@ -107,7 +107,8 @@ def adapter_specs(source: str, extra: list[str], weights: list[float] | None) ->
     specs = adapter_merge.pair_weights(paths, weights)
     if paths and paths[0] == source:  # name the policy adapter by what it is, not by a params key
         specs[0] = adapter_merge.AdapterSpec(specs[0].path, specs[0].weight, "the policy stage's adapter")
-        specs[1:] = [adapter_merge.AdapterSpec(s.path, s.weight, f"merge.adapters[{i}]") for i, s in enumerate(specs[1:])]
+        specs[1:] = [adapter_merge.AdapterSpec(s.path, s.weight, f"merge.adapters[{i}]")
+                     for i, s in enumerate(specs[1:])]
     return specs
 
 

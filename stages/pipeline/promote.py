@@ -394,10 +394,11 @@ def markdown(result: dict[str, Any]) -> str:
     prod = result.get("production") or {}
     bound = (f"; improvement {d['improvement']:+.4g}, one-sided {d['confidence']:.0%} lower bound "
              f"{d['lower_bound']:+.4g} ({d['method']})" if d.get("lower_bound") is not None else "")
+    hub = result["hub"]
     lines = ["## Promotion", "", f"- decision: **{result['event']}**: {d['reason']}",
              f"- metric: {d['metric']}: candidate {d['candidate']}, production {d['production']}{bound}",
              f"- production: {prod.get('version', 'none')} ({prod.get('path', '-')})",
-             f"- hub: {'pushed to ' + result['hub']['model_id'] if result['hub'].get('pushed') else result['hub']['reason']}"]
+             f"- hub: {'pushed to ' + hub['model_id'] if hub.get('pushed') else hub['reason']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,8 @@ def run(ctx) -> dict[str, Any]:
         "adapter": s.lora.enabled,
         "precision": training.precision_report(trainer),
         "train_runtime_s": round(result.metrics.get("train_runtime", 0.0), 2),
-        "base_model": {"name_or_path": p.model.name_or_path, "fingerprint": model_fingerprint(p.model, p.run.output_dir)},
+        "base_model": {"name_or_path": p.model.name_or_path,
+                       "fingerprint": model_fingerprint(p.model, p.run.output_dir)},
     }
 
 

@@ -3,7 +3,9 @@
 checks, also read torch-free as params.yaml's section) and `<method>_trainer.py` (a thin trainer calling
 `stages.losses`). Shared mechanics: `inputs.py` (TRL-shaped arguments: a model id or folder, the tokenizer,
 `peft_config`, datasets), `pair_batches.py` (pair tokenisation, collation, sequence log-probs),
-`reference_model.py` (the reference model), `online_generation.py` (sampling and seeds), `rollout.py`; the model-forward blocks they share (`stages.logprobs`, `stages.pair_packing`, `stages.precision`) sit beside `stages.kernels`.
+`reference_model.py` (the reference model), `online_generation.py` (sampling and seeds), `rollout.py`; the
+model-forward blocks they share (`stages.logprobs`, `stages.pair_packing`, `stages.precision`) sit beside
+`stages.kernels`.
 
     from stages.trainers import DPOConfig, DPOTrainer     # as `from trl import ...`
 """

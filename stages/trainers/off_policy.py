@@ -15,8 +15,9 @@ logger = logging.getLogger(__name__)
 
 
 class OffPolicyWarning:
-    """Mixin for a Trainer whose args carry `vllm_importance_sampling_cap`, `tis_warn` and `sampling`: `warn_off_policy(logs)`
-    warns once per run, by name, when the logged `tis/mean_ratio` departs from 1 by more than `tis_warn`."""
+    """Mixin for a Trainer whose args carry `vllm_importance_sampling_cap`, `tis_warn` and `sampling`:
+    `warn_off_policy(logs)` warns once per run, by name, when the logged `tis/mean_ratio` departs from 1 by more
+    than `tis_warn`."""
 
     _tis_warned = False
 

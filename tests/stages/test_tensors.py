@@ -92,7 +92,8 @@ def test_flush_left_bad_input():
 
 def test_completion_mask_from_eos_pad_equals_eos():
     eos = pad_id = 2
-    ids = T([[5, 6, eos, pad_id, pad_id], [5, 6, 7, 8, 9], [eos, pad_id, pad_id, pad_id, pad_id], [5, eos, 7, eos, pad_id]])
+    ids = T([[5, 6, eos, pad_id, pad_id], [5, 6, 7, 8, 9], [eos, pad_id, pad_id, pad_id, pad_id],
+             [5, eos, 7, eos, pad_id]])
     mask = completion_mask_from_eos(ids, eos)
     assert mask.dtype == torch.long
     assert torch.equal(mask, T([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]))

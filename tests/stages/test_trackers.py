@@ -56,8 +56,8 @@ def test_pipeline_run_name(tmp_path, monkeypatch):
 def test_pipeline_run_is_the_same_in_every_stage_process(tmp_path):
     """`python -m stages` runs and `dvc repro`: a fresh process per stage finds the same name."""
     params = write_params(tmp_path)
-    code = ("import sys; from stages.harness.params_loader import load_params; from stages.trackers import pipeline_run; "
-            "print(pipeline_run(load_params(sys.argv[1])))")
+    code = ("import sys; from stages.harness.params_loader import load_params; "
+            "from stages.trackers import pipeline_run; print(pipeline_run(load_params(sys.argv[1])))")
     env = {k: v for k, v in os.environ.items() if k not in (trackers.RUN_ENV, "DVC_EXP_NAME")}
     env["PYTHONPATH"] = str(ROOT)
     names = {subprocess.run([sys.executable, "-c", code, str(params)], capture_output=True, text=True, env=env,

@@ -66,7 +66,8 @@ def test_cycle_finder_reports_a_lazy_cycle(tmp_path):
 
 def test_cycle_finder_counts_type_checking_imports(tmp_path):
     write_tree(tmp_path, {"stages/__init__.py": "", "stages/a.py": "from stages import b\n",
-                          "stages/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stages.a import g\n"})
+                          "stages/b.py": "from typing import TYPE_CHECKING\n"
+                                         "if TYPE_CHECKING:\n    from stages.a import g\n"})
     assert imports.find_cycle(imports.import_graph(("stages",), tmp_path)) is None  # nothing runs it
     cycle = imports.find_cycle(imports.import_graph(("stages",), tmp_path, type_checking=True))
     assert describe(cycle) == "stages.a\n  -> stages.b (stages.a:1)\n  -> stages.a (stages.b:3, lazy)"

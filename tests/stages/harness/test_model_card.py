@@ -1,4 +1,5 @@
-"""Model cards (stages/harness/model_card.py) of every saved model folder, read back with huggingface_hub's ModelCard.load."""
+"""Model cards (stages/harness/model_card.py) of every saved model folder, read back with huggingface_hub's
+ModelCard.load."""
 import dataclasses
 import json
 

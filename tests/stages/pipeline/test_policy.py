@@ -70,8 +70,9 @@ def test_no_preference_pairs_is_a_clear_error(tmp_path):
                                               for i in range(60)))
     # found when the params are validated, before anything is trained (stages.data.sources.needs)
     with pytest.raises(ParamsError, match=r"policy\.data = preprocess, but the data has no preference rows for "
-                                          r"policy\.method = dpo: set --set policy\.method=grpo --set score\.enabled=false \(GRPO learns from the rule "
-                                          r"reward on every sample\), or --set policy\.data=score"):
+                                          r"policy\.method = dpo: set --set policy\.method=grpo "
+                                          r"--set score\.enabled=false \(GRPO learns from the rule reward on every "
+                                          r"sample\), or --set policy\.data=score"):
         load_params(write_params(tmp_path, {"data": {"source": str(tmp_path / "d.jsonl")},
                                             "score": {"enabled": False}, "policy": {"data": "preprocess"}}))
 
