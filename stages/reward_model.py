@@ -183,7 +183,7 @@ def score_texts(model, tokenizer, prompts: list, completions: list, *, batch_siz
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions: one completion per prompt")
     if batch_size <= 0:
         raise ValueError(f"batch_size = {batch_size}: must be > 0")
-    rows = [{"prompt": p, "completion": _as_completion(p, c)} for p, c in zip(prompts, completions)]
+    rows = [{"prompt": p, "completion": _as_completion(p, c)} for p, c in zip(prompts, completions, strict=True)]
     toks = tokenize_sft(tokenizer, rows, max_length=max_length)
     device = next(model.parameters()).device
     was_training = model.training

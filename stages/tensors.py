@@ -65,7 +65,7 @@ def pad(
         if padding_side == "right":
             region = tuple(slice(0, s) for s in t.shape)
         else:
-            region = tuple(slice(m - s, m) for s, m in zip(t.shape, shape))
+            region = tuple(slice(m - s, m) for s, m in zip(t.shape, shape, strict=True))
         out[(i, *region)] = t
     return out
 

@@ -65,7 +65,7 @@ class CompletionCollator:
                 labels[starts] = IGNORE_INDEX
             labelled.append((ids, labels, starts))
         if self.padding_free:
-            ids, labels, starts = (torch.cat(parts) for parts in zip(*labelled))
+            ids, labels, starts = (torch.cat(parts) for parts in zip(*labelled, strict=True))
             labelled = [(ids, labels, starts)]
         return self._pad(labelled, packed)
 

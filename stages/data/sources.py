@@ -303,7 +303,7 @@ def _reward_model_without_pairs(params, shape: DataShape) -> list[tuple[str, str
         rest = [n for n in names if n not in REWARD_MODEL_REWARDS] or ["exact_match"]
         fix = f"--set {key}=[{','.join(rest)}]"
         if weights is not None:
-            kept = [w for n, w in zip(names, weights) if n not in REWARD_MODEL_REWARDS] or [1.0]
+            kept = [w for n, w in zip(names, weights, strict=True) if n not in REWARD_MODEL_REWARDS] or [1.0]
             fix += f" --set {key.rsplit('.', 1)[0]}.reward_weights=[{','.join(map(str, kept))}]"
         why = f"= {names} includes {named[0]}, but there is no preference data to train one: "
         if key == "score.reward_functions" and _reads_score_pairs(params) and shape.prompts_derivable:

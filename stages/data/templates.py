@@ -65,7 +65,7 @@ def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
 
 def _common_prefix_length(a: str, b: str) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the shorter string bounds the prefix
         if x != y:
             break
         n += 1

@@ -350,7 +350,7 @@ def preference_loss(objectives: list[tuple[str, Callable]], loss_weights: list[f
     chosen, rejected = logps.chunk(2)
     n_chosen, n_rejected = num_tokens.chunk(2)
     total, rewards, stats = 0.0, None, {}
-    for (name, fn), w in zip(objectives, loss_weights):
+    for (name, fn), w in zip(objectives, loss_weights, strict=True):
         out = fn(chosen, rejected, ref_chosen, ref_rejected, beta=beta, chosen_num_tokens=n_chosen,
                  rejected_num_tokens=n_rejected, label_smoothing=label_smoothing, reference_free=reference_free,
                  bco_delta=bco_delta, discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,

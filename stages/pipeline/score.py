@@ -222,7 +222,7 @@ def build_pairs(rows, prompt_index, texts, scores, lengths, s) -> tuple[list[dic
     """Per prompt: drop unscored, over-long and duplicate completions, then pair by score; count every drop."""
     counts: Counter = Counter()
     groups: dict[int, list[tuple[str, float]]] = {}
-    for i, text, score, length in zip(prompt_index, texts, scores, lengths):
+    for i, text, score, length in zip(prompt_index, texts, scores, lengths, strict=True):
         group = groups.setdefault(i, [])
         if score is None:
             counts["unscored_completions"] += 1

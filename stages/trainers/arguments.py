@@ -54,7 +54,7 @@ def _transformers_fields() -> tuple[tuple[str, str, Any, str], ...]:
         kw = {k.arg: k.value for k in node.value.keywords}
         help_ = ""
         if isinstance(kw.get("metadata"), ast.Dict):
-            meta = dict(zip((ast.literal_eval(k) for k in kw["metadata"].keys), kw["metadata"].values))
+            meta = dict(zip((ast.literal_eval(k) for k in kw["metadata"].keys), kw["metadata"].values, strict=True))
             help_ = ast.literal_eval(meta["help"]) if "help" in meta else ""
         if "default_factory" in kw:
             default: Any = dataclasses.MISSING if ast.unparse(kw["default_factory"]) != "list" else []

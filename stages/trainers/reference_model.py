@@ -129,7 +129,7 @@ def compute_reference_logps(model, tokenizer, rows: list[dict], *, max_length: i
     reads instead of running a reference. Valid for training with the same tokenizer, max_length and ld_alpha."""
     table = reference_logps_table(model, tokenizer, rows, max_length=max_length, batch_size=batch_size,
                                   device=device, chunked=chunked, ld_alpha=ld_alpha)
-    return [{**r, REF_COLUMNS[0]: c, REF_COLUMNS[1]: rj} for r, (c, rj) in zip(rows, table.tolist())]
+    return [{**r, REF_COLUMNS[0]: c, REF_COLUMNS[1]: rj} for r, (c, rj) in zip(rows, table.tolist(), strict=True)]
 
 
 

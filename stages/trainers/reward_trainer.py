@@ -57,7 +57,7 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, *, start: int =
                 raise ValueError(f"preference row {start + i}: the prompt fills max_length = {max_length}; nothing of "
                                  f"the {side} completion is left (raise max_length or filter long prompts)")
             out[i][f"{side}_input_ids"] = t["input_ids"]
-    for i, (r, o) in enumerate(zip(rows, out), start=start):
+    for i, (r, o) in enumerate(zip(rows, out, strict=True), start=start):
         if o["chosen_input_ids"] == o["rejected_input_ids"]:
             raise ValueError(f"preference row {i}: chosen and rejected are identical after truncation to max_length "
                              f"= {max_length} (they differ only later); raise max_length or drop the row")

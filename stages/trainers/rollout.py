@@ -133,7 +133,7 @@ def completion_logps(model, batch: dict[str, torch.Tensor], *, temperature: floa
             got = head_logprobs(hidden[:, window][select].float() if fp32 else hidden[:, window][select], head,
                                 targets[select], temperature=temperature, return_entropy=with_entropy)
         got = got if with_entropy else (got,)
-        for name, value in zip(("logps", "entropy"), got):
+        for name, value in zip(("logps", "entropy"), got, strict=False):  # got: (logps,) without entropy
             result[name] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(
                 select, value.float())
     else:

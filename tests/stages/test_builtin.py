@@ -94,7 +94,7 @@ def test_chat_template_prompt_is_prefix_and_marks_assistant(tiny_dir):
     full = tok.apply_chat_template(msgs, tokenize=False)
     assert full == prompt + "132<|end|>" and prompt.endswith("<|assistant|>\n")
     enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    marked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]
+    marked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"], strict=True) if m]
     assert tok.decode(marked) == "132<|end|>"
 
 

@@ -118,7 +118,7 @@ def test_attention_runs_in_fp32_under_cpu_autocast_and_is_plain_sdpa_otherwise(t
     for m in (plain, model):
         m.zero_grad()
         m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
-    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
     model.save_pretrained(tmp_path)
     assert CPU_FP32_SDPA not in json.dumps(json.loads((tmp_path / "config.json").read_text()))

@@ -26,7 +26,7 @@ def test_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(setup):  # n
     assert batch["attention_mask"].sum(-1).unique().numel() > 1  # really padded
     ours = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])
     alone = torch.stack([model(input_ids=ids[m.bool()][None]).logits[0, 0]  # config pad (<|pad|>) absent here
-                         for ids, m in zip(batch["input_ids"], batch["attention_mask"])])
+                         for ids, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)])
     assert torch.allclose(ours, alone, atol=1e-5)
     model.config.pad_token_id = eos_tok.pad_token_id
     assert not torch.allclose(ours, model(**batch).logits[:, 0], atol=1e-3)

@@ -8,5 +8,5 @@ def test_one_task_per_stage_named_after_it():
     assert [t.name for t in STAGE_TASKS.values()] == list(ALL_STAGES)
     keys = [t.task_key for t in STAGE_TASKS.values()]
     assert len(set(keys)) == len(keys)  # Prefect tells the tasks apart (run names, dynamic keys)
-    assert all(key.startswith(f"{name}-") for name, key in zip(ALL_STAGES, keys))
+    assert all(key.startswith(f"{name}-") for name, key in zip(ALL_STAGES, keys, strict=True))
     assert set(AFTER_RUN) <= set(ALL_STAGES)

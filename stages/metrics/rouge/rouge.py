@@ -41,7 +41,7 @@ class Rouge(evaluate.Metric):
         rouge_types = rouge_types or ["rouge1", "rouge2", "rougeL", "rougeLsum"]
         scorer = rouge_scorer.RougeScorer(rouge_types=rouge_types, use_stemmer=use_stemmer)
         scores = []
-        for pred, ref in zip(predictions, references):
+        for pred, ref in zip(predictions, references, strict=True):
             refs = [ref] if isinstance(ref, str) else list(ref)
             scores.append(scorer.score_multi(refs, pred) if len(refs) > 1 else scorer.score(refs[0], pred))
         if use_aggregator:

@@ -29,7 +29,8 @@ def _close(t, expected, tol=1e-6):
         return
     got = torch.tensor(got, dtype=F64).flatten().tolist()
     expected = torch.tensor(expected, dtype=F64).flatten().tolist()
-    assert len(got) == len(expected) and all(math.isclose(g, e, abs_tol=tol) for g, e in zip(got, expected)), \
+    assert len(got) == len(expected) and all(math.isclose(g, e, abs_tol=tol)
+                                             for g, e in zip(got, expected, strict=True)), \
         (got, expected)
 
 

@@ -10,7 +10,7 @@ def test_reference_logps_cover_every_pair(built_pipeline):
     rows = read_jsonl(runner.output_dir(params, "reference") / "pairs.jsonl")
     pairs = read_jsonl(runner.output_dir(params, "score") / "pairs.jsonl")
     assert len(rows) == len(pairs) == m["pairs"] > 0
-    for row, pair in zip(rows, pairs):
+    for row, pair in zip(rows, pairs, strict=True):
         assert row["chosen"] == pair["chosen"] and row["rejected"] == pair["rejected"]
         assert row["ref_chosen_logps"] < 0 and row["ref_rejected_logps"] < 0  # summed log-probs of real tokens
 

@@ -171,7 +171,7 @@ if __name__ == "__main__":  # the figures of the module docstring: python -m tes
     got, stale, now = measure(model, tok, rows, seeds)
     print(f"E[R] stale copy {stale:.3f}, policy {now:.3f}; {len(seeds)} seeds x 512 one-token samples")
     for name, runs in got.items():
-        p, r, c = zip(*runs)
+        p, r, c = zip(*runs, strict=True)
         print(f"{name:12s} projection on the exact gradient {statistics.mean(p):.3f} ± {statistics.stdev(p):.3f}  "
               f"tis/mean_ratio {statistics.mean(r):.3f}  tis/frac_capped {statistics.mean(c):.3f}")
 
