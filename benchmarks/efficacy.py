@@ -238,15 +238,17 @@ def grpo(side: str, p, start: str, data: Path, work: Path, precision: str, steps
             import datasets
             import trl
 
-            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations, max_completion_length=g.max_completion_length,
-                                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, beta=g.beta,
+            cfg = trl.GRPOConfig(**args, num_generations=g.num_generations,
+                                 max_completion_length=g.max_completion_length, temperature=g.temperature,
+                                 top_p=g.top_p, top_k=g.top_k, beta=g.beta,
                                  epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_type=g.loss_type,
                                  scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
                                  mask_truncated_completions=g.mask_truncated_completions, use_vllm=False,
                                  log_completions=False)
             assert cfg.generation_batch_size == cfg.per_device_train_batch_size  # one generation per step, as ours
-            trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward(tok)], args=cfg, processing_class=tok,
-                                      train_dataset=datasets.Dataset.from_list(prompts), peft_config=peft_config(g))
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=[final_number_reward(tok)], args=cfg,
+                                      processing_class=tok, train_dataset=datasets.Dataset.from_list(prompts),
+                                      peft_config=peft_config(g))
         result = trainer.train()
     return trainer, tok, clock, result
 

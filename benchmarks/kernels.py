@@ -192,7 +192,8 @@ def _fmt_sizes(s: dict) -> str:
 
 
 def _table(results: list[dict]) -> list[str]:
-    head = "| kernel | shape | dtype | variant | fwd ms | bwd ms | fwd+bwd ms | fwd peak extra MiB | fwd+bwd peak extra MiB |"
+    head = ("| kernel | shape | dtype | variant | fwd ms | bwd ms | fwd+bwd ms | fwd peak extra MiB "
+            "| fwd+bwd peak extra MiB |")
     lines = [head, "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         kernel = "selective_log_softmax" if r["kind"] == "sls" else "chunked_logprobs"
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(_table(results)))
     print()
     if args.tiny:
-        print("(tiny sizes: the chunk budgets are sized for the full shapes, so the targets below are only meaningful without --tiny)")
+        print("(tiny sizes: the chunk budgets are sized for the full shapes, so the targets below are only "
+              "meaningful without --tiny)")
     print("\n".join(_targets(by)))
     return 0

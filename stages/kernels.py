@@ -512,7 +512,8 @@ def chunked_logprobs(
     if hidden.dim() < 2:
         raise ValueError(f"`hidden` must have shape (N, H) or (..., H); got shape {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        got = f"shape {tuple(weight.shape)}, dtype {weight.dtype}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        got = (f"shape {tuple(weight.shape)}, dtype {weight.dtype}" if isinstance(weight, torch.Tensor)
+               else type(weight).__name__)
         raise ValueError(f"`weight` must be a floating-point (V, H) tensor; got {got}")
     vocab, width = weight.shape
     if hidden.dtype != weight.dtype:
@@ -528,7 +529,8 @@ def chunked_logprobs(
     if bias is not None and (
         not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,) or bias.dtype != weight.dtype
     ):
-        got = f"shape {tuple(bias.shape)}, dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        got = (f"shape {tuple(bias.shape)}, dtype {bias.dtype}" if isinstance(bias, torch.Tensor)
+               else type(bias).__name__)
         raise ValueError(f"`bias` must have shape ({vocab},) and dtype {weight.dtype} to match weight; got {got}")
     if not isinstance(index, torch.Tensor) or tuple(index.shape) != tuple(hidden.shape[:-1]):
         got = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__

@@ -24,9 +24,9 @@ def local_or_hub(name: str) -> str:
 
 
 def model_skeleton(cfg, *, sequence_classifier: bool = False):
-    """`cfg`: the `model` params section. The model's modules without its weights (on the meta device: no memory, no download), for checks made
-    before any training. Reads only config.json (builtin:tiny: its config from model.builtin; a GGUF file: its
-    header)."""
+    """`cfg`: the `model` params section. The model's modules without its weights (on the meta device: no memory,
+    no download), for checks made before any training. Reads only config.json (builtin:tiny: its config from
+    model.builtin; a GGUF file: its header)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -58,7 +58,8 @@ def pick_device(device: str) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("run.device = 'cuda' but no CUDA device is visible; use auto or cpu")
-    if device == "cuda" and "LOCAL_RANK" in os.environ:  # a launched rank (stages.harness.launch): "cuda" is its own GPU
+    # a launched rank (stages.harness.launch): "cuda" is its own GPU
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return device
 

@@ -74,7 +74,8 @@ def why_not(model, capacity: int) -> str | None:
         return f"parameters on {sorted(devices)}: the decoder is for CPU"
     size = sum(p.numel() * p.element_size() for p in params)
     if size > MAX_WEIGHT_BYTES:
-        return f"{size / 2**30:.1f} GiB of weights: more than the decoder copies per call ({MAX_WEIGHT_BYTES / 2**30:.0f} GiB)"
+        return (f"{size / 2**30:.1f} GiB of weights: more than the decoder copies per call "
+                f"({MAX_WEIGHT_BYTES / 2**30:.0f} GiB)")
     window = getattr(config, "sliding_window", None)
     sliding = any(t != "full_attention" for t in getattr(config, "layer_types", None) or [])
     if (sliding or kind == "mistral") and window is not None and window < capacity:
@@ -153,8 +154,9 @@ class Decoder:
         probe = self.embed[:1, None]
         cos, sin = self.rotary(probe, positions)
         cos, sin = cos[:, None], sin[:, None]  # (P, 1, capacity, D)
-        cache = torch.empty(len(self.layers), 2, prompts, self.kv_heads, width + min(max_new_tokens, FIRST_CACHE_TOKENS),
-                            self.head_dim, dtype=probe.dtype, device=device)
+        cache = torch.empty(len(self.layers), 2, prompts, self.kv_heads,
+                            width + min(max_new_tokens, FIRST_CACHE_TOKENS), self.head_dim, dtype=probe.dtype,
+                            device=device)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         eye = torch.eye(width, dtype=torch.bool, device=device)
         prefill_mask = ((causal & valid[:, None, :width]) | eye)[:, None]

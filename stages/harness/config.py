@@ -503,7 +503,8 @@ class PromoteParams:
     hub: HubParams = param(default_factory=HubParams, help="optional push of the promoted model")
 
     def validate(self) -> list[tuple[str, str]]:
-        lm_eval_column = re.fullmatch(r"lm_eval\.[^.\s]+\.[^.\s]+(\.[^.\s]+)?", self.metric) and "_stderr" not in self.metric
+        lm_eval_column = (re.fullmatch(r"lm_eval\.[^.\s]+\.[^.\s]+(\.[^.\s]+)?", self.metric)
+                          and "_stderr" not in self.metric)
         if (self.metric in EVAL_METRICS and self.metric != "length") or lm_eval_column or \
                 self.metric in ("judge.lc_win_rate", "judge.win_rate"):
             return []
@@ -532,7 +533,8 @@ class ScheduleConfig:
 
 @dataclass
 class LaunchConfig:
-    """How training stages (sft, reward, policy) run: in-process (1 process), or `accelerate launch` (see stages.harness.launch)."""
+    """How training stages (sft, reward, policy) run: in-process (1 process), or `accelerate launch` (see
+    stages.harness.launch)."""
 
     num_processes: int = positive(1, "processes over all machines (one per GPU); 1: in-process, no launcher")
     num_machines: int = positive(1, "machines taking part; each runs the same command with its machine_rank")

@@ -31,7 +31,8 @@ def dvc_stages(output_dir: str = OUTPUT_DIR, params: Params | None = None) -> di
     for spec in STAGES.values():
         out[spec.name] = {
             "cmd": f"python -m stages {spec.name}",
-            "deps": [*spec.code(params=params), *(f"{output_dir}/{u}" for u in spec.upstream), *input_files(spec, params)],
+            "deps": [*spec.code(params=params), *(f"{output_dir}/{u}" for u in spec.upstream),
+                     *input_files(spec, params)],
             "params": list(spec.params),
             # the flat metrics file cached like the folder: an uncached plain out would turn off DVC's run-cache
             "outs": [f"{output_dir}/{spec.name}", f"{output_dir}/metrics/{spec.name}.json"],
@@ -85,5 +86,6 @@ def dvc_plots(output_dir: str = OUTPUT_DIR) -> list:
 
 
 def render_dvc_yaml(output_dir: str = OUTPUT_DIR, params: Params | None = None) -> str:
-    header = "# Generated from stages/harness/registry.py by `python -m stages dvc-yaml > dvc.yaml`; do not edit by hand.\n"
+    header = ("# Generated from stages/harness/registry.py by `python -m stages dvc-yaml > dvc.yaml`; "
+              "do not edit by hand.\n")
     return header + yaml.safe_dump(dvc_stages(output_dir, params), sort_keys=False, width=120)

@@ -192,7 +192,8 @@ def base_model(params) -> str:
 
 
 def _manifest(params, stage: str) -> dict[str, Any]:
-    """A stage's manifest in run.output_dir (stages.harness.runner.output_dir; not imported: this module sits below it)."""
+    """A stage's manifest in run.output_dir (stages.harness.runner.output_dir; not imported: this module sits below
+    it)."""
     from stages.harness import artifacts
 
     return artifacts.read_manifest(Path(params.run.output_dir) / stage) or {}
@@ -234,8 +235,10 @@ def pipeline_tag(folder: Path) -> str:
 
 def usage(library: str, tag: str) -> str:
     if library == "peft":
+        peft_cls = ("AutoPeftModelForSequenceClassification" if tag == "text-classification"
+                    else "AutoPeftModelForCausalLM")
         return ("from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification\n"
-                f"model = {'AutoPeftModelForSequenceClassification' if tag == 'text-classification' else 'AutoPeftModelForCausalLM'}"
+                f"model = {peft_cls}"
                 ".from_pretrained(\"path/to/this/folder\")")
     cls = "AutoModelForSequenceClassification" if tag == "text-classification" else "AutoModelForCausalLM"
     return (f"from transformers import AutoTokenizer, {cls}\n"
