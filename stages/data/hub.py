@@ -153,8 +153,8 @@ def read_rows(spec: DataSpec) -> Iterator[Row]:
     for start in range(0, len(ds), 1000):
         batch = ds[start:start + 1000]
         names = list(batch)
-        for i, values in enumerate(zip(*(batch[n] for n in names))):
-            yield Row(f"{spec} row {start + i}", drop_nulls(dict(zip(names, values))))
+        for i, values in enumerate(zip(*(batch[n] for n in names), strict=True)):
+            yield Row(f"{spec} row {start + i}", drop_nulls(dict(zip(names, values, strict=True))))
 
 
 def drop_nulls(value: Any) -> Any:

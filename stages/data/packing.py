@@ -72,7 +72,7 @@ def _bfd(lengths: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray, 
     bins_with_room: dict[int, list[int]] = {}
     bin_of = np.empty(len(order), dtype=np.int64)
     n_bins = 0
-    for i, n in zip(order.tolist(), clipped[order].tolist()):
+    for i, n in zip(order.tolist(), clipped[order].tolist(), strict=True):
         j = bisect_left(rooms, n)
         if j == len(rooms):
             b, room = n_bins, seq_length
@@ -138,7 +138,7 @@ def _read_list(rows: list[dict[str, Any]]) -> tuple[np.ndarray, dict[str, np.nda
     for name, value in rows[0].items():
         if name in _GENERATED or not isinstance(value, (list, tuple)):
             continue
-        if all(len(r.get(name, ())) == n for r, n in zip(rows, lengths.tolist())):
+        if all(len(r.get(name, ())) == n for r, n in zip(rows, lengths.tolist(), strict=True)):
             columns[name] = np.fromiter((x for r in rows for x in r[name]), dtype=np.int64,
                                         count=int(lengths.sum()))
     return lengths, columns

@@ -87,7 +87,7 @@ def tokenize_sft(tokenizer, rows: list[dict[str, Any]], *, max_length: int | Non
         prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
         completions = tokenizer([c for _, c in rendered], add_special_tokens=False)["input_ids"]
         out = [{"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)}
-               for p, c in zip(prompts, completions)]
+               for p, c in zip(prompts, completions, strict=True)]
     if max_length is not None:
         out = [{k: v[:max_length] for k, v in r.items()} for r in out]
     return out
@@ -285,7 +285,7 @@ def _decode_json(batch: dict[str, list]) -> list[dict[str, Any]]:
 
 def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
     keys = list(batch)
-    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
+    return [dict(zip(keys, values, strict=True)) for values in zip(*(batch[k] for k in keys), strict=True)]
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:

@@ -293,7 +293,7 @@ def dedup(rows: list[dict]) -> tuple[list[dict], int]:
 
 def filter_length(tokenizer, rows: list[dict], max_length: int) -> tuple[list[dict], int]:
     ok = fits(tokenizer, rows, max_length)
-    kept = [r for r, keep in zip(rows, ok) if keep]
+    kept = [r for r, keep in zip(rows, ok, strict=True) if keep]
     return kept, len(rows) - len(kept)
 
 
@@ -304,7 +304,7 @@ def fits(tokenizer, rows: list[dict], max_length: int) -> list[bool]:
     short = [i for i, r in enumerate(rows)
              if sum(content_chars(r.get(k)) for k in ("prompt", "completion", "text")) <= bound]
     ok = [False] * len(rows)
-    for i, t in zip(short, tokenize_sft(tokenizer, [rows[i] for i in short]) if short else []):
+    for i, t in zip(short, tokenize_sft(tokenizer, [rows[i] for i in short]) if short else [], strict=True):
         ok[i] = len(t["input_ids"]) <= max_length
     return ok
 

@@ -1,4 +1,5 @@
-"""`GRPOConfig`: group relative policy optimisation's settings, TRL's names, one declaration (`stages.trainers.grpo_trainer`).
+"""`GRPOConfig`: group relative policy optimisation's settings, TRL's names, one declaration
+(`stages.trainers.grpo_trainer`).
 
 The choices of `loss_type`, `scale_rewards` and `importance_sampling_level` are the keys of
 `stages.losses.GRPO_AGGREGATIONS`, `GRPO_REWARD_SCALES` and `IMPORTANCE_SAMPLING_LEVELS` (tests keep them equal).
@@ -138,8 +139,9 @@ class GRPOConfig(MethodConfig, GenerationBatchFields, ContinuousBatchingFields, 
     vllm_importance_sampling_clip_max: float | None = param(
         None, help="upper bound of the importance weight (null: vllm_importance_sampling_cap)", check=lambda v: v > 0,
         rule="must be > 0 or null")
-    vllm_importance_sampling_clip_min: float | None = param(None, help="lower bound of the importance weight (null: "
-                                                            "none)", check=lambda v: v >= 0, rule="must be >= 0 or null")
+    vllm_importance_sampling_clip_min: float | None = param(
+        None, help="lower bound of the importance weight (null: none)", check=lambda v: v >= 0,
+        rule="must be >= 0 or null")
     tis_warn: float = tis_warn_field()
     use_chunked_logprobs: bool = chunked_field()
     generation: dict | None = deprecated(sampling_renames("max_completion_length"), "the old nested sampling section")

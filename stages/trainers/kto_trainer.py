@@ -53,7 +53,7 @@ def tokenize_unpaired(tokenizer, rows: list[dict], max_length: int, *, start: in
         raise ValueError(f"row {start + bad[0]}: label = {rows[bad[0]].get('label')!r}: KTO rows need label true "
                          f"(desirable) or false (undesirable) ({len(bad)} such row(s))")
     out = []
-    for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length))):
+    for i, (r, t) in enumerate(zip(rows, tokenize_sft(tokenizer, rows, max_length=max_length), strict=True)):
         n_prompt = t["completion_mask"].index(1) if any(t["completion_mask"]) else len(t["input_ids"])
         if n_prompt == len(t["input_ids"]):
             raise ValueError(f"row {start + i}: the prompt fills max_length = {max_length}; nothing of the completion "
@@ -191,7 +191,7 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
                 for start in range(0, len(data), batch_size):
                     batch = collate(data.select(range(start, min(start + batch_size, len(data)))).to_list())
                     batch = {k: v.to(self.args.device) for k, v in batch.items()}
-                    for prefix, column in zip(("", KL_PREFIX), REF_COLUMNS):
+                    for prefix, column in zip(("", KL_PREFIX), REF_COLUMNS, strict=True):
                         logps = reference_sequence_logps(module, _part(batch, prefix),
                                                          chunked=self.args.use_chunked_logprobs)
                         values[column] += logps.float().cpu().tolist()
