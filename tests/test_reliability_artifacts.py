@@ -52,7 +52,8 @@ DAMAGE = [
     ("preprocess", "sft_train.jsonl", _edit_row, r"sft_train\.jsonl"),
     ("sft", "model/tokenizer.json", Path.unlink, r"model/tokenizer\.json"),
     ("reference", "manifest.json", _edit_manifest, r"manifest\.json was changed since it was written"),
-    ("score", "manifest.json", lambda p: p.write_text('{"stage": "score", '), r"manifest\.json is missing or unreadable"),
+    ("score", "manifest.json", lambda p: p.write_text('{"stage": "score", '),
+     r"manifest\.json is missing or unreadable"),
 ]
 
 
@@ -66,7 +67,8 @@ def test_damaged_artifact_is_rebuilt_with_a_warning(pipeline_copy, caplog, stage
     with caplog.at_level(logging.WARNING, logger="stages"):
         m = runner.run_stage(stage, pipeline_copy)
     assert m["executed"] is True
-    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "rebuilding" in r.getMessage()]
+    warning = [r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING and "rebuilding" in r.getMessage()]
     assert warning and str(folder) in warning[0], caplog.text
     assert re.search(named, warning[0]), warning[0]
     assert artifacts.verify(folder, m["fingerprint"]) == (True, "")

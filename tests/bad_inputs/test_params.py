@@ -20,7 +20,8 @@ OVERRIDES = [
     ("wrong_type_string", ["data.source=[a, b]"], "preprocess", [r"data\.source = \['a', 'b'\]: expected a string"]),
     ("out_of_range", ["sft.learning_rate=-1"], "sft", [r"sft\.learning_rate = -1: must be > 0"]),
     ("unknown_choice", ["run.device=tpu"], "preprocess", [r"run\.device = 'tpu': expected one of 'auto'"]),
-    ("streaming_without_max_steps", ["sft.streaming=true", "sft.max_steps=-1"], "sft", [r"sft\.max_steps = -1: streaming has no length"]),
+    ("streaming_without_max_steps", ["sft.streaming=true", "sft.max_steps=-1"], "sft",
+     [r"sft\.max_steps = -1: streaming has no length"]),
     ("dpo_on_disabled_score", ["score.enabled=false"], "policy", [r"policy\.data = score, but score\.enabled = false"]),
     ("heads_do_not_divide_width", ["model.builtin.num_heads=3"], "preprocess",
      [r"model\.builtin\.num_heads = 3: must divide hidden_size"]),
@@ -50,7 +51,8 @@ OVERRIDES = [
      [r"promote\.metric = 'lm_eval\.gsm8k\.exact_match': task 'gsm8k' is not among evaluate\.lm_eval\.tasks = "
       r"\['align_arithmetic'\]", r"add gsm8k to evaluate\.lm_eval\.tasks", r"task one of align_arithmetic\)"]),
     ("set_without_equals", ["sft.learning_rate"], "sft", [r"--set 'sft\.learning_rate': expected KEY=VALUE"]),
-    ("set_into_a_value", ["sft.learning_rate.x=1"], "sft", [r"--set sft\.learning_rate\.x: 'learning_rate' is a value"]),
+    ("set_into_a_value", ["sft.learning_rate.x=1"], "sft",
+     [r"--set sft\.learning_rate\.x: 'learning_rate' is a value"]),
 ]
 
 

@@ -4,10 +4,11 @@
         tests/distributed/no_skip_worker.py --model DIR --out DIR
 
 Rank 1's pairs all tie (online DPO), its groups all score alike (GRPO: zero advantages) and
-its completions are all left unscored (PPO: an empty loss mask), while rank 0's differ. Each rank writes `<method>-rank<R>.pt`: its final weights and what it
-saw (pairs dropped, logged metrics). Before training every rank also samples one target prompt
-inside a batch of 8 at a rank-dependent position (`sample-rank<R>.json`), with the seed of
-step 0: the same prompt must give the same completions on every rank and in one process.
+its completions are all left unscored (PPO: an empty loss mask), while rank 0's differ. Each rank writes
+`<method>-rank<R>.pt`: its final weights and what it saw (pairs dropped, logged metrics). Before training
+every rank also samples one target prompt inside a batch of 8 at a rank-dependent position
+(`sample-rank<R>.json`), with the seed of step 0: the same prompt must give the same completions on every
+rank and in one process.
 """
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def train(method: str, model_path: str, out: Path) -> dict:
         from stages.trainers.online_dpo_trainer import OnlineDPOConfig, OnlineDPOTrainer
 
         trainer = OnlineDPOTrainer(model, reward_funcs=[("low_ids", low_ids_unless_rank_1)], processing_class=tok,
-                                   train_dataset=prompts(), args=OnlineDPOConfig(**args, per_device_train_batch_size=4,
-                                                                                 beta=0.5, max_new_tokens=MAX_NEW_TOKENS))
+                                   train_dataset=prompts(),
+                                   args=OnlineDPOConfig(**args, per_device_train_batch_size=4, beta=0.5,
+                                                        max_new_tokens=MAX_NEW_TOKENS))
     elif method == "ppo":
         from stages.trainers.ppo_trainer import PPOConfig, PPOTrainer
 

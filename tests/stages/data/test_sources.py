@@ -49,11 +49,13 @@ def test_sft_only_with_default_params_names_every_list_that_needs_the_reward_mod
     problems = dict(needs(p, peek(p.data)))
     # policy.method ppo does not train on score's pairs: the rule reward alone is enough for score to finish
     assert problems["score.reward_functions"] == (
-        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to train one: "
+        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to "
+        "train one: "
         "set --set score.reward_functions=[exact_match] --set score.reward_weights=[1.0], or give data.preference")
     p.policy.method = "dpo"  # DPO does: an online method with the rule reward first, the rule-reward pairs with caveat
     assert dict(needs(p, peek(p.data)))["score.reward_functions"] == (
-        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to train one: "
+        "= ['exact_match', 'reward_model_prob'] includes reward_model_prob, but there is no preference data to "
+        "train one: "
         "set --set policy.method=grpo --set score.enabled=false (GRPO learns from the rule reward on every sample), "
         "or keep policy.method = dpo with --set score.reward_functions=[exact_match] --set score.reward_weights=[1.0] "
         "if the SFT model's samples are right on some prompts and wrong on others (score pairs only samples whose "

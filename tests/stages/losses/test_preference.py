@@ -27,7 +27,7 @@ def _batch():
 
 def _check(losses, expected):
     assert losses.shape == (2,)
-    for got, want in zip(losses.tolist(), expected):
+    for got, want in zip(losses.tolist(), expected, strict=True):
         assert math.isclose(got, want, abs_tol=1e-6), (losses.tolist(), expected)
 
 
@@ -266,7 +266,7 @@ def test_half_precision_is_computed_in_float32():
 ])
 def test_bad_inputs(name, kwargs, fragment):
     args = dict(zip(["chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps"],
-                    (t.float() for t in _batch())), beta=0.1)
+                    (t.float() for t in _batch()), strict=True), beta=0.1)
     args.update(kwargs)
     with pytest.raises(ValueError) as err:
         dpo_loss(**args)

@@ -252,7 +252,8 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"epsilon_high = 0.1: must be >= epsilon \(0.2\)") as err:
         _args(tmp_path, epsilon_high=0.1, loss_type="ppo", scale_rewards="std",
               top_p=0.0, generation_backend="tgi")
-    assert "loss_type = 'ppo': expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'" in str(err.value)  # all problems at once
+    # all problems at once
+    assert "loss_type = 'ppo': expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'" in str(err.value)
     assert "scale_rewards = 'std'" in str(err.value)
     assert "top_p = 0.0: must be in (0, 1]" in str(err.value)
     assert "generation_backend = 'tgi': expected one of 'auto', 'hf', 'decoder', 'vllm'" in str(err.value)
@@ -323,7 +324,7 @@ def test_resume_between_iterations_reuses_the_buffered_rollouts_and_the_pair_rng
 
     a, b = logged(clean), logged(resumed)
     assert sorted(b) == [1, 2, 3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-9) for s in b), (a, b)
-    for (name, p), q in zip(clean.model.named_parameters(), resumed.model.parameters()):
+    for (name, p), q in zip(clean.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
     for k, v in clean.reward_head.state_dict().items():
         assert torch.allclose(v, resumed.reward_head.state_dict()[k], atol=1e-6), k

@@ -80,12 +80,13 @@ def test_online_dpo_keeps_the_same_running_mean(setup, tmp_path):
     def lengths(prompts, completions, completion_ids, **_):  # varied scores, few ties
         return [float(len(ids)) + ids[0] % 7 for ids in completion_ids]
 
-    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), reward_funcs=lengths, args=args, processing_class=tok,
-                               train_dataset=builtin_rows("prompts", "prompt_only"))
+    trainer = OnlineDPOTrainer(AutoModelForCausalLM.from_pretrained(path), reward_funcs=lengths, args=args,
+                               processing_class=tok, train_dataset=builtin_rows("prompts", "prompt_only"))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]
     kept = [8 - h["pairs/dropped"] for h in logs]
     assert len(logs) == 3 and trainer.reward_mean.count == 2 * sum(kept)
-    want = sum(n * (h["rewards/chosen"] + h["rewards/rejected"]) for n, h in zip(kept, logs)) / (2 * sum(kept))
+    want = sum(n * (h["rewards/chosen"] + h["rewards/rejected"])
+               for n, h in zip(kept, logs, strict=True)) / (2 * sum(kept))
     assert trainer.reward_mean.value == pytest.approx(want, abs=1e-6)
     assert abs(trainer.reward_mean.value - (logs[-1]["rewards/chosen"] + logs[-1]["rewards/rejected"]) / 2) > 1e-4
