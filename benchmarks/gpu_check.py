@@ -81,9 +81,10 @@ def load(path: str, quantized: bool, device: str):
 
 
 def args(out: Path, name: str, steps: int, batch: int, device: str) -> dict:
-    return dict(use_cpu=device == "cpu", output_dir=str(out / name), max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-4,
-                bf16=True, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-                include_num_input_tokens_seen="non_padding", dataloader_num_workers=0, warmup_steps=0)
+    return dict(use_cpu=device == "cpu", output_dir=str(out / name), max_steps=steps,
+                per_device_train_batch_size=batch, learning_rate=1e-4, bf16=True, logging_steps=1, save_strategy="no",
+                report_to="none", disable_tqdm=True, seed=0, include_num_input_tokens_seen="non_padding",
+                dataloader_num_workers=0, warmup_steps=0)
 
 
 def measured(trainer) -> dict:
@@ -98,7 +99,8 @@ def measured(trainer) -> dict:
     trainer.train()
     if cuda:
         torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - start, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0,
+    return {"seconds": time.perf_counter() - start,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0,
             "logs": [h for h in trainer.state.log_history if "loss" in h]}
 
 
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':6} {'stage':5} {'peak GiB':>8} {'tokens/s':>9} {'seconds':>8}  step-0 DPO margin")
     for r in results:
         margin = f"{r['step0_margin']:+.2e}" if r.get("step0_margin") is not None else ""
-        print(f"{r['mode']:6} {r['stage']:5} {r['peak_gib']:8.2f} {r['tokens_per_s']:9.0f} {r['seconds']:8.1f}  {margin}")
+        print(f"{r['mode']:6} {r['stage']:5} {r['peak_gib']:8.2f} {r['tokens_per_s']:9.0f} {r['seconds']:8.1f}  "
+              f"{margin}")
     if a.json:
         a.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "logs"} for r in results], indent=1))
     return 0

@@ -81,7 +81,7 @@ def reasoning_format(prompts: list, completions: list[str], *, reasoning: list |
     if reasoning is None:
         raise ValueError("reasoning_format needs the `reasoning` column (the parsed <think> block of each "
                          "completion, from stages.generation); pass reasoning=... or drop this reward function")
-    return [float(bool(r and r.strip()) and bool(text.strip())) for text, r in zip(completions, reasoning)]
+    return [float(bool(r and r.strip()) and bool(text.strip())) for text, r in zip(completions, reasoning, strict=True)]
 
 
 def length_penalty(prompts: list, completions: list[str], *, completion_ids: list | None = None,
@@ -132,7 +132,7 @@ class RewardModelReward:
 
         if reasoning is not None:
             completions = [c if r is None else f"{THINK_TAGS[0]}{r}{THINK_TAGS[1]}{c}"
-                           for c, r in zip(completions, reasoning)]
+                           for c, r in zip(completions, reasoning, strict=True)]
         scores = score_texts(self.model, self.tokenizer, prompts, completions, batch_size=self.batch_size,
                              max_length=self.max_length)
         return [sigmoid(r) for r in scores] if self.squash else scores
@@ -243,7 +243,8 @@ class RewardFunctions:
         totals: list[float | None] = []
         for i in range(n):
             row = [scores[name][i] for name, _ in self.functions]
-            totals.append(None if any(v is None for v in row) else sum(w * v for w, v in zip(self.weights, row)))
+            totals.append(None if any(v is None for v in row)
+                          else sum(w * v for w, v in zip(self.weights, row, strict=True)))
         return totals, scores
 
 

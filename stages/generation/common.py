@@ -81,7 +81,8 @@ def render_and_tokenize(tokenizer, prompts: list, tools: list | None = None) -> 
     todo = [i for i, p in enumerate(prompts) if not isinstance(p, TokenPrompt)]
     ids: list[list[int]] = [list(p.ids) if isinstance(p, TokenPrompt) else [] for p in prompts]
     if todo:
-        for i, row in zip(todo, tokenizer([rendered[i] for i in todo], add_special_tokens=False)["input_ids"]):
+        for i, row in zip(todo, tokenizer([rendered[i] for i in todo], add_special_tokens=False)["input_ids"],
+                          strict=True):
             ids[i] = list(row)
     return rendered, ids
 
@@ -145,7 +146,8 @@ def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids:
     flat = [c for comps in completion_ids for c in comps]
     flat_logps = None if logprobs is None else [list(map(float, lp)) for rows in logprobs for lp in rows]
     if flat_logps is not None:
-        bad = [i for i, (c, lp) in enumerate(zip(flat, flat_logps)) if len(c) != len(lp)]
+        # strict=False: a count mismatch is reported just below, with the backend named
+        bad = [i for i, (c, lp) in enumerate(zip(flat, flat_logps, strict=False)) if len(c) != len(lp)]
         if bad or len(flat_logps) != len(flat):
             raise ValueError(f"{backend}: sampled log-probs do not line up with the completion tokens (first: "
                              f"completion {bad[0] if bad else len(flat_logps)}); this is a backend bug")
@@ -156,7 +158,7 @@ def build_generations(tokenizer, prompts: list, rendered: list[str], prompt_ids:
     for flag in (False, True):
         rows = [i for i, o in enumerate(opens) if o == flag]
         if rows:
-            for i, c in zip(rows, _parse(tokenizer, [flat[i] for i in rows], eos, flag)):
+            for i, c in zip(rows, _parse(tokenizer, [flat[i] for i in rows], eos, flag), strict=True):
                 parsed[i] = c
     return Generations(
         prompts=list(prompts), prompt_index=index, prompt_ids=[list(p) for p in prompt_ids], completion_ids=flat,
