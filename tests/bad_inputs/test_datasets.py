@@ -76,14 +76,16 @@ CASES = [
      [r"d\.json row 1: row is not a JSON object"]),
     ("csv_unknown_columns", "d.csv", b"q,a\n1+1,2\n", [r"d\.csv:2: fields \['a', 'q'\] match no known format"]),
     ("csv_non_utf8", "d.csv", b"prompt,completion\ncaf\xe9,x\n", [r"d\.csv: not valid UTF-8 at byte"]),
-    ("csv_empty_cell", "d.csv", b"prompt,completion\n1+1=,2\n2+2=,\n", [r"d\.csv:3: field 'completion' must be a string"]),
+    ("csv_empty_cell", "d.csv", b"prompt,completion\n1+1=,2\n2+2=,\n",
+     [r"d\.csv:3: field 'completion' must be a string"]),
     ("messages_bad_role", "d.jsonl", jsonl([{"messages": msgs(("user", "1+1"), ("assistant", "2"))}] * 3
                                            + [{"messages": msgs(("bot", "hi"), ("assistant", "2"))}]),
      [r"d\.jsonl:4: field 'messages\[0\]\.role' = 'bot': expected one of system, user"]),
     ("messages_end_with_user", "d.jsonl", jsonl([{"messages": msgs(("user", "1+1"), ("assistant", "2"))}] * 3
                                                 + [{"messages": msgs(("user", "1+1"), ("user", "?"))}]),
      [r"d\.jsonl:4: field 'messages' must end with a message of role 'assistant'"]),
-    ("messages_missing_content", "d.jsonl", jsonl([{"messages": [{"role": "user"}, {"role": "assistant", "content": "2"}]}]),
+    ("messages_missing_content", "d.jsonl",
+     jsonl([{"messages": [{"role": "user"}, {"role": "assistant", "content": "2"}]}]),
      [r"d\.jsonl:1: field 'messages\[0\]' must be an object with 'role' and 'content'"]),
     ("preference_mixed_forms", "p.jsonl", jsonl([{"prompt": "q", "chosen": msgs(("assistant", "a")), "rejected": "b"}]),
      [r"p\.jsonl:1: fields prompt, chosen, rejected mix plain strings and message lists"]),
@@ -176,7 +178,8 @@ def test_missing_data_file_stops_at_params_validation(capsys, tmp_path, params_f
 def test_eval_source_without_references(capsys, tmp_path, params_for):
     (tmp_path / "train.jsonl").write_bytes(jsonl(good()))
     (tmp_path / "eval.jsonl").write_bytes(jsonl([{"prompt": "q", "chosen": "a", "rejected": "b"}]))
-    params = params_for({"data": {"source": str(tmp_path / "train.jsonl"), "eval_source": str(tmp_path / "eval.jsonl")}})
+    params = params_for({"data": {"source": str(tmp_path / "train.jsonl"),
+                                  "eval_source": str(tmp_path / "eval.jsonl")}})
     assert_rejected(capsys, params, "preprocess", r"data\.eval_source = " + escape(tmp_path / "eval.jsonl")
                     + r": format 'preference' has no reference answer", code=1)
 

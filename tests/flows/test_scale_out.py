@@ -24,7 +24,8 @@ from tests.conftest import STAGE_ORDER, write_params
 
 pytestmark = pytest.mark.slow
 
-SHARDED = {"score": ("pairs.jsonl", "scores.jsonl", "histogram.json"), "evaluate": ("metrics.json", "predictions.jsonl")}
+SHARDED = {"score": ("pairs.jsonl", "scores.jsonl", "histogram.json"),
+           "evaluate": ("metrics.json", "predictions.jsonl")}
 
 
 def copy_without(built, folder, stages):
@@ -57,7 +58,8 @@ def test_shards_on_a_dask_cluster_equal_the_sequential_build(tmp_path, built_pip
         assert state.is_completed(), state.message
         executed = client.run(lambda dask_worker: dask_worker.state.executed_count)  # {worker address: tasks}
     summary = state.result()["stages"]
-    assert {s["stage"]: s["status"] for s in summary} == {s: "executed" if s in SHARDED else "cached" for s in STAGE_ORDER}
+    assert {s["stage"]: s["status"] for s in summary} == {s: "executed" if s in SHARDED else "cached"
+                                                          for s in STAGE_ORDER}
     # 2 shards of score, then 2 of evaluate, on both single-thread workers
     assert sum(executed.values()) == 4 and min(executed.values()) >= 1, executed
     for stage, files in SHARDED.items():
@@ -112,7 +114,8 @@ def test_training_stage_on_a_process_work_pool_has_the_in_process_manifest(tmp_p
     assert state.is_completed(), (state.message, (tmp_path / "worker.log").read_text()[-3000:])
     summary = state.result()["stages"]
     # sft went to the pool and came back with its outputs hash: every stage below it stays current
-    assert {s["stage"]: s["status"] for s in summary} == {s: "executed" if s == "sft" else "cached" for s in STAGE_ORDER}
+    assert {s["stage"]: s["status"] for s in summary} == {s: "executed" if s == "sft" else "cached"
+                                                          for s in STAGE_ORDER}
     assert pool_runs(process_worker) == ["Completed"]  # sft, run by the worker; current reward and policy not sent
     in_process = flat(manifests["sft"])
     on_pool = flat(json.loads((runner.output_dir(params, "sft") / "manifest.json").read_text()))
@@ -136,7 +139,8 @@ def pool_runs(pool: str) -> list[str]:
     return [r.state.name for r in runs]
 
 
-TIMING = ("started_at", "wall_time_s", "metrics.train_runtime_s", "logs.", "manifest_hash")  # the seal covers the timing
+# the seal covers the timing
+TIMING = ("started_at", "wall_time_s", "metrics.train_runtime_s", "logs.", "manifest_hash")
 
 
 def test_an_unreachable_dask_address_fails_the_flow_before_any_stage(tmp_path, prefect_server):

@@ -50,7 +50,8 @@ def mlflow_server(tmp_path):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp_path / 'mlflow-server.log').read_text()}") from None
+                    raise RuntimeError("mlflow server did not start: "
+                                       f"{(tmp_path / 'mlflow-server.log').read_text()}") from None
                 time.sleep(0.5)
         yield url
     finally:
@@ -112,7 +113,8 @@ def run_tree(client, experiment_id: str) -> str:
                          f"loss at steps {[m.step for m in loss]}]")
             stage = child.data.tags["align.stage"]
             lines += [f"       param {k} = {child.data.params[k]}" for k in
-                      ("learning_rate", "logging_steps", "run_name", f"{stage}.learning_rate", "policy.dpo.learning_rate")
+                      ("learning_rate", "logging_steps", "run_name", f"{stage}.learning_rate",
+                       "policy.dpo.learning_rate")
                       if k in child.data.params]
             lines += [f"       metric {k} = {v:.4g}" for k, v in sorted(child.data.metrics.items())
                       if k in ("loss", "train_loss", "eval_loss", "rewards/accuracies", "accuracy")]
@@ -180,7 +182,8 @@ def test_pipeline_run_is_one_parent_with_a_nested_run_per_training_stage(tmp_pat
     if not WANDB:
         return
     runs = wandb_runs(tmp_path)
-    print("\n".join(f"wandb {name} (group {r['group']}): loss {r['history'].get('train/loss')}" for name, r in runs.items()))
+    print("\n".join(f"wandb {name} (group {r['group']}): loss {r['history'].get('train/loss')}"
+                    for name, r in runs.items()))
     assert set(runs) == {f"align-{flow_run}/{s}" for s in ("sft", "reward", "policy", "score", "evaluate")}
     assert {(r["group"], r["project"]) for r in runs.values()} == {(f"align-{flow_run}", "align")}
     for stage in ("sft", "reward", "policy"):

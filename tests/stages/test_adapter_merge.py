@@ -69,7 +69,8 @@ def test_weight_scales_the_update_exactly(setup):
     zero, _ = adapter_merge.merge_adapters(s["base"], [AdapterSpec(s["a"], 0.0)])
     assert adapter_merge.max_abs_diff(adapter_merge.probe_logits(zero, s["probe"]), base) < 1e-5
     w_half = dict(half.named_parameters())
-    w_full, w_base = dict(full.named_parameters()), dict(AutoModelForCausalLM.from_pretrained(s["base"]).named_parameters())
+    w_full = dict(full.named_parameters())
+    w_base = dict(AutoModelForCausalLM.from_pretrained(s["base"]).named_parameters())
     name = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(w_half[name] - w_base[name], 0.5 * (w_full[name] - w_base[name]), atol=1e-6, rtol=1e-4)
 
@@ -89,7 +90,8 @@ def test_weighted_merge_of_two_adapters(setup):
         want = w0[name] + 0.7 * (wa[name] - w0[name]) + 0.3 * (wb[name] - w0[name])
         torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-4)
     for combination in ("linear", "ties", "dare_ties", "svd"):
-        model, rep = adapter_merge.merge_adapters(s["base"], specs, combination=combination, density=0.5, probe=s["probe"])
+        model, rep = adapter_merge.merge_adapters(s["base"], specs, combination=combination, density=0.5,
+                                                  probe=s["probe"])
         assert rep["logits_max_diff"] < 1e-4, combination  # the merge reproduces the combined adapter model
         assert torch.isfinite(adapter_merge.probe_logits(model, s["probe"])).all()
 
@@ -101,7 +103,8 @@ def test_sequential_composition_equals_merging_one_after_the_other(setup):
     assert report["method"] == "sequential" and report["logits_max_diff"] < 1e-4
     cat, _ = adapter_merge.merge_adapters(s["base"], [AdapterSpec(s["a"]), AdapterSpec(s["c"], 2.0)], combination="cat")
     # two adapters of one base, chained: the same sum of updates as cat
-    assert adapter_merge.max_abs_diff(adapter_merge.probe_logits(chained, s["probe"]), adapter_merge.probe_logits(cat, s["probe"])) < 1e-4
+    assert adapter_merge.max_abs_diff(adapter_merge.probe_logits(chained, s["probe"]),
+                                      adapter_merge.probe_logits(cat, s["probe"])) < 1e-4
 
 
 @pytest.mark.parametrize("method,fraction", [("magnitude", 0.5), ("magnitude", 0.9), ("rank", 0.5)])

@@ -1,4 +1,5 @@
-"""stages.harness.registry: the stage table is consistent, and a stage's fingerprint follows exactly the code it imports."""
+"""stages.harness.registry: the stage table is consistent, and a stage's fingerprint follows exactly the code it
+imports."""
 import inspect
 import shutil
 
@@ -34,7 +35,8 @@ def test_closures_hold_what_the_hand_lists_missed():
         assert not any(f.endswith("_trainer.py") for f in code), stage
     assert {"stages/metrics/bleu/bleu.py", "stages/metrics/rouge/rouge.py"} <= set(STAGES["evaluate"].code())
     for spec in STAGES.values():  # the harness is not a stage's code: editing it rebuilds nothing
-        assert not {"stages/harness/runner.py", "stages/harness/launch.py", "stages/harness/registry.py"} & set(spec.code())
+        assert not ({"stages/harness/runner.py", "stages/harness/launch.py", "stages/harness/registry.py"}
+                    & set(spec.code()))
 
 
 def test_touching_a_module_marks_stale_exactly_the_stages_whose_closure_holds_it(tmp_path):
@@ -88,5 +90,6 @@ def test_tools_named_in_params_enter_the_fingerprints_of_policy_and_evaluate(tmp
         assert {n for n in STAGES if after[n] != before[n]} == {"policy", "evaluate"}
     assert "tests.stages.tools.user_tools" not in STAGES["policy"].runs(tools)  # the user's code, named in params
     for stage in ("policy", "evaluate"):
-        assert "stages.builtin.arithmetic_errors" in STAGES[stage].runs(project) and "stages.builtin.arithmetic_errors" not in STAGES[stage].runs()
+        assert "stages.builtin.arithmetic_errors" in STAGES[stage].runs(project) \
+            and "stages.builtin.arithmetic_errors" not in STAGES[stage].runs()
     assert "stages/builtin/arithmetic_errors.py" in dvc_stages("out", project)["stages"]["policy"]["deps"]
