@@ -88,7 +88,7 @@ BATCH, MAX_LENGTH, PACKED_LENGTH, NEW_TOKENS, GENERATIONS, LR = 8, 64, 128, 32, 
 def answer_reward(prompts, completions, answer=None, **_):
     """1.0 when the completion's last number is the row's answer, else 0.0 (both sides call this)."""
     out = []
-    for c, a in zip(completions, answer):
+    for c, a in zip(completions, answer, strict=True):
         text = c if isinstance(c, str) else c[-1]["content"]
         digits = "".join(ch if ch.isdigit() else " " for ch in text).split()
         out.append(float(bool(digits) and digits[-1] == str(a)))
@@ -181,8 +181,8 @@ class StepTimer:
 
     def summary(self, warmup: int) -> tuple[float, float, float]:
         """(median s/step, tokens/s, median CPU s/step) over the steps after `warmup`."""
-        gaps = [b - a for a, b in zip(self.ends[warmup:], self.ends[warmup + 1:])]
-        cpu = [b - a for a, b in zip(self.cpu_ends[warmup:], self.cpu_ends[warmup + 1:])]
+        gaps = [b - a for a, b in zip(self.ends[warmup:], self.ends[warmup + 1:], strict=False)]  # consecutive pairs
+        cpu = [b - a for a, b in zip(self.cpu_ends[warmup:], self.cpu_ends[warmup + 1:], strict=False)]
         if not gaps:
             raise RuntimeError(f"{len(self.ends)} steps timed: need more than warmup + 1 = {warmup + 1}")
         span = self.ends[-1] - self.ends[warmup]

@@ -51,17 +51,17 @@ def assistant(text: str) -> list[dict]:
 
 def capybara() -> Dataset:  # trl-lib/Capybara: one "messages" column of multi-turn conversations
     return Dataset.from_dict({"messages": [user(q) + assistant(a) + user("Are you sure?") + assistant(f"Yes, {a}.")
-                                           for q, a in zip(QUESTIONS, ANSWERS)]})
+                                           for q, a in zip(QUESTIONS, ANSWERS, strict=True)]})
 
 
 def tinystories() -> Dataset:  # roneneldan/TinyStories: plain text
-    return Dataset.from_dict({"text": [f"Once upon a time {q.lower()} It was {a}." for q, a in zip(QUESTIONS,
-                                                                                               ANSWERS)]})
+    return Dataset.from_dict({"text": [f"Once upon a time {q.lower()} It was {a}."
+                                       for q, a in zip(QUESTIONS, ANSWERS, strict=True)]})
 
 
 def ultrafeedback_binarized() -> Dataset:  # trl-lib/ultrafeedback_binarized: implicit prompt, conversational
-    return Dataset.from_dict({"chosen": [user(q) + assistant(a) for q, a in zip(QUESTIONS, ANSWERS)],
-                              "rejected": [user(q) + assistant(w) for q, w in zip(QUESTIONS, WRONG)]})
+    return Dataset.from_dict({"chosen": [user(q) + assistant(a) for q, a in zip(QUESTIONS, ANSWERS, strict=True)],
+                              "rejected": [user(q) + assistant(w) for q, w in zip(QUESTIONS, WRONG, strict=True)]})
 
 
 def kto_mix() -> Dataset:  # trl-lib/kto-mix-14k: prompt, completion, label; conversational

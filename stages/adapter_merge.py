@@ -82,7 +82,8 @@ def pair_weights(paths: list[str], weights: list[float] | None, *, key: str = "m
     if len(weights) != len(paths):
         raise MergeError(f"{key}.weights = {weights}: {len(weights)} weight(s) for {len(paths)} adapter(s) "
                          f"({', '.join(paths)}); give one weight per adapter, or null for all 1.0")
-    return [AdapterSpec(str(p), float(w), f"{key}.adapters[{i}]") for i, (p, w) in enumerate(zip(paths, weights))]
+    return [AdapterSpec(str(p), float(w), f"{key}.adapters[{i}]")
+            for i, (p, w) in enumerate(zip(paths, weights, strict=True))]
 
 
 def check_adapters(specs: list[AdapterSpec], *, base: str | None = None, combination: str = "linear",
@@ -130,7 +131,7 @@ def check_adapters(specs: list[AdapterSpec], *, base: str | None = None, combina
         recorded = [base or configs[0].get("base_model_name_or_path")] + [c.get("base_model_name_or_path")
                                                                            for c in configs[1:]]
         ids = [model_identity(r) if r else None for r in recorded]
-        for s, r, i in zip(specs[1:], recorded[1:], ids[1:]):
+        for s, r, i in zip(specs[1:], recorded[1:], ids[1:], strict=True):
             if i != ids[0]:
                 raise MergeError(f"adapters trained on different bases: {specs[0].name} on {recorded[0]!r} ({ids[0]}), "
                                  f"{s.name} on {r!r} ({i}); only adapters of one base can be combined (use "
@@ -138,7 +139,7 @@ def check_adapters(specs: list[AdapterSpec], *, base: str | None = None, combina
     ranks = [max([c.get("r", 0), *(c.get("rank_pattern") or {}).values()]) for c in configs]
     if combination in SAME_RANK and len(specs) > 1 and len(set(ranks)) > 1:
         raise MergeError(f"{key}.combination = {combination}: needs adapters of one rank, got ranks "
-                         f"{dict(zip([s.name for s in specs], ranks))}; use cat or svd for mixed ranks")
+                         f"{dict(zip([s.name for s in specs], ranks, strict=True))}; use cat or svd for mixed ranks")
     return configs
 
 
@@ -319,7 +320,7 @@ def merge_adapters(base: str, specs: list[AdapterSpec], *, combination: str = "l
     for step, group in enumerate(chain):
         names = [f"adapter_{step}_{i}" for i in range(len(group))]
         model = PeftModel.from_pretrained(model, group[0].path, adapter_name=names[0])
-        for name, s in zip(names[1:], group[1:]):
+        for name, s in zip(names[1:], group[1:], strict=True):
             model.load_adapter(s.path, adapter_name=name)
         if probe is not None and step == 0:
             reference = probe_logits(model, probe)  # the first adapter alone, weight 1

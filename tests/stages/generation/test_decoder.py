@@ -1,4 +1,5 @@
-"""The lean decoder against HF's `generate` on random models of each architecture it covers, and where it steps aside."""
+"""The lean decoder against HF's `generate` on random models of each architecture it covers, and where it steps
+aside."""
 import pytest
 import torch
 
@@ -88,7 +89,7 @@ def test_per_row_sampling_draws_the_same_tokens_and_logps_as_hf():
     model = _model("llama")
     ids, mask = _batch()
     s = SamplingParams(max_new_tokens=16, n=1, do_sample=True, temperature=0.9, top_p=0.95, top_k=40, seed=3)
-    prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)]
     ours_sampler, hf_sampler = (per_row_sampler(prompts, s, ids.shape[1], "cpu") for _ in range(2))
     ours = Decoder(model).generate(ids, mask, 16, [1], 0, pick=ours_sampler[0].sample)
     theirs = _hf(model, ids, mask, 16, logits_processor=hf_sampler)
@@ -101,7 +102,7 @@ def test_a_prompts_samples_share_one_prefill_and_equal_hf_on_repeated_rows():
     model = _model("qwen3")
     ids, mask = _batch()
     s = SamplingParams(max_new_tokens=12, n=3, do_sample=True, seed=4)
-    prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)]
     ours_sampler, hf_sampler = (per_row_sampler(prompts, s, ids.shape[1], "cpu") for _ in range(2))
     ours = Decoder(model).generate(ids, mask, 12, [1], 0, pick=ours_sampler[0].sample, n=3)
     theirs = _hf(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), 12, logits_processor=hf_sampler)

@@ -106,7 +106,7 @@ def test_eos_trims_and_sets_finished(model, tok):
     stopped.generation_config.eos_token_id = [EOS, stop]
     gens = generate(stopped, tok, PROMPTS, SamplingParams(max_new_tokens=12), batch_size=4)
     assert gens.completion_ids[0] == row[: cut + 1] and gens.finished[0]
-    for before, after, done in zip(plain.completion_ids, gens.completion_ids, gens.finished):
+    for before, after, done in zip(plain.completion_ids, gens.completion_ids, gens.finished, strict=True):
         hits = [i for i, t in enumerate(before) if t in (EOS, stop)]
         assert after == (before[: hits[0] + 1] if hits else before)
         assert done == bool(hits)
@@ -118,7 +118,7 @@ def test_eos_trims_and_sets_finished(model, tok):
 def test_max_new_tokens_is_respected(model, tok):
     for m in (1, 5):
         gens = generate(model, tok, PROMPTS, SamplingParams(max_new_tokens=m, do_sample=True, n=2))
-        for ids, done in zip(gens.completion_ids, gens.finished):
+        for ids, done in zip(gens.completion_ids, gens.finished, strict=True):
             assert len(ids) == m or (done and ids[-1] == EOS and len(ids) <= m)
             assert done == (ids[-1] == EOS)
 
@@ -164,7 +164,8 @@ def test_plain_prompts_and_a_template_that_opens_the_reasoning_block(model, tok)
     gens = generate(model, tok, ["plain text prompt"], SamplingParams(max_new_tokens=3))
     assert gens.prompt_ids[0] == tok("plain text prompt", add_special_tokens=False)["input_ids"]
     thinking = copy.deepcopy(tok)
-    thinking.chat_template = tiny.CHAT_TEMPLATE.replace("'<|assistant|>\n' -}}{%- endif", "'<|assistant|>\n<think>' -}}{%- endif")
+    thinking.chat_template = tiny.CHAT_TEMPLATE.replace("'<|assistant|>\n' -}}{%- endif",
+                                                        "'<|assistant|>\n<think>' -}}{%- endif")
     assert render_prompt(thinking, PROMPTS[0]).endswith("<think>")
     gens = generate(model, thinking, PROMPTS[:8], SamplingParams(max_new_tokens=6))  # the chat prompts
     close = tok.convert_tokens_to_ids("</think>")
@@ -216,7 +217,7 @@ def test_repetition_penalty_generation_kwargs_and_cache_are_generates_own(model,
                        cache_implementation="dynamic")
     gens = generate(model, tok, PROMPTS[:3], s, backend="auto")
     assert gens.backend == "hf"
-    for prompt, completion in zip(PROMPTS[:3], gens.completion_ids):
+    for prompt, completion in zip(PROMPTS[:3], gens.completion_ids, strict=True):
         ids = tok(render_prompt(tok, prompt), add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.5,

@@ -189,7 +189,7 @@ def test_sampling_request_and_prompt_major_order(tok):
     assert (body["n"], body["temperature"], body["top_p"], body["top_k"], body["max_tokens"]) == (3, 0.7, 0.9, 5, 5)
     assert "use_beam_search" not in body and body["logprobs"] == 0
     assert gens.prompt_index == [p for p in range(len(PROMPTS)) for _ in range(3)]
-    for j, (p, ids, done) in enumerate(zip(gens.prompt_index, gens.completion_ids, gens.finished)):
+    for j, (p, ids, done) in enumerate(zip(gens.prompt_index, gens.completion_ids, gens.finished, strict=True)):
         k = j % 3
         assert ids[0] == 110 + p  # the prompt's own seed: belongs to prompt p
         assert ids == ([110 + p, 20 + k, 20 + k, EOS] if k % 2 == 0 else [110 + p] + [20 + k] * 4)
@@ -311,10 +311,10 @@ def test_real_vllm_server(tiny_path):
         greedy = SamplingParams(max_new_tokens=8)
         gens = generate(model_path, tok, PROMPTS, greedy, backend="vllm", base_url=url)
         assert gens.prompt_index == list(range(len(PROMPTS)))
-        for ids, done in zip(gens.completion_ids, gens.finished):
+        for ids, done in zip(gens.completion_ids, gens.finished, strict=True):
             assert 1 <= len(ids) <= 8 and (done or len(ids) == 8)
         reference = generate(load_causal_lm(model_path), tok, PROMPTS, greedy)
-        first = sum(a[:1] == b[:1] for a, b in zip(gens.completion_ids, reference.completion_ids))
+        first = sum(a[:1] == b[:1] for a, b in zip(gens.completion_ids, reference.completion_ids, strict=True))
         assert first >= 0.8 * len(PROMPTS)  # other kernels may flip near-ties later on, not the first token
         sampled = SamplingParams(max_new_tokens=8, n=2, do_sample=True, seed=5)
         runs = [generate(model_path, tok, PROMPTS, sampled, backend="vllm", base_url=url) for _ in range(2)]

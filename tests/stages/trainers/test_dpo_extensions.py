@@ -125,7 +125,7 @@ def test_weight_column_and_task_weights_scale_each_pair(setup, tmp_path):
     ref = _load(path)
     weights = [float(i % 4) for i in range(len(rows))]
     tasks = ["add" if i % 2 else "other" for i in range(len(rows))]
-    weighted = [{**r, "weight": w, "task": t} for r, w, t in zip(rows, weights, tasks)]
+    weighted = [{**r, "weight": w, "task": t} for r, w, t in zip(rows, weights, tasks, strict=True)]
     trainer = DPOTrainer(_load(path, NOISE), ref, args=_args(tmp_path, task_weights={"add": 3.0}),
                          processing_class=tok, train_dataset=weighted)
     loss, batch = _batch_loss(trainer)
@@ -133,7 +133,7 @@ def test_weight_column_and_task_weights_scale_each_pair(setup, tmp_path):
         chosen, rejected = sequence_logps(_load(path, NOISE), batch).chunk(2)
         ref_c, ref_r = sequence_logps(ref, batch).chunk(2)
     per_pair, _, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=trainer.args.beta)
-    scale = torch.tensor([w * (3.0 if t == "add" else 1.0) for w, t in zip(weights[:8], tasks[:8])])
+    scale = torch.tensor([w * (3.0 if t == "add" else 1.0) for w, t in zip(weights[:8], tasks[:8], strict=True)])
     assert loss == pytest.approx((scale * per_pair).mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match=r"task_weights names task\(s\) \['ad'\] that no row has"):
         DPOTrainer(_load(path), ref, args=_args(tmp_path, task_weights={"ad": 2.0}), processing_class=tok,
@@ -159,7 +159,7 @@ def test_balanced_batch_sampler():
 def test_trainer_draws_balanced_batches(setup, tmp_path):
     path, tok, rows = setup
     tasks = ["x"] * 56 + ["y"] * 8
-    data = [{**r, "task": t} for r, t in zip(rows, tasks)]
+    data = [{**r, "task": t} for r, t in zip(rows, tasks, strict=True)]
     trainer = DPOTrainer(_load(path), args=_args(tmp_path, balance_column="task"), processing_class=tok,
                          train_dataset=data)
     order = list(trainer._get_train_sampler())
@@ -233,7 +233,7 @@ def test_ld_alpha_and_use_weighting_train(setup, tmp_path, option):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
     if option.get("use_weighting"):
         weights = [h["wpo_weight"] for h in trainer.state.log_history if "wpo_weight" in h]
         assert weights and all(0 < w < 1 for w in weights)

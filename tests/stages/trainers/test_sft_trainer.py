@@ -42,7 +42,7 @@ def test_loss_falls_and_every_parameter_changes(setup, tmp_path):
 def test_completion_tokens_are_the_assistant_answer(setup, tmp_path):
     trainer, tok = _trainer(setup, tmp_path)
     row = trainer.train_dataset[0]
-    completion = [i for i, m in zip(row["input_ids"], row["completion_mask"]) if m]
+    completion = [i for i, m in zip(row["input_ids"], row["completion_mask"], strict=True) if m]
     answer = setup[1][0]["completion"][0]["content"]
     assert tok.decode(completion) == answer + "<|end|>"
 
@@ -55,7 +55,8 @@ def test_assistant_only_loss_trains_the_assistant_turns(setup, tmp_path, complet
                          {"role": "user", "content": "2+2"}], "completion": [{"role": "assistant", "content": "4"}]}]
     trainer, tok = _trainer(setup, tmp_path, assistant_only_loss=True, completion_only_loss=completion_only)
     row = trainer._prepare(turns, tok, trainer.args, False)[0]
-    assert tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]) == "2<|end|>4<|end|>"
+    assert tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m]) \
+        == "2<|end|>4<|end|>"
     labels = trainer.data_collator([row])["labels"][0]
     assert tok.decode(labels[labels != -100]) == expected
 
@@ -122,7 +123,7 @@ def test_messages_rows_with_assistant_only_loss_target_the_assistant_turns(setup
     path, rows = setup
     trainer, tok = _trainer((path, _messages_rows(rows[:4])), tmp_path, assistant_only_loss=True)
     row = trainer.train_dataset[0]
-    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m]
+    targets = [i for i, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m]
     assert tok.decode(targets) == rows[0]["completion"][0]["content"] + "<|end|>"
     labels = trainer.data_collator([row])["labels"][0]
     assert (labels != -100).sum() == len(targets)
