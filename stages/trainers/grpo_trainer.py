@@ -383,7 +383,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
             raise ValueError(f"a generation of {groups} prompts cannot feed steps_per_generation = {parts} "
                              "micro-batches; give at least that many prompts per generation")
         bounds = [i * groups // parts * self.args.num_generations for i in range(parts + 1)]
-        return [{k: v[lo:hi] for k, v in batch.items()} for lo, hi in zip(bounds, bounds[1:])]
+        return [{k: v[lo:hi] for k, v in batch.items()} for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
     def _tick(self, key: str, value: float) -> None:
         self.timing[key] += value
@@ -477,8 +477,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         if a.multi_objective_aggregation == "sum_then_normalize":
             return grpo_advantages(rewards, num_generations, scale_rewards=a.scale_rewards, valid=valid)
         names = list(per_function)
-        weights = dict(zip((n for n, _ in self.reward_functions.functions), self.reward_functions.weights)) \
-            if self.reward_functions is not None else {}
+        weights = dict(zip((n for n, _ in self.reward_functions.functions), self.reward_functions.weights,
+                           strict=True)) if self.reward_functions is not None else {}
         weights["reward_head"] = a.reward_head_weight
         table = torch.tensor([[math.nan if v is None else v for v in per_function[n]] for n in names],
                              dtype=torch.float32, device=rewards.device).T
@@ -502,7 +502,7 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
                                  "diverged; lower learning_rate or reward_head_coef")
             per_function["reward_head"] = head
             w = self.args.reward_head_weight
-            totals = [None if t is None else t + w * s for t, s in zip(totals, head)]
+            totals = [None if t is None else t + w * s for t, s in zip(totals, head, strict=True)]
         return totals, per_function
 
     def _log_generation(self, rewards, valid, per_function, batch, g: int | None = None, m=None) -> None:
@@ -515,8 +515,8 @@ class GRPOTrainer(OffPolicyWarning, Trainer):
         m["reward"].append(scored.mean().item() if scored.numel() else math.nan)
         m["reward_std"].append(scored.std().item() if scored.numel() > 1 else 0.0)
         m["frac_reward_none"].append(1 - valid.float().mean().item())
-        groups = [{v for v, ok in zip(r, k) if ok} for r, k in zip(rewards.view(-1, g).tolist(),
-                                                                     valid.view(-1, g).tolist())]
+        groups = [{v for v, ok in zip(r, k, strict=True) if ok}
+                  for r, k in zip(rewards.view(-1, g).tolist(), valid.view(-1, g).tolist(), strict=True)]
         m["frac_reward_zero_std"].append(sum(len(s) <= 1 for s in groups) / len(groups))
         for name, values in per_function.items():
             got = torch.tensor([v for v in values if v is not None], dtype=torch.float64)

@@ -43,7 +43,8 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in inputs:
                 self.sizes.append(t.untyped_storage().nbytes())
@@ -167,7 +168,8 @@ def test_chunked_kernels_never_allocate_a_full_size_tensor(fn):
 @pytest.mark.parametrize(
     ("logits", "index", "match"),
     [
-        (torch.randint(0, 5, (2, 3, 7)), torch.zeros(2, 3, dtype=torch.long), r"`logits` must be a floating-point.*int64"),
+        (torch.randint(0, 5, (2, 3, 7)), torch.zeros(2, 3, dtype=torch.long),
+         r"`logits` must be a floating-point.*int64"),
         (torch.randn(2, 3, 7), torch.zeros(2, 4, dtype=torch.long), r"`index` must have shape \(2, 3\).*got \(2, 4\)"),
         (torch.randn(2, 3, 7), torch.zeros(3, dtype=torch.long), r"`index` must have shape"),
         (torch.randn(2, 3, 7), torch.full((2, 3), 7), r"`index` values must lie in \[0, V=7\).*max=7"),
@@ -269,7 +271,7 @@ def test_chunked_logprobs_values_and_gradients(dtype, temperature, use_bias, ret
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
     if return_entropy:
         torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=0)
-    for name, a, r in zip(("hidden", "weight", "bias"), grads, grads_ref):
+    for name, a, r in zip(("hidden", "weight", "bias"), grads, grads_ref, strict=False):  # no bias: 2 grads
         assert a.dtype == dtype, name
         if dtype == torch.bfloat16:
             # per-chunk bf16 matmuls round differently; compare at bf16 resolution.
@@ -319,7 +321,8 @@ def test_chunked_logprobs_noncontiguous_hidden():
     ("kwargs", "match"),
     [
         (dict(hidden=torch.randn(4, 8, dtype=torch.float64).long()), r"`hidden` must be a floating-point"),
-        (dict(hidden=torch.randn(4, 8, dtype=torch.float64)), r"`hidden` must have the dtype of `weight` \(torch.float32\)"),
+        (dict(hidden=torch.randn(4, 8, dtype=torch.float64)),
+         r"`hidden` must have the dtype of `weight` \(torch.float32\)"),
         (dict(weight=torch.randn(11, 9)), r"`hidden` must have shape \(\.\.\., H\) with H=9"),
         (dict(weight=torch.randn(11)), r"`weight` must be a floating-point \(V, H\)"),
         (dict(index=torch.zeros(5, dtype=torch.long)), r"`index` must have shape \(4,\)"),
@@ -328,7 +331,8 @@ def test_chunked_logprobs_noncontiguous_hidden():
         (dict(temperature=0.0), r"`temperature` must be > 0"),
         (dict(chunk_size=0), r"`chunk_size` must be a positive"),
     ],
-    ids=["int-hidden", "dtype-mismatch", "H-mismatch", "weight-1d", "index-shape", "index-range", "bias-shape", "temperature", "chunk"],
+    ids=["int-hidden", "dtype-mismatch", "H-mismatch", "weight-1d", "index-shape", "index-range", "bias-shape",
+         "temperature", "chunk"],
 )
 def test_chunked_logprobs_bad_input(kwargs, match):
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(11, 8), index=torch.zeros(4, dtype=torch.long))

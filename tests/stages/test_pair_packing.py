@@ -17,7 +17,7 @@ def _batch(pairs: list[tuple[list[int], list[int], int]]) -> dict[str, torch.Ten
     """(chosen ids, rejected ids, prompt length) per pair -> a PairCollator-shaped batch."""
     ids = [torch.tensor(c) for c, _, _ in pairs] + [torch.tensor(r) for _, r, _ in pairs]
     prompt = [p for _, _, p in pairs] * 2
-    masks = [torch.tensor([0] * p + [1] * (len(i) - p)) for i, p in zip(ids, prompt)]
+    masks = [torch.tensor([0] * p + [1] * (len(i) - p)) for i, p in zip(ids, prompt, strict=True)]
     return {"input_ids": pad(ids, padding_value=0), "attention_mask": pad([torch.ones_like(i) for i in ids]),
             "completion_mask": pad(masks)}
 
@@ -35,7 +35,8 @@ def test_layout_puts_the_rejected_suffix_after_the_chosen_one_and_hides_it():
     assert m[3].tolist() == [True, False, False, True, False, False]
     assert m[5].tolist() == [True, False, False, True, True, True]
     # back to 2B padded rows: the rejected rows read the prefix's positions, then their own
-    assert p.unpack(p.input_ids)[2, :4].tolist() == [5, 6, 7, 3] and p.unpack(p.input_ids)[3, :4].tolist() == [4, 2, 2, 2]
+    assert p.unpack(p.input_ids)[2, :4].tolist() == [5, 6, 7, 3] \
+        and p.unpack(p.input_ids)[3, :4].tolist() == [4, 2, 2, 2]
     assert torch.equal(p.unpack(p.input_ids) * b["attention_mask"], b["input_ids"])
 
 
@@ -176,11 +177,12 @@ def test_joined_is_one_row_without_padding_and_keeps_the_pairs_apart():
 
 def _tokens_once(batch) -> int:
     """The real tokens of a PairCollator batch with each pair's shared prefix counted once (a plain loop)."""
-    rows = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    rows = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
     b, total = len(rows) // 2, 0
-    for chosen, rejected in zip(rows[:b], rows[b:]):
-        shared = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r), min(len(chosen),
-                                                                                             len(rejected)))
+    for chosen, rejected in zip(rows[:b], rows[b:], strict=True):
+        # strict=False: the common prefix ends where the shorter row does
+        shared = next((i for i, (c, r) in enumerate(zip(chosen, rejected, strict=False)) if c != r),
+                      min(len(chosen), len(rejected)))
         total += len(chosen) + len(rejected) - shared
     return total
 
