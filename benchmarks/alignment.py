@@ -2,7 +2,7 @@
 
     python -m benchmarks alignment                          # every method, seeds 1 2 3, default params.yaml
     python -m benchmarks alignment --seeds 1 --methods dpo grpo
-    python -m benchmarks alignment --sweep 1 --write sweep-1.md   # tune each method on dev (round 1), the choice on eval
+    python -m benchmarks alignment --sweep 1 --write sweep-1.md  # tune each method on dev (round 1), the choice on eval
     python -m benchmarks alignment --set policy.dpo.max_steps=50 --output-dir /tmp/align-bench   # resumable
 
 Every stage is the real one (`stages.harness.runner.run_stage`, what every entry point calls), run in
@@ -23,9 +23,10 @@ Default mode: each method with params.yaml's settings, evaluated on the held-out
 the same for every method (ROUNDS below): round 1 tries 2 learning rates × one knob of the method
 (4 configurations), round 2 two values of one more knob from round 1's choice, which
 params.yaml holds (2 configurations; the one params.yaml holds is the default run's), round 3
-each method's learning rate halved, kept and doubled (3 configurations). Every configuration is trained on every seed and scored on `dev` only; the one with the best mean dev
-accuracy (the first in order on a tie) is then scored on `eval`, the only time eval is looked
-at. `--write FILE` writes the tables (with `--sweep`, every configuration's dev accuracy) to FILE.
+each method's learning rate halved, kept and doubled (3 configurations). Every configuration is trained on
+every seed and scored on `dev` only; the one with the best mean dev accuracy (the first in order on a tie) is
+then scored on `eval`, the only time eval is looked at. `--write FILE` writes the tables (with `--sweep`, every
+configuration's dev accuracy) to FILE.
 
 Times are each stage's build time from its manifest (a reused stage keeps the time it was built in). On
 2 CPU cores with one torch thread the default run takes about 15 minutes (about 140 s of shared stages per seed,
@@ -65,8 +66,8 @@ DEFAULT_SEEDS = (1, 2, 3)
 
 # The tuning budget, the same for every method: 9 configurations in three rounds, each scored on dev over the seeds.
 # Round 1: 2 learning rates x 2 values of one knob (keys under policy.<method>.). Round 2, from round 1's choice
-# (params.yaml's settings since): 2 values of one more knob. params.yaml holds each round's choice. A knob naming a shared
-# stage's key (score.*) is that key itself: the offline methods' data is sampled by score, so its sampling
+# (params.yaml's settings since): 2 values of one more knob. params.yaml holds each round's choice. A knob naming a
+# shared stage's key (score.*) is that key itself: the offline methods' data is sampled by score, so its sampling
 # temperature is theirs to tune (the SFT model samples the carry in 11-18% of carry sums where its labels had 30%).
 ROUNDS: list[dict[str, dict[str, list[Any]]]] = [
     {"dpo": {"learning_rate": [1e-4, 3e-4], "beta": [0.1, 0.3]},
@@ -99,7 +100,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 def configurations(method: str, round_: int = 1) -> list[dict[str, Any]]:
     """Round `round_`'s configurations of `method`, one {knob: value} each, in a fixed order."""
     grid = ROUNDS[round_ - 1][method]
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
 def overrides(method: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -336,7 +337,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     sft = results.get("sft", {}).get("accuracy")
     for label, r in results.items():
         gain = "" if label in ("base", "sft") or not sft else \
-            fmt([100 * (a - b) for a, b in zip(r["accuracy"], sft)], percent=False)
+            fmt([100 * (a - b) for a, b in zip(r["accuracy"], sft, strict=True)], percent=False)
         config = "" if label in ("base", "sft") else config_label(base, label, chosen[label]) if args.sweep \
             else "params.yaml"
         steps = "" if "steps" not in r else "/".join(sorted({str(s) for s in r["steps"]}))
@@ -346,8 +347,8 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
     errors = {label: c for label, c in (errors or {}).items() if c}
     if errors:
         kinds = [k for k in ERROR_KINDS if any(c[k] for c in errors.values())]
-        lines += ["", f"What the models get wrong on eval (stages.builtin.arithmetic_errors.error_kind; answers summed over "
-                  f"the {len(args.seeds)} seeds):", "", "| model | right | " + " | ".join(kinds) + " |",
+        lines += ["", "What the models get wrong on eval (stages.builtin.arithmetic_errors.error_kind; answers summed "
+                  f"over the {len(args.seeds)} seeds):", "", "| model | right | " + " | ".join(kinds) + " |",
                   "|---|" + "---:|" * (len(kinds) + 1)]
         for label, c in errors.items():
             lines.append(f"| {label} | {c['right']} | " + " | ".join(str(c[k]) for k in kinds) + " |")
@@ -359,7 +360,7 @@ def tables(args, shared: dict[int, dict], results: dict, chosen: dict, sweep: di
                   "chosen (bold) and only it is scored on eval (the table above).", "",
                   "| method | configuration | dev accuracy (mean ± sd) | per seed |", "|---|---|---:|---|"]
         for method, configs in sweep.items():
-            for config, (name, accs) in zip(configurations(method, args.sweep), configs.items()):
+            for config, (name, accs) in zip(configurations(method, args.sweep), configs.items(), strict=True):
                 mark = "**" if name == config_name(chosen[method]) else ""
                 label = config_label(base, method, config)
                 lines.append(f"| {method} | {mark}{label}{mark} | {mark}{fmt(accs)}{mark} | "

@@ -43,7 +43,8 @@ _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's ``bytes_to_unicode`` (the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -90,7 +91,7 @@ def _decode_tokens_manually(tokenizer, ids: list[int], kind: str, keep: set[int]
     """Decode ids from raw token strings (fallback for tokenizers without a decoder)."""
     byte_dec = _byte_decoder()
     buf = bytearray()
-    for tok_id, tok in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+    for tok_id, tok in zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True):
         if tok is None:
             continue
         if tok_id in keep:  # the think tags: literal text
@@ -197,7 +198,8 @@ def parse_completions(
     """
     ids = torch.as_tensor(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids
     if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ValueError(f"`token_ids` must be a (B, T) integer tensor; got shape {tuple(ids.shape)}, dtype {ids.dtype}")
+        raise ValueError(f"`token_ids` must be a (B, T) integer tensor; got shape {tuple(ids.shape)}, "
+                         f"dtype {ids.dtype}")
     ids = ids.detach().cpu().long()
     if mask is None:
         if getattr(tokenizer, "pad_token_id", None) is None:
@@ -230,7 +232,8 @@ def parse_completions(
             if tag_id is not None:
                 think_ids.add(tag_id)
     drop = specials - think_ids
-    rows = [[t for t, k in zip(r, kr) if k and t not in drop] for r, kr in zip(ids.tolist(), keep.tolist())]
+    rows = [[t for t, k in zip(r, kr, strict=True) if k and t not in drop]
+            for r, kr in zip(ids.tolist(), keep.tolist(), strict=True)]
 
     kind = _marker_kind(tokenizer)
     if kind is None:
@@ -239,7 +242,7 @@ def parse_completions(
         texts = [_decode_tokens_manually(tokenizer, r, kind, think_ids) for r in rows]
 
     out = []
-    for text, eos in zip(texts, has_eos):
+    for text, eos in zip(texts, has_eos, strict=True):
         if think_tags is None:
             answer, reasoning, complete = text, None, True
         else:

@@ -82,7 +82,7 @@ def run(ctx) -> dict[str, Any]:
         row.update(benchmarks.get(label, {}))
         if label in judged:
             row.update(judged[label]["columns"])
-            for pred, score in zip(preds, judged[label]["scores"]):
+            for pred, score in zip(preds, judged[label]["scores"], strict=True):
                 pred["judge"] = score
         table.append({"model": label, **row, "split": e.split})
         predictions += [{"model": label, **pr} for pr in preds]
@@ -164,8 +164,9 @@ def run_judge(ctx, rows: list[dict], outputs: dict[str, Outputs], template: str,
             continue
         try:
             verdicts = judge.judge_pairs(ask, template, instructions,
-                                         [full_text(c, r) for c, r in zip(out.completions, out.reasoning)],
-                                         [full_text(c, r) for c, r in zip(base.completions, base.reasoning)])
+                                         [full_text(c, r) for c, r in zip(out.completions, out.reasoning, strict=True)],
+                                         [full_text(c, r) for c, r in zip(base.completions, base.reasoning,
+                                                                          strict=True)])
         except EndpointError as e:
             if client is None:
                 raise
@@ -365,7 +366,7 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
     """(one table row, per-prompt predictions) of one model's outputs."""
     n = len(rows)
     references = [reference_text(r["completion"]) if r.get("completion") else None for r in rows]
-    texts = [full_text(c, r) for c, r in zip(out.completions, out.reasoning)]
+    texts = [full_text(c, r) for c, r in zip(out.completions, out.reasoning, strict=True)]
     preds, correct = [], []
     for i, row in enumerate(rows):
         pred = {"prompt": row["prompt"], "reference": references[i], "completion": texts[i],
@@ -397,7 +398,8 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
     if "reward" in metrics:
         row["reward"] = round(sum(rewards) / n, 4) if rewards is not None else None
     if "win_rate" in metrics:
-        row["win_rate"] = (round(sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(rewards, sft_rewards))
+        row["win_rate"] = (round(sum(1.0 if a > b else 0.5 if a == b else 0.0
+                                     for a, b in zip(rewards, sft_rewards, strict=True))
                                  / n, 4) if rewards is not None and sft_rewards is not None else None)
     if "format" in metrics:
         from stages.reward_functions import reasoning_format
@@ -426,7 +428,8 @@ def reference_text(completion: Any) -> str:
 
 
 def after_reasoning(text: str) -> str:
-    """A reference's answer part, by the reasoning-block policy of `stages.completion_text` ("" if a block is left open)."""
+    """A reference's answer part, by the reasoning-block policy of `stages.completion_text` ("" if a block is left
+    open)."""
     return answer_after_reasoning(text)
 
 
