@@ -34,7 +34,8 @@ from tasks.stage import STAGE_TASKS
 
 
 # Runs the shard tasks (run.parallel_shards: that many at once) unless run.dask_address sends them to a cluster.
-@flow(name="align", task_runner=ThreadPoolTaskRunner())
+# prefect types TaskRunner invariant in its future type, so flow() refuses its own ThreadPoolTaskRunner
+@flow(name="align", task_runner=ThreadPoolTaskRunner())  # type: ignore[arg-type]
 def align(params_file: str = "params.yaml", overrides: list[str] | None = None, promote: bool = False
           ) -> dict[str, Any]:
     """Run the pipeline on `params_file` with `overrides` (["sft.learning_rate=1e-4", ...]); `promote`: then stage

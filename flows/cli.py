@@ -129,7 +129,7 @@ def run(params_file: str, overrides: list[str], promote: bool = False, ready=Non
     return 0
 
 
-def server_lost(error: BaseException) -> str | None:
+def server_lost(error: BaseException | None) -> str | None:
     """The cause line when `error` is the Prefect API going away mid-run (the server stopped or restarted): the
     stages keep running in this process and publish their outputs, but the flow cannot record them."""
     import httpx

@@ -70,7 +70,10 @@ def why_not_recorded(params_file: str, output_dir: str, overrides: list[str] | N
 
 def commit_lock(root: Path) -> tuple[bool, str]:
     """`dvc commit --force` in `root`; (recorded, what happened)."""
-    cmd = [*dvc_command(), "commit", "--force"]  # not --quiet: it silences the errors too
+    dvc = dvc_command()
+    if dvc is None:  # why_not_recorded says so before a commit is tried
+        return False, f"dvc.lock not updated: dvc is not installed for {sys.executable}"
+    cmd = [*dvc, "commit", "--force"]  # not --quiet: it silences the errors too
     try:
         res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=_env())
     except subprocess.TimeoutExpired:

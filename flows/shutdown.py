@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 import psutil
 
@@ -77,11 +78,11 @@ def stop_on_sigterm(command: str, last_line: str) -> None:
     if getattr(prefects, "armed_by_align", False):
         return
 
-    def arm_then_prefects(signum: int, *args: object):
+    def arm_then_prefects(sig_num: int, *args: object) -> NoReturn:  # Prefect's handler's signature
         force_exit_after(GRACE_S, f"{command}: SIGTERM", last_line)
-        prefects(signum, *args)
+        prefects(sig_num, *args)
 
-    arm_then_prefects.armed_by_align = True
+    arm_then_prefects.__dict__["armed_by_align"] = True  # a function attribute, which mypy cannot declare
     engine._prefect_sigterm_handler = arm_then_prefects
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class CausalLM:
     sliding_window: int | None
     dtype: torch.dtype            # of the parameters
 
-    def hidden(self, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+    def hidden(self, inputs: dict, **kwargs) -> tuple[torch.Tensor, Any]:
         """`final_hidden` of `model`, through the final norm found once."""
         return hidden_through(self.model, self.norm, inputs, **kwargs)
 
@@ -117,7 +118,7 @@ def _final_norm(base: nn.Module) -> nn.Module | None:
     return None
 
 
-def final_hidden(model, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+def final_hidden(model, inputs: dict, **kwargs) -> tuple[torch.Tensor, Any]:
     """`model(**inputs, **kwargs)` and its final hidden states (B, T, H): (hidden, outputs).
 
     The hidden states are taken from the final norm's output by a forward hook: output_hidden_states=True
@@ -128,7 +129,7 @@ def final_hidden(model, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
     return hidden_through(model, final_norm(model), inputs, **kwargs)
 
 
-def hidden_through(module: nn.Module, norm: nn.Module | None, inputs: dict, **kwargs) -> tuple[torch.Tensor, object]:
+def hidden_through(module: nn.Module, norm: nn.Module | None, inputs: dict, **kwargs) -> tuple[torch.Tensor, Any]:
     """`module(**inputs, **kwargs)` and the output of `norm` inside it (see `final_hidden`)."""
     if norm is None:
         out = module(**inputs, output_hidden_states=True, **kwargs)

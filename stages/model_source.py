@@ -60,6 +60,7 @@ def remote_code_problem(folder: Path | None) -> str | None:
     import json
 
     for name in CODE_CONFIGS if folder is not None else ():
+        assert folder is not None  # no names to loop over without a folder
         try:
             config = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):

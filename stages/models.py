@@ -130,7 +130,8 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tr
     if quantization_config is not None:  # bitsandbytes places the quantised weights itself
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
                                                     device_map={"": torch.cuda.current_device()}, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose stub loses the method's binding of self
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)  # type: ignore[arg-type]
 
 
 def load_quantized(model, auto_class, quantization_config, **kwargs):

@@ -51,7 +51,7 @@ def sharding_engine(model) -> str | None:
     return None
 
 
-def module_type(module: nn.Module) -> type:
+def module_type(module: object) -> type:
     """The class of `module` before `fully_shard` swapped it for a subclass `FSDP<Name>(FSDPModule, <Name>)`."""
     fsdp2, _ = _fsdp_classes()
     cls = type(module)
@@ -84,7 +84,8 @@ def gathered_head(head: nn.Linear) -> Iterator[tuple[torch.Tensor, torch.Tensor 
         return
     from torch.distributed.tensor import DTensor
 
-    yield tuple(p.full_tensor() if isinstance(p, DTensor) else p for p in params)
+    weight, bias = (p.full_tensor() if isinstance(p, DTensor) else p for p in params)
+    yield weight, bias
 
 
 def generate_kwargs(model) -> dict:

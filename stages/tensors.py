@@ -62,11 +62,13 @@ def pad(
         shape[0] = -(-shape[0] // pad_to_multiple_of) * pad_to_multiple_of
     out = torch.full((len(tensors), *shape), padding_value, dtype=first.dtype, device=first.device)
     for i, t in enumerate(tensors):
+        region: tuple[slice, ...]
         if padding_side == "right":
             region = tuple(slice(0, s) for s in t.shape)
         else:
             region = tuple(slice(m - s, m) for s, m in zip(t.shape, shape, strict=True))
-        out[(i, *region)] = t
+        index: tuple[int | slice, ...] = (i, *region)
+        out[index] = t
     return out
 
 

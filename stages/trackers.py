@@ -34,7 +34,10 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlflow import ActiveRun
 
 # report_to name -> (module transformers imports, pip requirement)
 TRACKERS = {
@@ -198,6 +201,8 @@ def _mlflow_callback(params, stage: str):
         The nested run is started here with `parent_run_id`; the callback then finds it active and logs the
         TrainingArguments, the model config and every log line into it. It stays open past training (a
         final `trainer.evaluate()` logs into it too) and is ended by `finish_stage`."""
+
+        _stage_run: ActiveRun | None
 
         def setup(self, args, state, model):
             if state.is_world_process_zero and not self._initialized:

@@ -44,6 +44,8 @@ def shard_runner(params: Params) -> Iterator[TaskRunner | None]:
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """Open and close a TCP connection to the scheduler at `address`, or raise ClusterUnreachable naming it."""
     m = DASK_ADDRESS.fullmatch(address)
+    if m is None:  # the params check refuses such an address first
+        raise ValueError(f"{KEY} = {address!r}: expected host:port, optionally after tcp:// or tls://")
     host, port = m["host"].strip("[]"), int(m["port"])
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()

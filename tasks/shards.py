@@ -13,6 +13,8 @@ on this machine; with `run.dask_address` set they go to that Dask cluster's work
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -39,7 +41,8 @@ def fan_out(name: str, params: Params, upstream: list[dict], runner: TaskRunner 
     n = params.run.parallel_shards
     if n <= 1 or inspect(name, params).current:
         return upstream
-    calls = [{"name": name, "params": params, "shard": k, "num_shards": n, "upstream": upstream} for k in range(n)]
+    calls: list[dict[str, Any]] = [{"name": name, "params": params, "shard": k, "num_shards": n, "upstream": upstream}
+                                   for k in range(n)]
     futures = [runner.submit(stage_shard, c) if runner else stage_shard.submit(**c) for c in calls]
     wait(futures)  # every shard ends before a failed one's error is raised
     return upstream + [f.result() for f in futures]

@@ -14,6 +14,7 @@ packed sequence gets label IGNORE_INDEX, so no sequence is trained to predict th
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,7 @@ class CompletionCollator:
                              "each next input token")
         return kept
 
-    def _pad(self, rows: list[tuple[torch.Tensor, ...]], packed: bool) -> dict[str, torch.Tensor]:
+    def _pad(self, rows: Sequence[tuple[torch.Tensor, ...]], packed: bool) -> dict[str, torch.Tensor]:
         """Rows of (ids, labels, starts), each (n_i,), into (B, T) tensors; T = max n_i rounded up."""
         width = max(len(ids) for ids, _, _ in rows)
         if self.pad_to_multiple_of:

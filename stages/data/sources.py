@@ -106,11 +106,11 @@ def missing_files(data) -> list[tuple[str, str]]:
     """(dotted key, why) for every named data source that does not exist or cannot be loaded: a missing file, a
     mapping with unknown keys, a column, split or config that is not there, a slice that leaves no rows, a hub
     id not in the cache (stages.data.hub.check)."""
-    problems = []
+    problems: list[tuple[str, str]] = []
     for key in (*(f"data.{k}" for k in FILE_KEYS), *HELD_OUT_KEYS):
         value = getattr(data, key.removeprefix("data."))
         shape = shape_problems(key, value)
-        problems += [tuple(p.split(" ", 1)) for p in shape]
+        problems += [(k, why) for k, _, why in (p.partition(" ") for p in shape)]  # each is "<key> <why>"
         if shape or not value or (isinstance(value, str) and value.startswith("builtin:")):
             continue
         if is_spec_value(value):

@@ -92,7 +92,7 @@ def apply_chat_template(example: dict[str, Any], tokenizer, tools: list | None =
     """
     row = example
     kind = detect_format(row)
-    render = _RENDERERS.get(kind)
+    render = _RENDERERS.get(kind) if kind is not None else None
     field = "messages" if kind == "messages" else "chosen" if kind == "preference" else "prompt"
     if render is None or not is_messages(row[field]):
         return row
@@ -141,7 +141,7 @@ _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 def has_generation_markers(chat_template: str | None) -> bool:
     """Whether a chat template marks assistant content with `{% generation %}` (what transformers'
     `return_assistant_tokens_mask` needs)."""
-    return bool(chat_template) and bool(_GENERATION_TAG.search(chat_template))
+    return bool(chat_template and _GENERATION_TAG.search(chat_template))
 
 
 def assistant_spans(messages: list[dict], tokenizer, tools: list | None = None

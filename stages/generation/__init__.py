@@ -19,6 +19,7 @@ the same EOS trimming and reasoning-block policy (``stages.completion_text.parse
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from stages.generation import continuous, hf, vllm
@@ -26,8 +27,9 @@ from stages.generation.common import Generations, SamplingParams
 
 __all__ = ["BACKENDS", "Generations", "SamplingParams", "generate"]
 
-BACKENDS = {**{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate,
-            "continuous_batching": continuous.generate}
+BACKENDS: dict[str, Callable[..., Generations]] = {
+    **{name: partial(hf.generate, backend=name) for name in hf.CHOICES}, "vllm": vllm.generate,
+    "continuous_batching": continuous.generate}
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, backend: str | None = None,

@@ -54,7 +54,7 @@ class Generations:
         """The `**columns` of reward functions: each prompt row's other columns repeated per completion
         (`rows[i]` is prompt i's row), plus completion_ids, reasoning and finished."""
         names = dict.fromkeys(k for r in rows for k in r if k not in skip)
-        columns = {k: [rows[i].get(k) for i in self.prompt_index] for k in names}
+        columns: dict[str, list] = {k: [rows[i].get(k) for i in self.prompt_index] for k in names}
         columns.update(completion_ids=self.completion_ids, reasoning=self.reasoning, finished=self.finished)
         return columns
 

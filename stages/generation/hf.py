@@ -86,6 +86,7 @@ def generate(model, tokenizer, prompts: list, sampling: SamplingParams, *, batch
                 for j, i in enumerate(batch):
                     per_prompt[i] = [trim_at_eos(r, eos) for r in new[j * n:(j + 1) * n]]
                 if per_row:  # the sampled tokens' log-probs, cut to each completion's length
+                    assert per_prompt_logps is not None  # a list whenever per_row
                     steps = extra["logits_processor"][0].logps
                     logps = torch.stack(steps, 1).tolist() if steps else [[] for _ in new]
                     for j, i in enumerate(batch):

@@ -197,7 +197,7 @@ _DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceede
 _NEARLY_FULL = 1 << 20  # bytes free under which a write error that names no cause counts as a full disk
 
 
-def is_disk_full(exc: BaseException, folder: Path | None = None) -> bool:
+def is_disk_full(exc: BaseException | None, folder: Path | None = None) -> bool:
     """Whether `exc` (or an exception it was raised from) is a write that failed for lack of space.
 
     An OSError says so by its errno, safetensors in its message. torch.save's writer says neither
@@ -245,7 +245,7 @@ class DiskFull(OSError):
                          f"{free:,} bytes are free there ({one_line(cause)})")
 
     def __str__(self) -> str:  # OSError's "[Errno 28] ..." prefix would come before the folder
-        return self.strerror
+        return self.strerror or ""  # set by __init__
 
 
 def disk_full(folder: Path, written_in: tuple[Path, ...], cause: BaseException) -> DiskFull:

@@ -15,6 +15,7 @@ report_to). `tests/test_dvc.py` checks that the committed `dvc.yaml` matches thi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -27,7 +28,7 @@ OUTPUT_DIR = "artifacts"  # dvc.yaml describes the default run.output_dir
 
 def dvc_stages(output_dir: str = OUTPUT_DIR, params: Params | None = None) -> dict:
     """`params`: the input files it names (StageSpec.inputs: data files, a local model folder) become deps."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for spec in STAGES.values():
         out[spec.name] = {
             "cmd": f"python -m stages {spec.name}",

@@ -211,7 +211,8 @@ def key_params(section: dict[str, Any], stage: str) -> dict[str, Any]:
     prefix, out = stage, {}
     if stage == "policy":
         method = section.get("method")
-        prefix, section, out = f"policy.{method}", section.get(method) or {}, {"policy.method": method}
+        chosen = section.get(method) if method is not None else None
+        prefix, section, out = f"policy.{method}", chosen or {}, {"policy.method": method}
     for key, value in flat(section).items():
         if value is not None and (key in KEY_PARAMS or key.split(".")[0] not in TRAINING_ARGUMENT_NAMES):
             out[f"{prefix}.{key}"] = value

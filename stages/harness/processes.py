@@ -91,6 +91,7 @@ def run_command(cmd: list[str], *, on_line: Callable[[str], Any] = print, timeou
         timer = threading.Timer(timeout_s, expire)
         timer.daemon = True
         timer.start()
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")

@@ -437,6 +437,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         per_token = per_token * weights
     metrics = {}
     if beta > 0:
+        assert ref_logps is not None  # refused above when beta > 0
         kl = kl_k3(logps, _upcast(ref_logps))
         metrics["kl"] = _masked_mean(kl, mask).detach()
         per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)

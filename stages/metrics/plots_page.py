@@ -19,6 +19,7 @@ import re
 import sys
 import tarfile
 from pathlib import Path
+from typing import IO
 
 BUILDS = {"vega": "package/build/vega.min.js", "vega-lite": "package/build/vega-lite.min.js",
           "vega-embed": "package/build/vega-embed.min.js"}  # in load order: vega-embed needs the other two
@@ -29,13 +30,21 @@ SOURCE_MAP = re.compile(r"\n//# sourceMappingURL=\S+\s*$")
 def read_build(tarball: Path) -> tuple[str, str, str]:
     """(package name, version, minified build without its source-map comment) of an `npm pack` tarball."""
     with tarfile.open(tarball) as tar:
-        meta = json.load(tar.extractfile("package/package.json"))
+        meta = json.load(_member(tar, tarball, "package/package.json"))
         if meta["name"] not in BUILDS:
             raise ValueError(f"{tarball}: package {meta['name']!r} is none of {list(BUILDS)}")
         if meta.get("license") != "BSD-3-Clause":
             raise ValueError(f"{tarball}: licence {meta.get('license')!r}; .dvc/plots/LICENSES.txt covers BSD-3-Clause")
-        code = tar.extractfile(BUILDS[meta["name"]]).read().decode()
+        code = _member(tar, tarball, BUILDS[meta["name"]]).read().decode()
     return meta["name"], meta["version"], SOURCE_MAP.sub("", code)
+
+
+def _member(tar: tarfile.TarFile, tarball: Path, name: str) -> IO[bytes]:
+    """The file `name` in `tar` (a KeyError when missing, as `extractfile` raises), or ValueError when not a file."""
+    f = tar.extractfile(name)
+    if f is None:
+        raise ValueError(f"{tarball}: {name} is not a regular file")
+    return f
 
 
 def script(name: str, version: str, code: str) -> str:

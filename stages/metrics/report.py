@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,9 +149,9 @@ def markdown_completions(rows: list[dict[str, Any]]) -> str:
     return table(rows)
 
 
-def markdown_report(table: list[dict[str, Any]], plots: dict[str, Path], *, notes: list[str] = (),
+def markdown_report(table: list[dict[str, Any]], plots: dict[str, Path], *, notes: Sequence[str] = (),
                     inline_images: bool = False, title: str = "Evaluation",
-                    completions: list[dict[str, Any]] = ()) -> str:
+                    completions: Sequence[dict[str, Any]] = ()) -> str:
     """The table, the notes and the plots: linked relative to the report (`plots/x.png`), or inlined as
     data URIs (`inline_images`, for a Prefect artifact that cannot reach the files)."""
     lines = [f"# {title}", "", markdown_table(table), ""]

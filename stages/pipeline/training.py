@@ -71,7 +71,7 @@ def trainer_config(ctx, s, *, device: str, section: str, **pipeline: Any):
         raise ValueError(refused(section, e, kwargs)) from None
 
 
-def refused(section: str, error: ValueError, kwargs: dict[str, Any]) -> str:
+def refused(section: str, error: ValueError | TypeError, kwargs: dict[str, Any]) -> str:
     """transformers' (or a config's) refusal, reworded with the dotted keys it names."""
     message = " ".join(str(error).split())
     keys = [k for k in kwargs if k in message] or ["(a training argument)"]

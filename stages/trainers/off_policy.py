@@ -10,6 +10,7 @@ two settings are declared once in `stages.trainers.method_fields`; the warning i
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ class OffPolicyWarning:
     than `tis_warn`."""
 
     _tis_warned = False
+    args: Any  # the Trainer's
+    state: Any
 
     def warn_off_policy(self, logs: dict[str, float]) -> None:
         ratio, a = logs.get("tis/mean_ratio"), self.args
