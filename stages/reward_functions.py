@@ -72,7 +72,7 @@ def exact_match(prompts: list, completions: list[str], *, answer: list | None = 
 
 
 def reasoning_format(prompts: list, completions: list[str], *, reasoning: list | None = None, **_
-                     ) -> list[float | None]:
+                     ) -> list[float]:
     """1.0 where the completion had a closed reasoning block with non-empty reasoning and a non-empty answer.
 
     Uses the `reasoning` column of generation (`stages.completion_text.parse_completions`: None
@@ -243,8 +243,9 @@ class RewardFunctions:
         totals: list[float | None] = []
         for i in range(n):
             row = [scores[name][i] for name, _ in self.functions]
-            totals.append(None if any(v is None for v in row)
-                          else sum(w * v for w, v in zip(self.weights, row, strict=True)))
+            present = [v for v in row if v is not None]
+            totals.append(None if len(present) < len(row)
+                          else sum(w * v for w, v in zip(self.weights, present, strict=True)))
         return totals, scores
 
 

@@ -153,7 +153,7 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every row of a .jsonl file; a line that is not JSON raises DataError naming the file, line and column."""
     rows = []
     with open(path, encoding="utf-8-sig") as f:

@@ -381,13 +381,16 @@ def row_metrics(rows: list[dict], out: Outputs, metrics: list[str], pattern: re.
         if rewards is not None:
             pred["reward"] = rewards[i]
         preds.append(pred)
-    row: dict[str, Any] = {"n": n}
+    row = {"n": n}
     if "accuracy" in metrics:
         row["accuracy"] = round(sum(correct) / n, 4)
     if "bleu" in metrics or "rouge" in metrics:
         from stages.metrics import load_metric
 
-        plain_refs = [plain(r) for r in references]
+        plain_refs = []
+        for r in references:
+            assert r is not None  # check_references refused rows without one before any model loaded
+            plain_refs.append(plain(r))
         if "bleu" in metrics:
             row["bleu"] = round(load_metric("bleu").compute(predictions=[plain(t) for t in texts],
                                                             references=plain_refs)["bleu"], 3)

@@ -127,10 +127,10 @@ def prepare(ctx) -> tuple[list[dict], Any, Any, Any, str, int]:
     if s.source == "dataset":
         rows, everything = load_generations(s.dataset, tokenizer, s.num_prompts)
 
-        def sample(start: int, stop: int) -> Generations:
+        def from_dataset(start: int, stop: int) -> Generations:
             return slice_generations(everything, start, stop)
 
-        return rows, sample, rewards, tokenizer, "dataset", everything.seed
+        return rows, from_dataset, rewards, tokenizer, "dataset", everything.seed
     rows = prompt_rows(ctx, s.num_prompts)
     loaded: list[Any] = []  # the model (or, for vllm, its folder), loaded on first use
 
