@@ -5,6 +5,7 @@
     python -m benchmarks efficacy --write efficacy.md               # also the tables as markdown
     python -m benchmarks efficacy --tiny                            # a smoke run (seconds)
     python -m benchmarks efficacy --params configs/smollm2.yaml --methods grpo dpo --seeds 0 1 2   # the real model
+    python -m benchmarks efficacy --params configs/smollm2.yaml --methods grpo --seeds 1 --trainer-seed 11
 
 `--params FILE` reads the settings (model, data, every section) from FILE instead of params.yaml, as
 `align run --params FILE` does. Where a section has `lora.enabled`, both sides train LoRA adapters with the
@@ -268,13 +269,16 @@ def seed_params(out: Path, seed: int, overrides: dict[str, Any], params_file: Pa
 
 def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any], steps: dict[str, int | None],
              eval_samples: int, precision: str, report, dpo_pairs: str = "preprocess",
-             params_file: Path | None = None, sides: tuple[str, ...] = SIDES) -> list[dict[str, Any]]:
+             params_file: Path | None = None, sides: tuple[str, ...] = SIDES,
+             trainer_seed: int | None = None) -> list[dict[str, Any]]:
     import torch
 
     from stages.harness import runner
     from stages.harness.model_paths import resolve_model
 
     p = seed_params(out, seed, overrides, params_file)
+    # --trainer-seed: DPO's and GRPO's own seed (sampling, shuffling, torch) on both sides; data and SFT keep `seed`
+    p_policy = p if trainer_seed is None else seed_params(out, trainer_seed, overrides, params_file)
     runner.run_stage("preprocess", p)
     data, base = out / "preprocess", resolve_model(p.model, p.run.output_dir)
     eval_rows = rows_of(data, "eval")[: eval_samples if eval_samples > 0 else None]
@@ -291,10 +295,11 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
             if method != "sft" and side not in sides or method == "sft" and side == "trl" and (
                     "sft" not in methods or side not in sides):
                 continue
-            torch.manual_seed(seed)
+            pm = p if method == "sft" else p_policy
+            torch.manual_seed(pm.run.seed)
             work = out / f"work-{method}-{side}"
             start = base if method == "sft" else dpo_start if method == "dpo" else str(sft_model)
-            trainer, tok, clock, result = RUNNERS[method](side, p, start, dpo_data if method == "dpo" else data,
+            trainer, tok, clock, result = RUNNERS[method](side, pm, start, dpo_data if method == "dpo" else data,
                                                           work, precision, steps[method])
             acc = accuracy(trainer.model, tok, eval_rows, p)
             if method == "sft" and side == "ours":
@@ -305,7 +310,7 @@ def run_seed(seed: int, methods: list[str], out: Path, overrides: dict[str, Any]
             rec = {"method": method + ("-score" if method == "dpo" and dpo_pairs == "score" else ""),
                    "side": side, "seed": seed, "accuracy": acc, "wall_s": clock.wall,
                    "cpu_s": clock.cpu, "steps": trainer.state.global_step, "train_loss": result.training_loss,
-                   "load": host_load(), "precision": precision}
+                   "load": host_load(), "precision": precision, "trainer_seed": pm.run.seed}
             if method in methods:
                 records.append(rec)
                 report(rec)
@@ -351,6 +356,9 @@ def parse(argv=None):
         ap.add_argument(f"--{m}-steps", type=int, default=None, help=f"max_steps of {m} on both sides")
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
                     help="which sides to run (our SFT model of a seed is trained when missing, whichever side)")
+    ap.add_argument("--trainer-seed", type=int, default=None,
+                    help="DPO's and GRPO's seed on both sides (default: the seed of --seeds); the data and the SFT "
+                         "model they start from still follow --seeds")
     ap.add_argument("--eval-samples", type=int, default=-1, help="first N eval prompts (default: all)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: autocast (bf16=True) on both sides, fp32 weights")
@@ -434,7 +442,7 @@ def run(argv=None) -> list[dict[str, Any]]:
     try:
         for seed in a.seeds:
             records += run_seed(seed, a.methods, out / f"seed-{seed}", overrides, steps, a.eval_samples,
-                                a.precision, report, a.dpo_pairs, a.params, tuple(a.sides))
+                                a.precision, report, a.dpo_pairs, a.params, tuple(a.sides), a.trainer_seed)
     finally:
         if not a.output_dir:
             shutil.rmtree(out, ignore_errors=True)

@@ -45,3 +45,22 @@ def test_tiny_sft_run_prints_the_table_for_both_sides(efficacy, tmp_path, capsys
     # same base weights, rows, order and hyperparameters: the same loss to float rounding
     assert records[0]["train_loss"] == pytest.approx(records[1]["train_loss"], rel=1e-4)
     assert "## Mean ± sd over seeds" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_trainer_seed_moves_the_policy_seed_only(efficacy, tmp_path, monkeypatch):
+    small = {"model": SMALL["model"], "data": SMALL["data"], "evaluate": SMALL["evaluate"]}
+    seen = []
+    real = efficacy.RUNNERS["dpo"]
+
+    def spy(side, p, *args):
+        seen.append((side, p.run.seed))
+        return real(side, p, *args)
+
+    monkeypatch.setitem(efficacy.RUNNERS, "dpo", spy)
+    records = efficacy.run(["--methods", "dpo", "--seeds", "1", "--sides", "ours", "--dpo-steps", "1",
+                            "--sft-steps", "1", "--eval-samples", "2", "--trainer-seed", "7",
+                            "--output-dir", str(tmp_path / "out"), *as_sets(small)])
+    assert seen == [("ours", 7)]
+    assert [(r["method"], r["seed"], r["trainer_seed"]) for r in records] == [("dpo", 1, 7)]
+    # the data and the SFT start still follow --seeds
+    assert (tmp_path / "out" / "seed-1" / "sft-ours-model").is_dir()
