@@ -57,11 +57,8 @@ class PackedPairs:
 
     def inputs(self, lm: CausalLM) -> dict[str, torch.Tensor]:
         """The forward's input_ids, position_ids and 4D attention_mask, in the form `lm`'s attention takes."""
-        mask = self.mask
-        if lm.attention == "eager":  # additive: 0 where attended, the dtype's minimum elsewhere
-            dtype = lm.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": mask}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "attention_mask": attention_mask_for(lm, self.mask)}
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(B, P, ...) per packed position -> (2B, T, ...) per padded position (padding: position 0's value)."""
@@ -84,6 +81,15 @@ class PackedPairs:
         offsets = lengths.cumsum(0) - lengths
         return PackedPairs(self.input_ids[valid][None], self.position_ids[valid][None], mask[None, None],
                            torch.zeros_like(self.rows), offsets[self.rows][:, None] + self.index)
+
+
+def attention_mask_for(lm: CausalLM, mask: torch.Tensor) -> torch.Tensor:
+    """A bool 4D mask (query attends key) in the form `lm`'s attention takes: as it is for sdpa, additive for eager
+    (0 where attended, the dtype's minimum elsewhere)."""
+    if lm.attention != "eager":
+        return mask
+    dtype = lm.dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int = 0) -> PackedPairs | None:

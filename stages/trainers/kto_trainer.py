@@ -21,6 +21,7 @@ from stages.data.tokenize import tokenize_sft
 from stages.losses import kto_loss
 from stages.losses.preference import KTO_LOSSES_WITH_KL
 from stages.precision import trainer_precision, use_fp32_cpu_attention
+from stages.prompt_cache import continued_logps
 from stages.sharding import unwrap
 from stages.tensors import pad
 from stages.trainers.eval_predictions import loss_and_predictions
@@ -245,10 +246,16 @@ class KTOTrainer(PrecomputedReference, OffloadsActivations, Trainer):
                 logps = sequence_logps(model, _part(inputs, ""), chunked=chunked)
             ref_logps = self._reference_logps(model, inputs, "")
             kl = inputs["kl"] if self.uses_kl else torch.zeros((), device=logps.device)
-        else:  # matched and mismatched rows share their prompt: one packed forward per model gives both
+        else:  # matched and mismatched rows share their prompt: the policy runs the mismatched completions from the
+            # matched forward's cached prompts (`stages.prompt_cache`), else packed on it; the reference packed
             rows, b = _pairs(inputs), inputs["desirable"].shape[0]
-            with router_losses(model, moe) as aux:  # a router loss counts every token: rows unpacked
-                both = sequence_logps(model, rows, chunked=chunked, pairs=not moe)
+            cached = None if moe or not chunked else continued_logps(model, _part(inputs, ""),
+                                                                      _part(inputs, KL_PREFIX))
+            if cached is not None:
+                both, aux = torch.cat(cached), []
+            else:
+                with router_losses(model, moe) as aux:  # a router loss counts every token: rows unpacked
+                    both = sequence_logps(model, rows, chunked=chunked, pairs=not moe)
             if all(column in inputs for column in REF_COLUMNS):
                 ref_both = torch.cat([inputs[column] for column in REF_COLUMNS])
             else:
