@@ -225,10 +225,7 @@ def same_as_padded(lm: CausalLM, padded: dict[str, torch.Tensor], packed: Packed
     finally:
         inner.train(was_training)
     valid = padded["attention_mask"].bool()
-    expected, got = expected[valid].float(), packed.unpack(hidden)[valid].float()
-    # per position, the error relative to the hidden state's norm: rounding stays far below TOLERANCE; a token
-    # given the wrong context (an ignored mask or position id) is off by the order of the norm itself
-    diff = float(((expected - got).norm(dim=-1) / expected.norm(dim=-1).clamp(min=1e-6)).max())
+    diff = hidden_difference(expected[valid], packed.unpack(hidden)[valid])
     ok = diff <= TOLERANCE
     if not ok:
         log.warning("packing is off for %s: its packed forward differs from the padded one by %.3g of a hidden "
@@ -236,3 +233,11 @@ def same_as_padded(lm: CausalLM, padded: dict[str, torch.Tensor], packed: Packed
                     "as separate rows", type(inner).__name__, diff)
     _checked[inner] = ok
     return ok
+
+
+def hidden_difference(expected: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest error of the hidden states `got` against `expected` (positions, H), each relative to the expected
+    state's norm: float rounding stays far below TOLERANCE; a token given the wrong context (an ignored mask, cache
+    or position id) is off by the order of the norm itself."""
+    expected, got = expected.float(), got.float()
+    return float(((expected - got).norm(dim=-1) / expected.norm(dim=-1).clamp(min=1e-6)).max())

@@ -26,12 +26,11 @@ import weakref
 import torch
 
 from stages.logprobs import CausalLM, causal_lm, head_logprobs, hidden_through
-from stages.pair_packing import attention_mask_for, packable
+from stages.pair_packing import TOLERANCE, attention_mask_for, hidden_difference, packable
 
 log = logging.getLogger(__name__)
 
 CHECK_ROWS = 2         # rows compared against their padded forward on a model's first use
-TOLERANCE = 0.05       # largest difference of a hidden state accepted there, relative to its norm
 _checked: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
@@ -175,10 +174,7 @@ def verified(lm: CausalLM, matched: dict[str, torch.Tensor], continued: dict[str
     # the padded rows' hidden state at each position that predicts a completion token, against the continuation's
     k = torch.arange(valid.shape[1], device=valid.device)
     rows = torch.arange(n, device=valid.device)[:, None].expand_as(valid)
-    want = expected[rows[valid], (starts[:n, None] - 1 + k)[valid]].float()
-    # per position, the error relative to the hidden state's norm: rounding stays far below TOLERANCE; a token
-    # given the wrong context (an ignored cache, mask or position id) is off by the order of the norm itself
-    diff = float(((got[valid].float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max())
+    diff = hidden_difference(expected[rows[valid], (starts[:n, None] - 1 + k)[valid]], got[valid])
     ok = diff <= TOLERANCE
     if not ok:
         log.warning("cached continuations are off for %s: they differ from the padded forward by %.3g of a "
