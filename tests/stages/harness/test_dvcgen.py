@@ -1,9 +1,15 @@
 """stages.harness.dvcgen: each DVC stage depends on its stage's code closure, file by file, and its upstream outputs."""
 from pathlib import Path
 
-from stages.harness.dvcgen import dvc_stages
+from stages.harness.dvcgen import dvc_stages, render_dvc_yaml
 from stages.harness.registry import STAGES
 from tests.conftest import ROOT
+
+
+def test_committed_dvc_yaml_is_generated_from_registry():
+    """A new module in a stage's code closure changes dvc.yaml: the committed file must follow (fast, so that
+    `make test` catches it)."""
+    assert (ROOT / "dvc.yaml").read_text() == render_dvc_yaml(), "run: python -m stages dvc-yaml > dvc.yaml"
 
 
 def test_deps_are_the_code_closure_and_the_upstream_outputs():
