@@ -2,7 +2,7 @@
 
 HF's `generate` runs every decode step through the whole module stack, and for a small model on a CPU that
 framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
-few fused ops per layer: q/k/v and gate/up as one matmul each (weights laid out (in, out) once per call), one
+few ops per layer, reading the weights where they are (cast once per call under autocast), one
 cache for all layers written in place, the model's own rotary tables, and HF's greedy loop with a pluggable
 token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`). Left padding, autocast
 (matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and `precision.CPU_FP32_SDPA` are
@@ -11,8 +11,8 @@ handled as in the HF modules, so the tokens equal HF's up to float rounding (tes
 `why_not(model, capacity)` names what it would not reproduce exactly, and `Decoder.for_model` then returns None:
 other architectures, quantised or hooked modules, a wrapped forward outside an autocast region, PEFT adapters
 other than plain LoRA, sliding windows shorter than the call, generation configs that add logits processors,
-models on an accelerator or over `MAX_WEIGHT_BYTES` of weights (the copy it makes per call). docs/architecture.md
-("The generation backends") says more.
+models on an accelerator or over `MAX_WEIGHT_BYTES` of weights (the copy it may make per call: LoRA layers,
+autocast). docs/architecture.md ("The generation backends") says more.
 """
 from __future__ import annotations
 
@@ -116,24 +116,18 @@ class Decoder:
         mm_dtype = torch.get_autocast_dtype(device.type) if self.autocast else None
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = _weight(model.lm_head.weight, mm_dtype)
+        self.head = _Linear(_cast(model.lm_head.weight, mm_dtype), None)
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            (q, q_bias), (k, k_bias), (v, v_bias) = (_linear(m) for m in (a.q_proj, a.k_proj, a.v_proj))
-            (o, o_bias), (gate, _), (up, _), (down, _) = (_linear(m) for m in (a.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                                                 mlp.down_proj))
+            w = {name: _linear(getattr(a, name, None) or getattr(mlp, name)) for name in PROJECTIONS}
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                qkv=_weight(torch.cat([q, k, v]), mm_dtype),
-                qkv_bias=None if q_bias is None else _cast(torch.cat([q_bias, k_bias, v_bias]), mm_dtype),
+                **{name: _Linear(_cast(weight, mm_dtype), None if bias is None else _cast(bias, mm_dtype))
+                   for name, (weight, bias) in w.items()},
                 q_norm=(a.q_norm.weight, a.q_norm.variance_epsilon) if self.qk_norm else None,
                 k_norm=(a.k_norm.weight, a.k_norm.variance_epsilon) if self.qk_norm else None,
-                o=_weight(o, mm_dtype),
-                o_bias=None if o_bias is None else _cast(o_bias, mm_dtype),
-                norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                gate_up=_weight(torch.cat([gate, up]), mm_dtype),
-                down=_weight(down, mm_dtype)))
+                norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -178,6 +172,8 @@ class Decoder:
             at = width + step
             if at == cache.shape[-2]:  # as long as rows run on, not max_new_tokens up front
                 cache = _grown(cache, min(capacity, width + 2 * (at - width)))
+            if step == 0:  # only when a row goes on past its first token: packing reads every weight once
+                self._pack(rows)
             logits = self._forward(token, cache, at, cos[:, :, at:at + 1], sin[:, :, at:at + 1],
                                    valid[:, None, None, :at + 1])
         return torch.cat(out, 1)
@@ -185,24 +181,27 @@ class Decoder:
     def _forward(self, tokens, cache, start: int, cos, sin, mask) -> torch.Tensor:
         """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache."""
         rows, length = tokens.shape
-        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        h, d = self.heads, self.head_dim
         x = F.embedding(tokens, self.embed)
         for i, w in enumerate(self.layers):
-            qkv = _mm(_rms_norm(x, w["norm1"]), w["qkv"], w["qkv_bias"]).view(rows, length, h + 2 * kv, d)
-            qk, v = qkv[:, :, :h + kv], qkv[:, :, h + kv:]
+            normed = _rms_norm(x, w["norm1"])
+            q, k, v = (w[name](normed).view(rows, length, -1, d) for name in ("q_proj", "k_proj", "v_proj"))
             if self.qk_norm:
-                qk = torch.cat([_rms_norm_as_hf(qk[:, :, :h], w["q_norm"]), _rms_norm_as_hf(qk[:, :, h:], w["k_norm"])],
-                               2)
-            qk = qk.transpose(1, 2)
+                q, k = _rms_norm_as_hf(q, w["q_norm"]), _rms_norm_as_hf(k, w["k_norm"])
+            qk = torch.cat([q, k], 2).transpose(1, 2)
             qk = qk * cos + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), -1) * sin
             cache[i, 0, :, :, start:start + length] = qk[:, h:]
             cache[i, 1, :, :, start:start + length] = v.transpose(1, 2)
             q, keys, values = qk[:, :h], cache[i, 0, :, :, :start + length], cache[i, 1, :, :, :start + length]
             attn = self._attention(q, keys, values, mask)
-            x = x + _mm(attn.transpose(1, 2).reshape(rows, length, h * d), w["o"], w["o_bias"])
-            gate, up = _mm(_rms_norm(x, w["norm2"]), w["gate_up"]).chunk(2, -1)
-            x = x + _mm(F.silu(gate) * up, w["down"])
-        return _mm(_rms_norm(x[:, -1], self.norm), self.head)
+            x = x + w["o_proj"](attn.transpose(1, 2).reshape(rows, length, h * d))
+            normed = _rms_norm(x, w["norm2"])
+            x = x + w["down_proj"](F.silu(w["gate_proj"](normed)) * w["up_proj"](normed))
+        return self.head(_rms_norm(x[:, -1], self.norm))
+
+    def _pack(self, rows: int) -> None:
+        for linear in [self.head, *(w[name] for w in self.layers for name in PROJECTIONS)]:
+            linear.pack(rows)
 
     def _attention(self, q, keys, values, mask):
         gqa = self.heads != self.kv_heads
@@ -262,19 +261,35 @@ def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
+    """`t` detached, in `dtype` (None: as it is, no copy)."""
     return t.detach() if dtype is None else t.detach().to(dtype)
 
 
-def _weight(w: torch.Tensor, dtype) -> torch.Tensor:
-    """A linear layer's (out, in) weight as a contiguous (in, out) matrix, in `dtype` (None: its own)."""
-    return _cast(w, dtype).t().contiguous()
+# MKL's packed GEMM (what torch's inductor uses for frozen fp32 linears on CPU): a weight reordered once for a fixed
+# row count streams faster than `F.linear` at the few rows of a decode step (~5 against ~4 GB/s of weights here)
+MKL_PACKED = torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def _mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight_t (+ bias) over x's last dimension."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
-    return out.view(*x.shape[:-1], weight_t.shape[1])
+class _Linear:
+    """x @ weight.T (+ bias) over x's last dimension, `weight` in its (out, in) layout, read where it is: a decode
+    step is bound by reading the weights, and at a few rows `F.linear` streams that layout faster than an (in, out)
+    copy (which would cost a pass over every weight per call besides). `pack(rows)` reorders an fp32 weight for
+    MKL's packed GEMM at that many rows (a copy of it, for this call); inputs of other row counts use `F.linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.packed: tuple[int, torch.Tensor] | None = None
+
+    def pack(self, rows: int) -> None:
+        if MKL_PACKED and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
+            self.packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.packed is not None and self.packed[0] == rows:
+            out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.packed[1], self.weight, self.bias, rows)
+            return out.view(*x.shape[:-1], self.weight.shape[0])
+        return F.linear(x, self.weight, self.bias)
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

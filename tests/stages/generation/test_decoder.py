@@ -208,3 +208,35 @@ def test_it_steps_aside_for_models_larger_than_the_copy_it_makes(monkeypatch):
     model = _model("llama")
     monkeypatch.setattr(decoder, "MAX_WEIGHT_BYTES", 1000)
     assert "GiB of weights" in why_not(model, 16)
+
+
+def test_decode_steps_run_on_weights_packed_for_their_row_count(monkeypatch):
+    from stages.generation import decoder
+
+    if not decoder.MKL_PACKED:
+        pytest.skip("this torch has no MKL packed GEMM")
+    model = _model("qwen2")  # q/k/v biases go through the packed path too
+    calls = []
+    packed_linear = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(decoder.torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[-1]) or packed_linear(*a))
+    ids, mask = _batch()
+    tokens = Decoder(model).generate(ids, mask, 16, [1], 0, n=2)
+    assert torch.equal(tokens, _hf(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), 16))
+    layers = model.config.num_hidden_layers
+    assert calls and set(calls) == {12}  # 6 prompts x 2 rows; the prefill (6 x 12 positions) is not packed
+    assert len(calls) % (7 * layers + 1) == 0 and len(calls) // (7 * layers + 1) == tokens.shape[1] - 1
+
+
+def test_a_packed_linear_equals_f_linear_and_falls_back_at_other_row_counts():
+    from stages.generation.decoder import MKL_PACKED, _Linear
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(2, 3, 24)
+    linear = _Linear(weight, bias)
+    linear.pack(6)
+    assert (linear.packed is not None) == MKL_PACKED
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(linear(x[:1]), torch.nn.functional.linear(x[:1], weight, bias))
+    bf16 = _Linear(weight.bfloat16(), None)
+    bf16.pack(6)
+    assert bf16.packed is None  # MKL's packed GEMM is fp32 only: bf16 weights keep F.linear
