@@ -9,10 +9,13 @@ than the caches (SmolLM2-135M: 540 MB in fp32) the step is bound by reading them
 per second. For each row count, over weights of two shapes (a stack of MLP matrices of 3,072 x 576 and an lm-head
 of 49,152 x 576, each set larger than the last-level cache):
 - `mm` on an (in, out) copy: `torch.mm(x, w.T.contiguous())`, the layout the decoder first used (the copy itself
-  is timed once: a full pass over the weights per generate call);
+  is timed once: a full pass over the weights per generate call; "copy GB/s");
 - `F.linear` in place: on the model's own (out, in) weights, no copy;
-- MKL packed: `torch.ops.mkl._mkl_linear` on a copy reordered once for that row count
-  (`torch.ops.mkl._mkl_reorder_linear_weight`; the reorder is timed too). Absent from torch builds without MKL.
+- oneDNN packed (what the decoder runs): `torch.ops.mkldnn._linear_pointwise` on a copy reordered once for that
+  row count (`torch.ops.mkldnn._reorder_linear_weight`; the reorder is timed too: "reorder GB/s");
+- MKL packed: `torch.ops.mkl._mkl_linear` on a copy from `torch.ops.mkl._mkl_reorder_linear_weight`, as fast, but
+  its buffers are several times a small weight's size (the decoder's heap grew by a weight copy per call with it).
+Either is left out of torch builds without it.
 And the plain read (`w.sum()`) of the same bytes, the bound. Each figure is the best of `--repeats` passes, the
 variants round-robin in one process.
 """
@@ -46,7 +49,8 @@ def measure(shape, count: int, rows: list[int], repeats: int) -> list[dict]:
     start = time.perf_counter()
     transposed = [w.t().contiguous() for w in weights]
     copy_s = time.perf_counter() - start
-    packed_ok = torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+    mkl_ok = torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+    onednn_ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     out = []
     for m in rows:
         x = torch.randn(m, shape[1])
@@ -54,10 +58,14 @@ def measure(shape, count: int, rows: list[int], repeats: int) -> list[dict]:
                     "mm (in, out) copy": lambda x=x: [torch.mm(x, w) for w in transposed],
                     "F.linear in place": lambda x=x: [F.linear(x, w) for w in weights]}
         row = {"rows": m, "copy GB/s": gb / copy_s}
-        if packed_ok:
+        if onednn_ok:
             start = time.perf_counter()
+            reordered = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
+            row["reorder GB/s"] = gb / (time.perf_counter() - start)
+            variants["oneDNN packed"] = lambda x=x, reordered=reordered: [
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in reordered]
+        if mkl_ok:
             packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
-            row["pack GB/s"] = gb / (time.perf_counter() - start)
             variants["MKL packed"] = lambda x=x, m=m, packed=packed: [
                 torch.ops.mkl._mkl_linear(x, p, w, None, m) for p, w in zip(packed, weights, strict=True)]
         seconds = {name: float("inf") for name in variants}
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes, repeats = (TINY, 1) if a.tiny else (SHAPES, a.repeats)
     print(f"torch {torch.__version__}, {a.threads} thread(s), load {host_load():.2f}; GB of fp32 weights per second, "
           f"best of {repeats}")
-    columns = ["read", "mm (in, out) copy", "F.linear in place", "MKL packed", "copy GB/s", "pack GB/s"]
+    columns = ["read", "mm (in, out) copy", "F.linear in place", "oneDNN packed", "MKL packed", "copy GB/s",
+               "reorder GB/s"]
     print("\n| weights | rows | " + " | ".join(columns) + " |")
     print("|---|---:|" + "---:|" * len(columns))
     for name, (shape, count) in shapes.items():

@@ -2,11 +2,13 @@
 
 HF's `generate` runs every decode step through the whole module stack, and for a small model on a CPU that
 framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
-few ops per layer, reading the weights where they are (cast once per call under autocast), one
-cache for all layers written in place, the model's own rotary tables, and HF's greedy loop with a pluggable
-token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`). Left padding, autocast
-(matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and `precision.CPU_FP32_SDPA` are
-handled as in the HF modules, so the tokens equal HF's up to float rounding (tests compare both).
+few ops per layer, reading the weights where they are (cast once per call under autocast) and, from the first
+decode step on, fp32 weights reordered once per call for oneDNN (a real model's decode step is bound by reading its
+weights; `_Linear`), one cache for all layers written in place, the model's own rotary tables, and HF's greedy
+loop with a pluggable token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`).
+Left padding, autocast (matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and
+`precision.CPU_FP32_SDPA` are handled as in the HF modules, so the tokens equal HF's up to float rounding (tests
+compare both).
 
 `why_not(model, capacity)` names what it would not reproduce exactly, and `Decoder.for_model` then returns None:
 other architectures, quantised or hooked modules, a wrapped forward outside an autocast region, PEFT adapters
@@ -200,8 +202,12 @@ class Decoder:
         return self.head(_rms_norm(x[:, -1], self.norm))
 
     def _pack(self, rows: int) -> None:
-        for linear in [self.head, *(w[name] for w in self.layers for name in PROJECTIONS)]:
-            linear.pack(rows)
+        """Reorder the weights for decode steps of `rows` rows, when they are too large to stay in the caches (below
+        that, a step is not bound by reading them, and oneDNN's per-call cost outweighs what the layout saves)."""
+        linears = [self.head, *(w[name] for w in self.layers for name in PROJECTIONS)]
+        if sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) >= PACK_MIN_BYTES:
+            for linear in linears:
+                linear.pack(rows)
 
     def _attention(self, q, keys, values, mask):
         gqa = self.heads != self.kv_heads
@@ -265,29 +271,31 @@ def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.detach() if dtype is None else t.detach().to(dtype)
 
 
-# MKL's packed GEMM (what torch's inductor uses for frozen fp32 linears on CPU): a weight reordered once for a fixed
-# row count streams faster than `F.linear` at the few rows of a decode step (~5 against ~4 GB/s of weights here)
-MKL_PACKED = torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+# oneDNN's linear on a weight reordered once (what torch's inductor uses for frozen linears on CPU): at the few rows
+# of a decode step it streams the weights faster than `F.linear` (~5.7 against ~3.6 GB/s here). MKL's packed GEMM
+# is as fast, but its buffers, several times a small weight's size, grew the heap by a weight copy per call.
+PACKED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACK_MIN_BYTES = 64 * 2**20  # weights beyond the last-level cache of most CPUs
 
 
 class _Linear:
     """x @ weight.T (+ bias) over x's last dimension, `weight` in its (out, in) layout, read where it is: a decode
     step is bound by reading the weights, and at a few rows `F.linear` streams that layout faster than an (in, out)
     copy (which would cost a pass over every weight per call besides). `pack(rows)` reorders an fp32 weight for
-    MKL's packed GEMM at that many rows (a copy of it, for this call); inputs of other row counts use `F.linear`."""
+    oneDNN at that many rows (a copy of it, for this call); inputs of other row counts use `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
         self.packed: tuple[int, torch.Tensor] | None = None
 
     def pack(self, rows: int) -> None:
-        if MKL_PACKED and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
-            self.packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows))
+        if PACKED_LINEAR and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
+            self.packed = (rows, torch.ops.mkldnn._reorder_linear_weight(self.weight, rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.packed is not None and self.packed[0] == rows:
-            out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.packed[1], self.weight, self.bias, rows)
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed[1], self.bias, "none", [], "")
             return out.view(*x.shape[:-1], self.weight.shape[0])
         return F.linear(x, self.weight, self.bias)
 

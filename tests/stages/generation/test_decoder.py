@@ -213,12 +213,14 @@ def test_it_steps_aside_for_models_larger_than_the_copy_it_makes(monkeypatch):
 def test_decode_steps_run_on_weights_packed_for_their_row_count(monkeypatch):
     from stages.generation import decoder
 
-    if not decoder.MKL_PACKED:
-        pytest.skip("this torch has no MKL packed GEMM")
+    if not decoder.PACKED_LINEAR:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(decoder, "PACK_MIN_BYTES", 0)  # a tiny model's weights stay in the caches: not packed
     model = _model("qwen2")  # q/k/v biases go through the packed path too
     calls = []
-    packed_linear = torch.ops.mkl._mkl_linear
-    monkeypatch.setattr(decoder.torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[-1]) or packed_linear(*a))
+    packed_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(decoder.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: calls.append(x.shape[0]) or packed_linear(x, *a))
     ids, mask = _batch()
     tokens = Decoder(model).generate(ids, mask, 16, [1], 0, n=2)
     assert torch.equal(tokens, _hf(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), 16))
@@ -228,15 +230,28 @@ def test_decode_steps_run_on_weights_packed_for_their_row_count(monkeypatch):
 
 
 def test_a_packed_linear_equals_f_linear_and_falls_back_at_other_row_counts():
-    from stages.generation.decoder import MKL_PACKED, _Linear
+    from stages.generation.decoder import PACKED_LINEAR, _Linear
 
     torch.manual_seed(0)
     weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(2, 3, 24)
     linear = _Linear(weight, bias)
     linear.pack(6)
-    assert (linear.packed is not None) == MKL_PACKED
+    assert (linear.packed is not None) == PACKED_LINEAR
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias))
     torch.testing.assert_close(linear(x[:1]), torch.nn.functional.linear(x[:1], weight, bias))
     bf16 = _Linear(weight.bfloat16(), None)
     bf16.pack(6)
-    assert bf16.packed is None  # MKL's packed GEMM is fp32 only: bf16 weights keep F.linear
+    assert bf16.packed is None  # fp32 weights only: bf16 ones keep F.linear
+
+
+def test_weights_that_fit_in_the_caches_are_not_packed(monkeypatch):
+    from stages.generation import decoder
+
+    calls = []
+    monkeypatch.setattr(decoder._Linear, "pack", lambda self, rows: calls.append(rows))
+    ids, mask = _batch()
+    Decoder(_model("llama")).generate(ids, mask, 4, [1], 0)
+    assert calls == []
+    monkeypatch.setattr(decoder, "PACK_MIN_BYTES", 0)
+    Decoder(_model("llama")).generate(ids, mask, 4, [1], 0)
+    assert calls and set(calls) == {6}
