@@ -19,6 +19,7 @@ autocast). docs/architecture.md ("The generation backends") says more.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,7 @@ class Decoder:
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = _Linear(_cast(model.lm_head.weight, mm_dtype), None)
-        self.layers = []
+        self.layers: list[dict[str, Any]] = []  # per layer: norms, and each projection's _Linear
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
             w = {name: _linear(getattr(a, name, None) or getattr(mlp, name)) for name in PROJECTIONS}

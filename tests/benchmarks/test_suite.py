@@ -14,7 +14,8 @@ import pytest
 from benchmarks.__main__ import NOT_BENCHMARKS, main, names
 from tests.conftest import ROOT
 
-FAST = {"generation", "decode_matmul"}  # seconds; the others train, build models or run the pipeline (tens of seconds to minutes)
+# seconds; the others train, build models or run the pipeline (tens of seconds to minutes)
+FAST = {"generation", "decode_matmul"}
 SKIPPED = 77
 
 
