@@ -3,8 +3,8 @@
 HF's `generate` runs every decode step through the whole module stack, and for a small model on a CPU that
 framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
 few ops per layer, reading the weights where they are (cast once per call under autocast) and, from the first
-decode step on, fp32 weights reordered once per call for oneDNN (a real model's decode step is bound by reading its
-weights; `_Linear`), one cache for all layers written in place, the model's own rotary tables, and HF's greedy
+decode step on, fp32 weights reordered once per call for oneDNN, q/k/v and gate/up each as one matrix (a real
+model's decode step is bound by reading its weights; `_Linear`), one cache for all layers written in place, the model's own rotary tables, and HF's greedy
 loop with a pluggable token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`).
 Left padding, autocast (matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and
 `precision.CPU_FP32_SDPA` are handled as in the HF modules, so the tokens equal HF's up to float rounding (tests
@@ -31,6 +31,9 @@ ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True
 MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
 FIRST_CACHE_TOKENS = 64  # the cache starts with room for this many new tokens and doubles as rows run on
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a layer's projections by their input: one oneDNN call per group at decode (`_Linear`)
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
 ATTENTION = ("sdpa", "eager", "sdpa_cpu_fp32")  # computed by torch's SDPA here; see precision.CPU_FP32_SDPA
 # generation-config fields that make HF's greedy `generate` add a logits processor or change the mode, with
 # the values that leave it out (None leaves every one out)
@@ -119,15 +122,16 @@ class Decoder:
         mm_dtype = torch.get_autocast_dtype(device.type) if self.autocast else None
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = _Linear(_cast(model.lm_head.weight, mm_dtype), None)
-        self.layers: list[dict[str, Any]] = []  # per layer: norms, and each projection's _Linear
+        self.head = _Linear([_cast(model.lm_head.weight, mm_dtype)], [None])
+        self.layers: list[dict[str, Any]] = []  # per layer: norms, and its projections as three _Linear groups
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
             w = {name: _linear(getattr(a, name, None) or getattr(mlp, name)) for name in PROJECTIONS}
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                **{name: _Linear(_cast(weight, mm_dtype), None if bias is None else _cast(bias, mm_dtype))
-                   for name, (weight, bias) in w.items()},
+                **{group: _Linear([_cast(w[name][0], mm_dtype) for name in names],
+                                  [None if w[name][1] is None else _cast(w[name][1], mm_dtype) for name in names])
+                   for group, names in GROUPS.items()},
                 q_norm=(a.q_norm.weight, a.q_norm.variance_epsilon) if self.qk_norm else None,
                 k_norm=(a.k_norm.weight, a.k_norm.variance_epsilon) if self.qk_norm else None,
                 norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)))
@@ -188,7 +192,7 @@ class Decoder:
         x = F.embedding(tokens, self.embed)
         for i, w in enumerate(self.layers):
             normed = _rms_norm(x, w["norm1"])
-            q, k, v = (w[name](normed).view(rows, length, -1, d) for name in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = (part.view(rows, length, -1, d) for part in w["qkv"].parts(normed))
             if self.qk_norm:
                 q, k = _rms_norm_as_hf(q, w["q_norm"]), _rms_norm_as_hf(k, w["k_norm"])
             qk = torch.cat([q, k], 2).transpose(1, 2)
@@ -197,16 +201,17 @@ class Decoder:
             cache[i, 1, :, :, start:start + length] = v.transpose(1, 2)
             q, keys, values = qk[:, :h], cache[i, 0, :, :, :start + length], cache[i, 1, :, :, :start + length]
             attn = self._attention(q, keys, values, mask)
-            x = x + w["o_proj"](attn.transpose(1, 2).reshape(rows, length, h * d))
+            x = x + w["o"](attn.transpose(1, 2).reshape(rows, length, h * d))
             normed = _rms_norm(x, w["norm2"])
-            x = x + w["down_proj"](F.silu(w["gate_proj"](normed)) * w["up_proj"](normed))
+            gate, up = w["gate_up"].parts(normed)
+            x = x + w["down"](F.silu(gate) * up)
         return self.head(_rms_norm(x[:, -1], self.norm))
 
     def _pack(self, rows: int) -> None:
         """Reorder the weights for decode steps of `rows` rows, when they are too large to stay in the caches (below
         that, a step is not bound by reading them, and oneDNN's per-call cost outweighs what the layout saves)."""
-        linears = [self.head, *(w[name] for w in self.layers for name in PROJECTIONS)]
-        if sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) >= PACK_MIN_BYTES:
+        linears = [self.head, *(w[group] for w in self.layers for group in GROUPS)]
+        if sum(lin.nbytes for lin in linears) >= PACK_MIN_BYTES:
             for linear in linears:
                 linear.pack(rows)
 
@@ -280,25 +285,40 @@ PACK_MIN_BYTES = 64 * 2**20  # weights beyond the last-level cache of most CPUs
 
 
 class _Linear:
-    """x @ weight.T (+ bias) over x's last dimension, `weight` in its (out, in) layout, read where it is: a decode
-    step is bound by reading the weights, and at a few rows `F.linear` streams that layout faster than an (in, out)
-    copy (which would cost a pass over every weight per call besides). `pack(rows)` reorders an fp32 weight for
-    oneDNN at that many rows (a copy of it, for this call); inputs of other row counts use `F.linear`."""
+    """Projections of one input (q/k/v, gate/up, or one alone): x @ weight.T (+ bias) over x's last dimension for
+    each `weights[i]`, in its (out, in) layout, read where it is: a decode step is bound by reading the weights, and
+    at a few rows `F.linear` streams that layout faster than an (in, out) copy (which would cost a pass over every
+    weight per call besides). `pack(rows)` reorders fp32 weights for oneDNN at that many rows, the group's
+    concatenated (a copy, for this call): one call per group then streams them faster still. Inputs of other row
+    counts use `F.linear` per projection."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
-        self.packed: tuple[int, torch.Tensor] | None = None
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+        self.weights, self.biases = weights, biases
+        self.sizes = [w.shape[0] for w in weights]
+        self.nbytes = sum(w.numel() * w.element_size() for w in weights)
+        self.packed: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
 
     def pack(self, rows: int) -> None:
-        if PACKED_LINEAR and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
-            self.packed = (rows, torch.ops.mkldnn._reorder_linear_weight(self.weight, rows))
+        first = self.weights[0]
+        if PACKED_LINEAR and first.dtype == torch.float32 and first.device.type == "cpu":
+            weight = first if len(self.weights) == 1 else torch.cat(self.weights)
+            bias = None if all(b is None for b in self.biases) else torch.cat(
+                [first.new_zeros(size) if b is None else b for b, size in zip(self.biases, self.sizes, strict=True)])
+            self.packed = (rows, torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each projection of `x`."""
         rows = x.numel() // x.shape[-1]
         if self.packed is not None and self.packed[0] == rows:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed[1], self.bias, "none", [], "")
-            return out.view(*x.shape[:-1], self.weight.shape[0])
-        return F.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed[1], self.packed[2], "none", [],
+                                                     "")
+            return list(out.view(*x.shape[:-1], -1).split(self.sizes, -1))
+        return [F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection of `x`, for a group of one."""
+        (out,) = self.parts(x)
+        return out
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

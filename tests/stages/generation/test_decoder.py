@@ -2,6 +2,7 @@
 aside."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stages.generation import SamplingParams, generate
 from stages.generation.decoder import Decoder, why_not
@@ -226,7 +227,8 @@ def test_decode_steps_run_on_weights_packed_for_their_row_count(monkeypatch):
     assert torch.equal(tokens, _hf(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), 16))
     layers = model.config.num_hidden_layers
     assert calls and set(calls) == {12}  # 6 prompts x 2 rows; the prefill (6 x 12 positions) is not packed
-    assert len(calls) % (7 * layers + 1) == 0 and len(calls) // (7 * layers + 1) == tokens.shape[1] - 1
+    # one call per group of projections (q/k/v, o, gate/up, down) and the lm-head, per decode step
+    assert len(calls) % (4 * layers + 1) == 0 and len(calls) // (4 * layers + 1) == tokens.shape[1] - 1
 
 
 def test_a_packed_linear_equals_f_linear_and_falls_back_at_other_row_counts():
@@ -234,14 +236,30 @@ def test_a_packed_linear_equals_f_linear_and_falls_back_at_other_row_counts():
 
     torch.manual_seed(0)
     weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(2, 3, 24)
-    linear = _Linear(weight, bias)
+    linear = _Linear([weight], [bias])
     linear.pack(6)
     assert (linear.packed is not None) == PACKED_LINEAR
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias))
-    torch.testing.assert_close(linear(x[:1]), torch.nn.functional.linear(x[:1], weight, bias))
-    bf16 = _Linear(weight.bfloat16(), None)
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias))
+    torch.testing.assert_close(linear(x[:1]), F.linear(x[:1], weight, bias))
+    bf16 = _Linear([weight.bfloat16()], [None])
     bf16.pack(6)
     assert bf16.packed is None  # fp32 weights only: bf16 ones keep F.linear
+
+
+def test_a_packed_group_splits_into_each_projection_with_its_own_bias():
+    from stages.generation.decoder import _Linear
+
+    torch.manual_seed(0)
+    weights, x = [torch.randn(40, 24), torch.randn(8, 24), torch.randn(16, 24)], torch.randn(2, 3, 24)
+    biases = [torch.randn(40), None, torch.randn(16)]  # a projection without a bias adds nothing
+    group = _Linear(weights, biases)
+    expected = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    for rows in (6, 2):  # packed at 6 rows; the 2-row input falls back to F.linear per projection
+        group.pack(rows)
+        parts = group.parts(x)
+        assert [p.shape for p in parts] == [e.shape for e in expected]
+        for part, want in zip(parts, expected, strict=True):
+            torch.testing.assert_close(part, want)
 
 
 def test_weights_that_fit_in_the_caches_are_not_packed(monkeypatch):
