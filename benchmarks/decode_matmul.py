@@ -18,6 +18,10 @@ of 49,152 x 576, each set larger than the last-level cache):
 Either is left out of torch builds without it.
 And the plain read (`w.sum()`) of the same bytes, the bound. Each figure is the best of `--repeats` passes, the
 variants round-robin in one process.
+
+Then a second table: the decoder's own `_Linear` over every layer of SmolLM2-135M (30 layers of q/k/v, o, gate/up
+and down), oneDNN packed at the row count, each projection its own call against q/k/v and gate/up as one matrix
+each (what the decoder runs: 4 calls a layer instead of 7), in GB/s of the layers' weights.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from benchmarks.common import host_load
 
 SHAPES = {"mlp 3072x576 x40": ((3072, 576), 40), "lm-head 49152x576 x3": ((49152, 576), 3)}
 TINY = {"mlp 256x64 x8": ((256, 64), 8)}
+# a Llama layer's projections: hidden, key/value width, MLP width, layers (SmolLM2-135M; --tiny: a small one)
+LAYERS, TINY_LAYERS = (576, 192, 1536, 30), (64, 32, 128, 2)
 
 
 def best(fn, repeats: int) -> float:
@@ -77,6 +83,36 @@ def measure(shape, count: int, rows: list[int], repeats: int) -> list[dict]:
     return out
 
 
+def measure_layers(hidden: int, kv: int, mlp: int, layers: int, rows: list[int], repeats: int) -> list[dict]:
+    """GB/s of the layers' weights through the decoder's `_Linear`, packed: one call per projection, or per group."""
+    import torch
+
+    from stages.generation.decoder import GROUPS, _Linear
+
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden),
+              "gate_proj": (mlp, hidden), "up_proj": (mlp, hidden), "down_proj": (hidden, mlp)}
+    weights = [{name: torch.randn(*shape) for name, shape in shapes.items()} for _ in range(layers)]
+    gb = sum(w.numel() * w.element_size() for layer in weights for w in layer.values()) / 1e9
+    variants = {"one call per projection": [[_Linear([w], [None]) for w in layer.values()] for layer in weights],
+                "q/k/v and gate/up grouped": [[_Linear([layer[n] for n in names], [None] * len(names))
+                                               for names in GROUPS.values()] for layer in weights]}
+    out = []
+    for m in rows:
+        x = {hidden: torch.randn(m, hidden), mlp: torch.randn(m, mlp)}
+        for linears in variants.values():
+            for layer in linears:
+                for linear in layer:
+                    linear.pack(m)
+        seconds = {name: float("inf") for name in variants}
+        for _ in range(repeats):  # round-robin, as above
+            for name, linears in variants.items():
+                seconds[name] = min(seconds[name], best(
+                    lambda linears=linears, x=x: [lin.parts(x[lin.weights[0].shape[1]]) for layer in linears
+                                             for lin in layer], 1))
+        out.append({"rows": m, **{name: gb / s for name, s in seconds.items()}})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -99,4 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         for row in measure(shape, count, a.rows, repeats):
             cells = [f"{row[c]:.1f}" if c in row else "n/a" for c in columns]
             print(f"| {name} | {row['rows']} | " + " | ".join(cells) + " |")
+    from stages.generation.decoder import PACKED_LINEAR
+
+    if PACKED_LINEAR:
+        hidden, kv, mlp, layers = TINY_LAYERS if a.tiny else LAYERS
+        names = ["one call per projection", "q/k/v and gate/up grouped"]
+        print(f"\n{layers} layers of q/k/v, o, gate/up, down (hidden {hidden}, key/value {kv}, MLP {mlp}), the "
+              f"decoder's packed linears, GB/s of weights")
+        print("\n| rows | " + " | ".join(names) + " |")
+        print("|---:|" + "---:|" * len(names))
+        for row in measure_layers(hidden, kv, mlp, layers, a.rows, repeats):
+            print(f"| {row['rows']} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |")
     return 0
