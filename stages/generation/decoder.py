@@ -4,11 +4,11 @@ HF's `generate` runs every decode step through the whole module stack, and for a
 framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
 few ops per layer, reading the weights where they are (cast once per call under autocast) and, from the first
 decode step on, fp32 weights reordered once per call for oneDNN, q/k/v and gate/up each as one matrix (a real
-model's decode step is bound by reading its weights; `_Linear`), one cache for all layers written in place, the model's own rotary tables, and HF's greedy
-loop with a pluggable token picker (`pick(step, logits)`: the argmax or `row_sampling.PerRowSampler.sample`).
-Left padding, autocast (matmuls in the autocast dtype, residual stream, norms and rotary in fp32) and
-`precision.CPU_FP32_SDPA` are handled as in the HF modules, so the tokens equal HF's up to float rounding (tests
-compare both).
+model's decode step is bound by reading its weights; `_Linear`), one cache for all layers written in place, the
+model's own rotary tables, and HF's greedy loop with a pluggable token picker (`pick(step, logits)`: the argmax or
+`row_sampling.PerRowSampler.sample`). Left padding, autocast (matmuls in the autocast dtype, residual stream, norms
+and rotary in fp32) and `precision.CPU_FP32_SDPA` are handled as in the HF modules, so the tokens equal HF's up to
+float rounding (tests compare both).
 
 `why_not(model, capacity)` names what it would not reproduce exactly, and `Decoder.for_model` then returns None:
 other architectures, quantised or hooked modules, a wrapped forward outside an autocast region, PEFT adapters
