@@ -30,10 +30,10 @@ from stages.sharding import unwrap  # PEFT's wrapper off; its LoRA layers stay i
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
 FIRST_CACHE_TOKENS = 64  # the cache starts with room for this many new tokens and doubles as rows run on
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# a layer's projections by their input: one oneDNN call per group at decode (`_Linear`)
+# a layer's projections, grouped by their input: one oneDNN call per group at decode (`_Linear`)
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
+PROJECTIONS = tuple(name for names in GROUPS.values() for name in names)
 ATTENTION = ("sdpa", "eager", "sdpa_cpu_fp32")  # computed by torch's SDPA here; see precision.CPU_FP32_SDPA
 # generation-config fields that make HF's greedy `generate` add a logits processor or change the mode, with
 # the values that leave it out (None leaves every one out)
