@@ -123,7 +123,7 @@ class Decoder:
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = _Linear([_cast(model.lm_head.weight, mm_dtype)], [None])
-        self.layers: list[dict[str, Any]] = []  # per layer: norms, and its projections as three _Linear groups
+        self.layers: list[dict[str, Any]] = []  # per layer: norms, and its projections as four _Linear groups (GROUPS)
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
             w = {name: _linear(getattr(a, name, None) or getattr(mlp, name)) for name in PROJECTIONS}
@@ -278,8 +278,9 @@ def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
 
 
 # oneDNN's linear on a weight reordered once (what torch's inductor uses for frozen linears on CPU): at the few rows
-# of a decode step it streams the weights faster than `F.linear` (~5.7 against ~3.6 GB/s here). MKL's packed GEMM
-# is as fast, but its buffers, several times a small weight's size, grew the heap by a weight copy per call.
+# of a decode step it streams the weights faster than `F.linear` (1.3x to 2x its rate at 8 to 16 rows: `python -m
+# benchmarks decode_matmul`). MKL's packed GEMM is as fast, but its buffers, several times a small weight's size,
+# grew the heap by a weight copy per call.
 PACKED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 PACK_MIN_BYTES = 64 * 2**20  # weights beyond the last-level cache of most CPUs
 
