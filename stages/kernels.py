@@ -23,7 +23,9 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "DEFAULT_CPU_CHUNK_BYTES",
+    "DEFAULT_CPU_KEEP_BYTES",
     "DEFAULT_GPU_CHUNK_BYTES",
+    "DEFAULT_GPU_KEEP_BYTES",
     "chunked_logprobs",
     "entropy_from_logits",
     "selective_log_softmax",
@@ -36,6 +38,11 @@ __all__ = [
 # of a full (B, T, V) tensor.
 DEFAULT_CPU_CHUNK_BYTES = 16 * 2**20
 DEFAULT_GPU_CHUNK_BYTES = 256 * 2**20
+# Budget for the log-softmax rows `chunked_logprobs` keeps from its forward for its backward (which then skips
+# recomputing their logits, a (rows, V, H) matmul). On CPU that matmul is a sixth of the head's work and a
+# kept float32 row costs 4 V bytes (192 KiB at V = 49k); accelerators keep memory for batch size instead.
+DEFAULT_CPU_KEEP_BYTES = 256 * 2**20
+DEFAULT_GPU_KEEP_BYTES = 0
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -45,6 +52,10 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 def _default_chunk_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_CHUNK_BYTES if device.type == "cpu" else DEFAULT_GPU_CHUNK_BYTES
+
+
+def _default_keep_bytes(device: torch.device) -> int:
+    return DEFAULT_CPU_KEEP_BYTES if device.type == "cpu" else DEFAULT_GPU_KEEP_BYTES
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -358,41 +369,44 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """Log-probs (and optionally entropy) of ``softmax((hidden @ weight.T + bias) / T)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature, chunk_size, return_entropy):
+    def forward(ctx, hidden, weight, bias, index, temperature, chunk_size, return_entropy, keep_bytes):
         # hidden: (N, H), weight: (V, H), bias: (V,) | None, index: (N,) long
         work = _work_dtype(weight.dtype)
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         rows = min(chunk_size, max(1, n_rows))
         logp = torch.empty(n_rows, dtype=work, device=hidden.device)
         ent = torch.empty(n_rows, dtype=work, device=hidden.device) if return_entropy else None
-        # Two (rows, V) buffers reused by every chunk (plus one in the model dtype for half
-        # heads): the forward's whole working set, independent of N.
+        kept = _kept_rows(n_rows, rows, vocab, work, keep_bytes) if any(ctx.needs_input_grad[:3]) else 0
+        # The first `kept` rows' log-softmax stays for the backward (no recomputed logits there); the other
+        # chunks reuse one (rows, V) buffer. Plus one buffer for the logits (and one in the model dtype for
+        # half heads): the working set beyond the kept rows is independent of N.
+        lp_kept = torch.empty(kept, vocab, dtype=work, device=hidden.device)
         z_buf = torch.empty(rows, vocab, dtype=work, device=hidden.device)
-        s_buf = torch.empty(rows, vocab, dtype=work, device=hidden.device)
+        s_buf = torch.empty(rows if kept < n_rows else 0, vocab, dtype=work, device=hidden.device)
         low = None if weight.dtype == work else torch.empty(rows, vocab, dtype=weight.dtype, device=hidden.device)
         for s in range(0, n_rows, rows):
             e = min(s + rows, n_rows)
             n = e - s
             z = _chunk_logits(hidden[s:e], weight, bias, temperature, z_buf[:n], None if low is None else low[:n])
-            lp = torch.log_softmax(z, -1, out=s_buf[:n])
+            lp = torch.log_softmax(z, -1, out=lp_kept[s:e] if e <= kept else s_buf[:n])
             torch.gather(lp, -1, index[s:e, None], out=logp[s:e, None])
             if ent is not None:
                 p = torch.exp(lp, out=z)
                 torch.sum(p.mul_(lp), -1, out=ent[s:e]).neg_()
         ctx.temperature = temperature
         ctx.rows = rows
-        ctx.save_for_backward(hidden, weight, bias, index, ent)
+        ctx.save_for_backward(hidden, weight, bias, index, ent, lp_kept)
         ctx.set_materialize_grads(False)
         return (logp, ent) if return_entropy else logp
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent=None):
-        hidden, weight, bias, index, ent = ctx.saved_tensors
+        hidden, weight, bias, index, ent, lp_kept = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
-        temperature, rows = ctx.temperature, ctx.rows
+            return None, None, None, None, None, None, None, None
+        temperature, rows, kept = ctx.temperature, ctx.rows, lp_kept.shape[0]
         work = _work_dtype(weight.dtype)
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         half = weight.dtype != work
@@ -409,23 +423,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
         w_part = torch.empty_like(weight) if (need_w and half) else None
         grad_b = torch.zeros(vocab, dtype=work, device=weight.device) if need_b else None
         z_buf = torch.empty(rows, vocab, dtype=work, device=hidden.device)
-        s_buf = torch.empty(rows, vocab, dtype=work, device=hidden.device)
+        s_buf = torch.empty(rows if kept < n_rows or g_ent is not None else 0, vocab, dtype=work,
+                            device=hidden.device)
         low = torch.empty(rows, vocab, dtype=weight.dtype, device=hidden.device) if half else None
 
         for s in range(0, n_rows, rows):
             e = min(s + rows, n_rows)
             n, h = e - s, hidden[s:e]
-            # Recompute this chunk's logits instead of having stored them: one extra
-            # matmul buys never holding (N, V).
-            z = _chunk_logits(h, weight, bias, temperature, z_buf[:n], None if low is None else low[:n])
+            if e <= kept:  # the forward's log-softmax: p = exp(log p), no logits to recompute
+                lp = lp_kept[s:e]
+                p = torch.exp(lp, out=z_buf[:n])
+                lp = torch.add(lp, ent[s:e, None], out=s_buf[:n]) if g_ent is not None else None
+            else:
+                # Recompute this chunk's logits instead of having stored them: one extra
+                # matmul buys never holding (N, V).
+                z = _chunk_logits(h, weight, bias, temperature, z_buf[:n], None if low is None else low[:n])
+                if g_ent is None:
+                    p, lp = torch.softmax(z, -1, out=s_buf[:n]), None
+                else:
+                    lp = torch.log_softmax(z, -1, out=s_buf[:n])
+                    p = torch.exp(lp, out=z)
+                    lp.add_(ent[s:e, None])
             if g_ent is None:
                 # d logp_i / dz = onehot(i) - p
-                gz = torch.softmax(z, -1, out=s_buf[:n]).mul_(-g_logp[s:e, None])
+                gz = p.mul_(-g_logp[s:e, None])
             else:
-                # dH/dz = -p * (log p + H); d logp_i / dz = onehot(i) - p
-                lp = torch.log_softmax(z, -1, out=s_buf[:n])
-                p = torch.exp(lp, out=z)
-                gz = lp.add_(ent[s:e, None]).mul_(p).mul_(-g_ent[s:e, None])
+                # dH/dz = -p * (log p + H); d logp_i / dz = onehot(i) - p   (lp holds log p + H here)
+                gz = lp.mul_(p).mul_(-g_ent[s:e, None])
                 if g_logp is not None:
                     gz.addcmul_(p, g_logp[s:e, None], value=-1.0)
             if g_logp is not None:
@@ -447,7 +471,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _kept_rows(n_rows: int, rows: int, vocab: int, work: torch.dtype, keep_bytes: int) -> int:
+    """Rows whose log-softmax the forward keeps for the backward: all N when they fit `keep_bytes`, else whole
+    chunks of `rows` up to it."""
+    fits = keep_bytes // max(1, vocab * work.itemsize)
+    return n_rows if fits >= n_rows else fits // rows * rows
 
 
 def chunked_logprobs(
@@ -459,12 +490,15 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     return_entropy: bool = False,
+    keep_bytes: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs straight from the last hidden states, never building all logits.
 
     Computes ``log_softmax((hidden @ weight.T + bias).float() / temperature)[index]``
     ``chunk_size`` rows at a time, with its own backward that recomputes each chunk's
-    logits, so neither pass ever holds the ``(N, V)`` logits (or their gradient).
+    logits, so neither pass ever holds the ``(N, V)`` logits (or their gradient). Up to
+    ``keep_bytes`` of the forward's log-softmax rows are kept for the backward instead, which then
+    skips their logits' matmul.
 
     Args:
         hidden: ``(N, H)`` or ``(..., H)`` final hidden states (after the final norm),
@@ -477,6 +511,10 @@ def chunked_logprobs(
         chunk_size: rows per chunk; ``None`` picks ``max(1, 2**26 // (4 * V))`` (a 64 MiB
             float32 logits chunk, 512 rows at V = 32k).
         return_entropy: also return the entropy of each row's distribution.
+        keep_bytes: when gradients are needed, the log-softmax of the first rows (all N when they fit)
+            that the forward keeps for the backward, in working-precision bytes; ``None``: 256 MiB on
+            CPU, where the matmul it saves is most of the head's backward and memory is plentiful, 0 on
+            accelerators (every chunk recomputed).
 
     Returns:
         ``logprobs: (...)`` in float32 (float64 if an input is float64), and with
@@ -542,6 +580,8 @@ def chunked_logprobs(
         chunk_size = max(1, 2**26 // (4 * vocab))
     if chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be a positive number of rows; got {chunk_size}")
+    if keep_bytes is not None and keep_bytes < 0:
+        raise ValueError(f"`keep_bytes` must be a number of bytes >= 0; got {keep_bytes}")
 
     lead = index.shape
     out = _ChunkedLogprobs.apply(
@@ -552,6 +592,7 @@ def chunked_logprobs(
         float(temperature),
         int(chunk_size),
         bool(return_entropy),
+        int(_default_keep_bytes(hidden.device) if keep_bytes is None else keep_bytes),
     )
     if return_entropy:
         logp, ent = out

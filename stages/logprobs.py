@@ -25,6 +25,7 @@ block below unwraps again.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -94,12 +95,27 @@ def _chunking_head(base, engine: str | None) -> nn.Linear | None:
     return head
 
 
+def no_logits(model) -> int | torch.Tensor:
+    """The `logits_to_keep` of a forward whose final hidden states are read and whose logits are not: no position
+    (an empty index) where the model's forward takes an index there (transformers' `int | torch.Tensor`), else the
+    last position only. Computing even one position's logits costs a (rows, vocab) matmul per forward."""
+    return _no_logits(type(unwrap(model)))
+
+
+@functools.cache
+def _no_logits(model_type: type) -> int | torch.Tensor:
+    param = inspect.signature(model_type.forward).parameters.get("logits_to_keep")
+    if param is not None and "Tensor" in str(param.annotation):
+        return torch.empty(0, dtype=torch.long)
+    return 1
+
+
 def selected_hidden(model, inputs: dict, select: torch.Tensor):
     """Forward pass; final hidden states at next-token-prediction positions where `select`: (N, H).
 
     select: (B, T-1) bool, True where position t's prediction of token t+1 is needed.
     """
-    hidden, out = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=1)
+    hidden, out = final_hidden(model, {**inputs, "use_cache": False}, logits_to_keep=no_logits(model))
     return hidden[:, :-1][select], out
 
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from stages.basics import stable_seed
-from stages.logprobs import final_hidden, lm_head_for_chunking
+from stages.logprobs import final_hidden, lm_head_for_chunking, no_logits
 from stages.losses import distillation_loss
 from stages.precision import autocast_forward, trainer_precision, use_fp32_cpu_attention
 from stages.sharding import unwrap
@@ -67,7 +67,7 @@ def completion_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     select = mask.bool()
     head = lm_head_for_chunking(model)
     if head is not None:
-        hidden, _ = final_hidden(model, inputs, logits_to_keep=1)
+        hidden, _ = final_hidden(model, inputs, logits_to_keep=no_logits(model))
         return head(hidden[:, start:start + width][select].to(head.weight.dtype))
     return model(**inputs).logits[:, start:start + width][select]
 

@@ -21,7 +21,7 @@ import torch
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
-from stages.logprobs import causal_lm, head_logprobs
+from stages.logprobs import causal_lm, head_logprobs, no_logits
 from stages.losses.pair_length import ld_logps, log_sum_sq_probs
 from stages.pair_packing import forward_inputs
 from stages.tensors import pad
@@ -119,7 +119,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
     squares = None
     if head is not None:
-        hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=1)
+        hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=no_logits(lm.inner))
         hidden = unpack(hidden)[:, :-1][select]
         per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
     else:

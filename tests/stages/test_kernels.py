@@ -39,10 +39,12 @@ class _Allocations(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.sizes: list[int] = []
+        self.matmuls = 0  # mm / addmm calls (any overload)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.matmuls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
@@ -243,8 +245,12 @@ def _logits_path(h, w, b, idx, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("return_entropy", [False, True], ids=["logp", "logp+entropy"])
-def test_chunked_logprobs_values_and_gradients(dtype, temperature, use_bias, return_entropy):
+# log-softmax rows kept for the backward: none (every chunk's logits recomputed), two chunks of 5 of the 26 rows, all
+@pytest.mark.parametrize("keep", ["recompute", "partial", "kept"])
+def test_chunked_logprobs_values_and_gradients(dtype, temperature, use_bias, return_entropy, keep):
     h0, w0, b0, idx = _head(dtype, bias=use_bias)
+    row_bytes = w0.shape[0] * (8 if dtype == torch.float64 else 4)
+    keep_bytes = {"recompute": 0, "partial": 12 * row_bytes, "kept": None}[keep]
     g = torch.Generator().manual_seed(9)
     g_lp, g_ent = torch.randn(idx.shape, generator=g), torch.randn(idx.shape, generator=g)
 
@@ -257,7 +263,8 @@ def test_chunked_logprobs_values_and_gradients(dtype, temperature, use_bias, ret
         return logp, ent, torch.autograd.grad(loss, params)
 
     def ours(h, w, b):
-        out = chunked_logprobs(h, w, idx, bias=b, temperature=temperature, chunk_size=5, return_entropy=return_entropy)
+        out = chunked_logprobs(h, w, idx, bias=b, temperature=temperature, chunk_size=5, return_entropy=return_entropy,
+                               keep_bytes=keep_bytes)
         return out if return_entropy else (out, None)
 
     def ref(h, w, b):
@@ -299,7 +306,7 @@ def test_chunked_logprobs_never_allocates_logits():
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         with _Allocations() as allocs:
             if path == "ours":
-                lp, ent = chunked_logprobs(h, w, idx, chunk_size=rows, return_entropy=True)
+                lp, ent = chunked_logprobs(h, w, idx, chunk_size=rows, return_entropy=True, keep_bytes=0)
             else:
                 lp, ent = _logits_path(h, w, None, idx, 1.0)
             (lp.sum() + ent.sum()).backward()
@@ -308,6 +315,26 @@ def test_chunked_logprobs_never_allocates_logits():
             assert max(allocs.sizes) == max(rows * vocab * 4, vocab * hidden_size * 4)
         else:
             assert allocs.count_at_least(logits_bytes) >= 2  # detector sanity: logits + their grad
+
+
+def test_chunked_logprobs_keeps_the_forward_rows_it_may_and_skips_their_matmul():
+    """Within `keep_bytes` the forward's log-softmax rows stay for the backward, which then computes only the two
+    gradients' matmuls per chunk, not the logits again; without gradients nothing is kept."""
+    n, vocab, rows = 64, 1000, 8
+    h0, w0, _, idx = _head(torch.float32, n_shape=(n,), hidden=16, vocab=vocab, bias=False)
+    chunks = n // rows
+    for keep_bytes, kept_rows in ((0, 0), (3 * rows * vocab * 4 + 5, 3 * rows), (n * vocab * 4, n)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with _Allocations() as allocs:
+            lp = chunked_logprobs(h, w, idx, chunk_size=rows, keep_bytes=keep_bytes)
+        forward_matmuls = allocs.matmuls
+        with _Allocations() as allocs:
+            lp.sum().backward()
+        assert forward_matmuls == chunks
+        assert allocs.matmuls == 3 * chunks - kept_rows // rows, keep_bytes
+    with torch.no_grad(), _Allocations() as allocs:
+        chunked_logprobs(h0, w0, idx, chunk_size=rows, keep_bytes=n * vocab * 4)
+    assert max(allocs.sizes) == rows * vocab * 4  # the chunk buffers only
 
 
 def test_chunked_logprobs_noncontiguous_hidden():
@@ -330,9 +357,10 @@ def test_chunked_logprobs_noncontiguous_hidden():
         (dict(bias=torch.zeros(10)), r"`bias` must have shape \(11,\)"),
         (dict(temperature=0.0), r"`temperature` must be > 0"),
         (dict(chunk_size=0), r"`chunk_size` must be a positive"),
+        (dict(keep_bytes=-1), r"`keep_bytes` must be a number of bytes >= 0"),
     ],
     ids=["int-hidden", "dtype-mismatch", "H-mismatch", "weight-1d", "index-shape", "index-range", "bias-shape",
-         "temperature", "chunk"],
+         "temperature", "chunk", "keep"],
 )
 def test_chunked_logprobs_bad_input(kwargs, match):
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(11, 8), index=torch.zeros(4, dtype=torch.long))

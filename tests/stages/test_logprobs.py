@@ -87,10 +87,10 @@ def test_head_runs_in_its_compute_dtype_when_mixed_precision_hands_back_float32_
 def test_final_hidden_is_the_last_of_output_hidden_states(arch, tmp_path):
     """The final norm's output, caught by a hook, is bit-identical to `hidden_states[-1]` of the same forward
     in training mode and under bf16 autocast, for every tested architecture; without output_hidden_states no
-    layer's output is kept, and gradients flow through the caught tensor."""
+    layer's output is kept, gradients flow through the caught tensor, and `no_logits` computes no logits at all."""
     from transformers import AutoModelForCausalLM
 
-    from stages.logprobs import final_hidden, final_norm
+    from stages.logprobs import final_hidden, final_norm, no_logits
     from stages.precision import autocast_forward
     from tests import architectures
 
@@ -102,9 +102,27 @@ def test_final_hidden_is_the_last_of_output_hidden_states(arch, tmp_path):
     for precision in ("no", "bf16"):
         with autocast_forward(model, precision):  # one forward: GPT-2's dropout makes two forwards differ
             hidden, out = final_hidden(model, inputs, logits_to_keep=1, output_hidden_states=True)
-            lean, lean_out = final_hidden(model, inputs, logits_to_keep=1)
+            lean, lean_out = final_hidden(model, inputs, logits_to_keep=no_logits(model))
         assert torch.equal(hidden.float(), out.hidden_states[-1].float()), precision
         assert lean.requires_grad and lean.shape == hidden.shape and lean_out.hidden_states is None
+        assert lean_out.logits.shape[:2] == (2, 0), precision
+
+
+def test_no_logits_keeps_the_last_position_where_the_forward_takes_no_index():
+    """A forward whose `logits_to_keep` is an int only (older or remote code) gets 1, not an empty index."""
+    from stages.logprobs import no_logits
+
+    class IntOnly(nn.Module):
+        def forward(self, input_ids=None, logits_to_keep: int = 0):
+            return input_ids
+
+    class Indexed(nn.Module):
+        def forward(self, input_ids=None, logits_to_keep: int | torch.Tensor = 0):
+            return input_ids
+
+    assert no_logits(IntOnly()) == 1
+    keep = no_logits(Indexed())
+    assert isinstance(keep, torch.Tensor) and keep.numel() == 0 and keep.dtype == torch.long
 
 
 def test_causal_lm_reads_a_wrapped_peft_model_once_as_the_functions_read_it(model):
