@@ -4,8 +4,9 @@ HF's `generate` runs every decode step through the whole module stack, and for a
 framework overhead is most of the step. `Decoder` computes the same forward from the model's own weights in a
 few ops per layer, reading the weights where they are (cast once per call under autocast) and, from the first
 decode step on, fp32 weights reordered once per call for oneDNN, q/k/v and gate/up each as one matrix (a real
-model's decode step is bound by reading its weights; `_Linear`), one cache for all layers written in place, the
-model's own rotary tables, and HF's greedy loop with a pluggable token picker (`pick(step, logits)`: the argmax or
+model's decode step is bound by reading its weights; `_Linear`), one cache for all layers written in place (the
+first tokens that all of a call's prompts share, a chat template's system prompt, computed once), the model's own
+rotary tables, and HF's greedy loop with a pluggable token picker (`pick(step, logits)`: the argmax or
 `row_sampling.PerRowSampler.sample`). Left padding, autocast (matmuls in the autocast dtype, residual stream, norms
 and rotary in fp32) and `precision.CPU_FP32_SDPA` are handled as in the HF modules, so the tokens equal HF's up to
 float rounding (tests compare both).
@@ -30,6 +31,7 @@ from stages.sharding import unwrap  # PEFT's wrapper off; its LoRA layers stay i
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 MAX_WEIGHT_BYTES = 2 * 2**30  # the per-call (in, out) copy of the weights stays below this
 FIRST_CACHE_TOKENS = 64  # the cache starts with room for this many new tokens and doubles as rows run on
+SHARED_PREFIX_MIN = 16  # first tokens all of a call's prompts share that run once (`Decoder._prefill`)
 # a layer's projections, grouped by their input: one oneDNN call per group at decode (`_Linear`)
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
@@ -158,10 +160,7 @@ class Decoder:
         cache = torch.empty(len(self.layers), 2, prompts, self.kv_heads,
                             width + min(max_new_tokens, FIRST_CACHE_TOKENS), self.head_dim, dtype=probe.dtype,
                             device=device)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=device)
-        prefill_mask = ((causal & valid[:, None, :width]) | eye)[:, None]
-        logits = self._forward(input_ids, cache, 0, cos[:, :, :width], sin[:, :, :width], prefill_mask)
+        logits = self._prefill(input_ids, attention_mask, cache, cos, sin, valid)
         if n > 1:  # each prompt's rows from here on
             cache, logits, valid, cos, sin = (t.repeat_interleave(n, dim) for t, dim in
                                               ((cache, 2), (logits, 0), (valid, 0), (cos, 0), (sin, 0)))
@@ -185,8 +184,33 @@ class Decoder:
                                    valid[:, None, None, :at + 1])
         return torch.cat(out, 1)
 
-    def _forward(self, tokens, cache, start: int, cos, sin, mask) -> torch.Tensor:
-        """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache."""
+    def _prefill(self, input_ids, attention_mask, cache, cos, sin, valid) -> torch.Tensor:
+        """Logits at the last token of each left-padded prompt (P, T), its keys and values in `cache`. The tokens
+        that every prompt starts with (a system prompt, a chat template's header) run once when there are
+        SHARED_PREFIX_MIN of them, their keys and values copied to each prompt's columns; the prompts then run from
+        the first column that holds no shared token in some prompt (`_shared_prefix`)."""
+        prompts, width = input_ids.shape
+        causal = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=input_ids.device)
+        mask = ((causal & valid[:, None, :width]) | eye)[:, None]
+        pads, shared = _shared_prefix(input_ids, attention_mask)
+        start = 0
+        if prompts > 1 and shared >= SHARED_PREFIX_MIN:
+            first = int(pads[0])
+            prefix = input_ids[:1, first:first + shared]
+            own = cache.new_empty((*cache.shape[:2], 1, *cache.shape[3:-2], shared, cache.shape[-1]))
+            self._forward(prefix, own, 0, cos[:1, :, first:first + shared], sin[:1, :, first:first + shared],
+                          causal[None, None, :shared, :shared], logits=False)
+            start = int(pads.min()) + shared
+            for p, pad in enumerate(pads.tolist()):
+                cache[:, :, p, :, pad:pad + shared] = own[:, :, 0]
+                cache[:, :, p, :, :min(pad, start)] = 0  # padding never computed: masked, and finite
+        return self._forward(input_ids[:, start:], cache, start, cos[:, :, start:width], sin[:, :, start:width],
+                             mask[:, :, start:])
+
+    def _forward(self, tokens, cache, start: int, cos, sin, mask, *, logits: bool = True) -> torch.Tensor | None:
+        """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache (None
+        without `logits`: the cache only)."""
         rows, length = tokens.shape
         h, d = self.heads, self.head_dim
         x = F.embedding(tokens, self.embed)
@@ -205,7 +229,7 @@ class Decoder:
             normed = _rms_norm(x, w["norm2"])
             gate, up = w["gate_up"].parts(normed)
             x = x + w["down"](F.silu(gate) * up)
-        return self.head(_rms_norm(x[:, -1], self.norm))
+        return self.head(_rms_norm(x[:, -1], self.norm)) if logits else None
 
     def _pack(self, rows: int) -> None:
         """Reorder the weights for decode steps of `rows` rows, when they are too large to stay in the caches (below
@@ -264,6 +288,21 @@ def _linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
                 if name in module.lora_A:
                     weight = weight + module.get_delta_weight(name).to(weight.dtype)
     return weight, base.bias
+
+
+def _shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(each prompt's left padding (P,), how many first tokens all prompts share), at most the shortest prompt's
+    length less one (its last token runs with the rest); 0 shared where the mask is not plain left padding."""
+    width = input_ids.shape[1]
+    lengths = attention_mask.sum(1)
+    pads = width - lengths
+    columns = torch.arange(width, device=input_ids.device)
+    if not bool((attention_mask.bool() == (columns >= pads[:, None])).all()):
+        return pads, 0
+    shortest = int(lengths.min())
+    real = input_ids.gather(1, pads[:, None] + columns[:shortest])  # (P, shortest) each prompt's first tokens
+    same = (real == real[:1]).all(0)
+    return pads, min(int(same.long().cumprod(0).sum()), shortest - 1)
 
 
 def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -86,6 +86,43 @@ def test_prefill_logits_match_the_model_forward():
     torch.testing.assert_close(captured[0], expected, atol=1e-4, rtol=1e-4)
 
 
+def _shared_batch(shared=20, suffixes=(4, 1, 7, 3), seed=2):
+    """Left-padded prompts that all start with the same `shared` tokens (a system prompt) and end apart."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, SIZE["vocab_size"], (shared,), generator=gen)
+    width = shared + max(suffixes)
+    ids, mask = torch.zeros(len(suffixes), width, dtype=torch.long), torch.zeros(len(suffixes), width, dtype=torch.long)
+    for r, n in enumerate(suffixes):
+        ids[r, width - shared - n:] = torch.cat([head, torch.randint(3, SIZE["vocab_size"], (n,), generator=gen)])
+        mask[r, width - shared - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_prefix_all_prompts_share_runs_once_and_the_tokens_equal_hf_generate(kind, monkeypatch):
+    from stages.generation import decoder
+
+    model = _model(kind, attention_bias=kind != "qwen3")
+    ids, mask = _shared_batch()
+    calls = []
+    forward = decoder.Decoder._forward
+    monkeypatch.setattr(decoder.Decoder, "_forward", lambda self, tokens, *a, **kw: calls.append(tokens.shape)
+                        or forward(self, tokens, *a, **kw))
+    captured = []
+    ours = Decoder(model).generate(ids, mask, 16, [1], 0,
+                                   pick=lambda step, logits: captured.append(logits) or logits.argmax(-1, True))
+    # the 20 shared tokens once, then every prompt from the longest one's first unshared column (padding: 0 here)
+    assert calls[:2] == [(1, 20), (4, ids.shape[1] - 20)]
+    assert torch.equal(ours, _hf(model, ids, mask, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    torch.testing.assert_close(captured[0], expected, atol=1e-4, rtol=1e-4)
+    calls.clear()
+    short_ids, short_mask = _shared_batch(shared=decoder.SHARED_PREFIX_MIN - 1)
+    Decoder(model).generate(short_ids, short_mask, 1, [1], 0)
+    assert calls == [short_ids.shape]  # fewer shared tokens: one prefill of every column
+
+
 def test_per_row_sampling_draws_the_same_tokens_and_logps_as_hf():
     model = _model("llama")
     ids, mask = _batch()
