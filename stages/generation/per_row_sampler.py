@@ -78,10 +78,11 @@ class PerRowSampler(LogitsProcessor):
         """Each row's (B, 1) token number `step` from its (B, V) logits (what `stages.generation.decoder`
         calls directly); its log-prob is appended to `logps`."""
         logits = self.warpers(input_ids, scores.float())
-        cdf = logits.double().softmax(-1).cumsum(-1)
+        probs = logits.double().softmax(-1)
+        cdf = probs.cumsum(-1)
         total = cdf[:, -1:]
         u = self.uniforms[:, step, None] * total
         last = (cdf < total).sum(-1, keepdim=True)  # the last token of non-zero probability (u·total rounding to it)
         token = torch.minimum(torch.searchsorted(cdf, u, right=True), last)
-        self.logps.append(logits.double().log_softmax(-1).gather(1, token).squeeze(1))
+        self.logps.append(probs.gather(1, token).squeeze(1).log())  # the log-softmax at the token, in float64
         return token
