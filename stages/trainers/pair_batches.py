@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.batch_prefix import prefix_hidden
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
@@ -119,7 +120,9 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
     squares = None
     if head is not None:
-        hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=no_logits(lm.inner))
+        hidden = prefix_hidden(lm, inputs, first_read(unpack, inputs["input_ids"], select))
+        if hidden is None:
+            hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=no_logits(lm.inner))
         hidden = unpack(hidden)[:, :-1][select]
         per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
     else:
@@ -129,6 +132,14 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
             with torch.no_grad():
                 squares = torch.where(select, log_sum_sq_probs(logits), torch.zeros_like(per_token))
     return per_token, squares
+
+
+def first_read(unpack: Callable[[torch.Tensor], torch.Tensor], forward_ids: torch.Tensor, select: torch.Tensor) -> int:
+    """The first column of the forward's rows (`forward_ids`, B x P) whose hidden state is read: the least one that
+    `unpack` (forward columns -> padded rows) takes to a position where `select` (padded rows, T-1) is True."""
+    rows, width = forward_ids.shape
+    columns = unpack(torch.arange(width, device=forward_ids.device).expand(rows, width))[:, :-1]
+    return int(columns[select].min()) if bool(select.any()) else width
 
 
 def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
