@@ -66,7 +66,7 @@ def shared_length(lm: CausalLM, inputs: dict[str, torch.Tensor], first_read: int
 
 def usable(lm: CausalLM) -> bool:
     """Whether `lm` can run rows on a cache under a 4D mask, gradients included."""
-    checkpointing = getattr(lm.inner, "is_gradient_checkpointing", False) and lm.inner.training
+    checkpointing = lm.inner.training and bool(getattr(lm.inner, "is_activation_checkpointing", False))
     return packable(lm) and not checkpointing and _checked.get(lm.inner) is not False
 
 
