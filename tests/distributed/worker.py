@@ -40,6 +40,7 @@ NEW_TOKENS = 6
 LR = {"full": 0.5, "lora": 2.0}
 LORA = LoraParams(enabled=True, r=4, alpha=8, dropout=0.0)
 REWARDS = ["exact_match", "tests.distributed.worker:variety"]
+INSTRUCTION = "Add the two numbers below and answer with their sum only, nothing else: "
 
 
 def variety(prompts: list, completions: list[str], **_) -> list[float]:
@@ -76,8 +77,15 @@ def sft_rows() -> list[dict]:
     return rows
 
 
+def _instructed(prompt: list[dict]) -> list[dict]:
+    """The prompt with INSTRUCTION before its question: every row of a batch starts with the same tokens, so the pair
+    forwards run them once (`stages.batch_prefix`, gradients through the cache) wherever a batch has 2 rows."""
+    return [{**m, "content": INSTRUCTION + m["content"]} if m["role"] == "user" else m for m in prompt]
+
+
 def pair_rows() -> list[dict]:
-    return [normalise("preference", r) for r in _data()["preference"]][:16]
+    return [{**r, "prompt": _instructed(r["prompt"])} for r in
+            (normalise("preference", r) for r in _data()["preference"][:16])]
 
 
 def unpaired_rows() -> list[dict]:
@@ -87,7 +95,7 @@ def unpaired_rows() -> list[dict]:
 
 
 def prompt_rows() -> list[dict]:
-    return _data(num_train=16)["prompts"][:16]
+    return [{**r, "prompt": _instructed(r["prompt"])} for r in _data(num_train=16)["prompts"][:16]]
 
 
 def build(method: str, adapter: str, model_path: str, out: Path, *, batch: int, accum: int, steps: int):
