@@ -47,7 +47,8 @@ decode cover each trained token once), a live reference model (DPO, KTO, online 
 Measured: s/step is the median interval between consecutive `on_step_end` callbacks after
 `--warmup` steps (each side's best median over the rounds); tokens/s counts the tokens of the
 forwards run with gradients (the trained tokens: attention-mask sums, or all ids when padding-free;
-our packed pairs count their shared prefix once: tokens computed, not tokens of data) per second
+our packed pairs count their shared prefix once, and the first tokens that every row of a batch shares
+once: tokens computed, not tokens of data) per second
 of the timed steps; peak memory is the process RSS sampled every 2 ms by a psutil
 thread during `train()`, above the RSS just before the trainer was built (after gc and glibc's
 `malloc_trim`, so a previous run's freed heap does not hide this one's; the model copies,
