@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from stages.logprobs import CausalLM, hidden_through, no_logits
+from stages.logprobs import CausalLM, hidden_through
 from stages.pair_packing import TOLERANCE, hidden_difference, packable
 from stages.prompt_cache import returned_cache
 
@@ -74,17 +74,16 @@ def _forward(lm: CausalLM, module: torch.nn.Module, inputs: dict[str, torch.Tens
              ) -> torch.Tensor | None:
     """`prefix_hidden` through `module` (the model as called: wrappers kept, or the bare model for the check)."""
     ids, positions, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-    keep = no_logits(lm.inner)
     _, out = hidden_through(module, lm.norm, {"input_ids": ids[:1, :length], "position_ids": positions[:1, :length],
                                               "attention_mask": mask[:1, :, :length, :length], "use_cache": True},
-                            logits_to_keep=keep)
+                            logits_to_keep=lm.no_logits)
     cache = returned_cache(out)
     if cache is None:
         return None
     cache.batch_repeat_interleave(ids.shape[0])
     rest, _ = hidden_through(module, lm.norm, {"input_ids": ids[:, length:], "position_ids": positions[:, length:],
                                                "attention_mask": mask[:, :, length:], "cache": cache,
-                                               "use_cache": True}, logits_to_keep=keep)
+                                               "use_cache": True}, logits_to_keep=lm.no_logits)
     return torch.cat([rest.new_zeros(ids.shape[0], length, rest.shape[-1]), rest], 1)
 
 
@@ -100,7 +99,7 @@ def verified(lm: CausalLM, inputs: dict[str, torch.Tensor], length: int) -> bool
     inner.eval()
     try:
         with torch.no_grad():
-            expected, _ = hidden_through(inner, lm.norm, {**part, "use_cache": False}, logits_to_keep=no_logits(inner))
+            expected, _ = hidden_through(inner, lm.norm, {**part, "use_cache": False}, logits_to_keep=lm.no_logits)
             got = _forward(lm, inner, part, length)
     except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no cache, 4D mask or position ids
         log.warning("shared prefixes are off for %s: %s", type(inner).__name__, e)

@@ -52,6 +52,7 @@ class CausalLM:
     sharded: str | None           # `stages.sharding.sharding_engine`: FSDP2, FSDP1, ZeRO-3 or None
     sliding_window: int | None
     dtype: torch.dtype            # of the parameters
+    no_logits: int | torch.Tensor  # the `logits_to_keep` of a forward whose hidden states are read (`no_logits`)
 
     def hidden(self, inputs: dict, **kwargs) -> tuple[torch.Tensor, Any]:
         """`final_hidden` of `model`, through the final norm found once."""
@@ -69,7 +70,8 @@ def causal_lm(model) -> CausalLM:
     config = getattr(inner, "config", None)
     return CausalLM(model=model, inner=inner, norm=_final_norm(base), head=_chunking_head(base, engine),
                     attention=getattr(config, "_attn_implementation", None), sharded=engine,
-                    sliding_window=getattr(config, "sliding_window", None), dtype=next(inner.parameters()).dtype)
+                    sliding_window=getattr(config, "sliding_window", None), dtype=next(inner.parameters()).dtype,
+                    no_logits=_no_logits(type(base)))
 
 
 def lm_head_for_chunking(model) -> nn.Linear | None:

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from stages.logprobs import CausalLM, causal_lm, head_logprobs, hidden_through, no_logits
+from stages.logprobs import CausalLM, causal_lm, head_logprobs, hidden_through
 from stages.pair_packing import TOLERANCE, attention_mask_for, hidden_difference, packable
 
 log = logging.getLogger(__name__)
@@ -50,14 +50,14 @@ def continued_logps(model, matched: dict[str, torch.Tensor], continued: dict[str
     if starts is None or not verified(lm, matched, continued, starts):
         return None
     hidden, out = lm.hidden({"input_ids": matched["input_ids"], "attention_mask": matched["attention_mask"],
-                             "use_cache": True}, logits_to_keep=no_logits(lm.inner))
+                             "use_cache": True}, logits_to_keep=lm.no_logits)
     logps = row_logps(hidden, lm, matched)
     with torch.no_grad():
         cache = returned_cache(out)
         if cache is None:  # no cache came back (activation checkpointing): the continued rows padded
             kl_hidden, _ = lm.hidden({"input_ids": continued["input_ids"],
                                       "attention_mask": continued["attention_mask"], "use_cache": False},
-                                     logits_to_keep=no_logits(lm.inner))
+                                     logits_to_keep=lm.no_logits)
             return logps, row_logps(kl_hidden, lm, continued)
         return logps, continuation(lm, lm.model, cache, hidden.detach(), continued, starts)
 
@@ -134,7 +134,7 @@ def continuation_hidden(lm: CausalLM, module: torch.nn.Module, cache, prompt_hid
         mask = torch.cat([sees_cache, sees_own], -1)[:, None]                   # (B, 1, Q, T + Q)
         inputs = {"input_ids": tokens[:, :queries], "position_ids": starts[:, None] + q,
                   "attention_mask": attention_mask_for(lm, mask), "cache": cache, "use_cache": True}
-        rest, _ = hidden_through(module, lm.norm, inputs, logits_to_keep=no_logits(lm.inner))
+        rest, _ = hidden_through(module, lm.norm, inputs, logits_to_keep=lm.no_logits)
         hidden = torch.cat([hidden, rest], 1)
     return hidden, tokens, valid
 
@@ -156,10 +156,10 @@ def verified(lm: CausalLM, matched: dict[str, torch.Tensor], continued: dict[str
         with torch.no_grad():
             expected, _ = hidden_through(inner, lm.norm, {"input_ids": part_c["input_ids"],
                                                           "attention_mask": part_c["attention_mask"],
-                                                          "use_cache": False}, logits_to_keep=no_logits(inner))
+                                                          "use_cache": False}, logits_to_keep=lm.no_logits)
             hidden, out = hidden_through(inner, lm.norm, {"input_ids": part_m["input_ids"],
                                                           "attention_mask": part_m["attention_mask"],
-                                                          "use_cache": True}, logits_to_keep=no_logits(inner))
+                                                          "use_cache": True}, logits_to_keep=lm.no_logits)
             cache = returned_cache(out)
             if cache is not None:
                 got, _, valid = continuation_hidden(lm, inner, cache, hidden, part_c, starts[:n])

@@ -22,7 +22,7 @@ from stages.batch_prefix import prefix_hidden
 from stages.data.templates import maybe_extract_prompt
 from stages.data.tokenize import tokenize_sft
 from stages.kernels import selective_log_softmax
-from stages.logprobs import causal_lm, head_logprobs, no_logits
+from stages.logprobs import causal_lm, head_logprobs
 from stages.losses.pair_length import ld_logps, log_sum_sq_probs
 from stages.pair_packing import forward_inputs
 from stages.tensors import pad
@@ -120,9 +120,9 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
     per_token = torch.zeros(select.shape, dtype=torch.float32, device=targets.device)
     squares = None
     if head is not None:
-        hidden = prefix_hidden(lm, inputs, first_read(unpack, inputs["input_ids"], select))
+        hidden = prefix_hidden(lm, inputs, first_read(select))
         if hidden is None:
-            hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=no_logits(lm.inner))
+            hidden, _ = lm.hidden({**inputs, "use_cache": False}, logits_to_keep=lm.no_logits)
         hidden = unpack(hidden)[:, :-1][select]
         per_token = per_token.masked_scatter(select, head_logprobs(hidden, head, targets[select]).float())
     else:
@@ -134,12 +134,12 @@ def token_logps(model, batch: dict[str, torch.Tensor], *, chunked: bool = True, 
     return per_token, squares
 
 
-def first_read(unpack: Callable[[torch.Tensor], torch.Tensor], forward_ids: torch.Tensor, select: torch.Tensor) -> int:
-    """The first column of the forward's rows (`forward_ids`, B x P) whose hidden state is read: the least one that
-    `unpack` (forward columns -> padded rows) takes to a position where `select` (padded rows, T-1) is True."""
-    rows, width = forward_ids.shape
-    columns = unpack(torch.arange(width, device=forward_ids.device).expand(rows, width))[:, :-1]
-    return int(columns[select].min()) if bool(select.any()) else width
+def first_read(select: torch.Tensor) -> int:
+    """The first position whose hidden state is read in the padded rows (`select`, B x T-1; their width where none
+    is): no later than the first column read in the forward's rows, packed or not (a packed pair keeps its chosen
+    row's positions and moves the rejected row's suffix right)."""
+    rows = select.any(1)
+    return int(select.int().argmax(1)[rows].min()) if bool(rows.any()) else select.shape[1]
 
 
 def completion_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:

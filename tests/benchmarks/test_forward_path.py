@@ -16,4 +16,6 @@ def test_the_dpo_forward_unwraps_each_model_once_at_its_edge():
     policy = calls[:next(i for i, c in enumerate(calls) if c[1].endswith(".reference_logps"))]
     c = counts(policy, h)
     assert "stages.kernels" in c["modules"] and len(c["unwraps"]) == 1
-    assert len(c["ups"]) <= 5  # was 9 when each block unwrapped the model itself
+    # was 9 when each block unwrapped the model itself; the shared-prefix block (stages.batch_prefix, above the
+    # packing it runs on) adds one
+    assert len(c["ups"]) <= 6
