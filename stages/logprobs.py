@@ -25,7 +25,6 @@ block below unwraps again.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -104,12 +103,15 @@ def no_logits(model) -> int | torch.Tensor:
     return _no_logits(type(unwrap(model)))
 
 
-@functools.cache
-def _no_logits(model_type: type) -> int | torch.Tensor:
-    param = inspect.signature(model_type.forward).parameters.get("logits_to_keep")
-    if param is not None and "Tensor" in str(param.annotation):
-        return torch.empty(0, dtype=torch.long)
-    return 1
+_NO_LOGITS: dict[type[nn.Module], int | torch.Tensor] = {}  # per model class: its forward's signature does not change
+
+
+def _no_logits(model_type: type[nn.Module]) -> int | torch.Tensor:
+    if model_type not in _NO_LOGITS:
+        param = inspect.signature(model_type.forward).parameters.get("logits_to_keep")
+        takes_index = param is not None and "Tensor" in str(param.annotation)
+        _NO_LOGITS[model_type] = torch.empty(0, dtype=torch.long) if takes_index else 1
+    return _NO_LOGITS[model_type]
 
 
 def selected_hidden(model, inputs: dict, select: torch.Tensor):

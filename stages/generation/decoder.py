@@ -199,8 +199,8 @@ class Decoder:
             first = int(pads[0])
             prefix = input_ids[:1, first:first + shared]
             own = cache.new_empty((*cache.shape[:2], 1, *cache.shape[3:-2], shared, cache.shape[-1]))
-            self._forward(prefix, own, 0, cos[:1, :, first:first + shared], sin[:1, :, first:first + shared],
-                          causal[None, None, :shared, :shared], logits=False)
+            self._layers(prefix, own, 0, cos[:1, :, first:first + shared], sin[:1, :, first:first + shared],
+                         causal[None, None, :shared, :shared])
             start = int(pads.min()) + shared
             for p, pad in enumerate(pads.tolist()):
                 cache[:, :, p, :, pad:pad + shared] = own[:, :, 0]
@@ -208,9 +208,12 @@ class Decoder:
         return self._forward(input_ids[:, start:], cache, start, cos[:, :, start:width], sin[:, :, start:width],
                              mask[:, :, start:])
 
-    def _forward(self, tokens, cache, start: int, cos, sin, mask, *, logits: bool = True) -> torch.Tensor | None:
-        """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache (None
-        without `logits`: the cache only)."""
+    def _forward(self, tokens, cache, start: int, cos, sin, mask) -> torch.Tensor:
+        """Logits at the last of `tokens` (B, T), which sit at positions start .. start+T-1 of the cache."""
+        return self.head(_rms_norm(self._layers(tokens, cache, start, cos, sin, mask)[:, -1], self.norm))
+
+    def _layers(self, tokens, cache, start: int, cos, sin, mask) -> torch.Tensor:
+        """The residual stream after the last layer (B, T, H), the keys and values of `tokens` written to the cache."""
         rows, length = tokens.shape
         h, d = self.heads, self.head_dim
         x = F.embedding(tokens, self.embed)
@@ -229,7 +232,7 @@ class Decoder:
             normed = _rms_norm(x, w["norm2"])
             gate, up = w["gate_up"].parts(normed)
             x = x + w["down"](F.silu(gate) * up)
-        return self.head(_rms_norm(x[:, -1], self.norm)) if logits else None
+        return x
 
     def _pack(self, rows: int) -> None:
         """Reorder the weights for decode steps of `rows` rows, when they are too large to stay in the caches (below
