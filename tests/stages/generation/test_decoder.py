@@ -105,9 +105,9 @@ def test_a_prefix_all_prompts_share_runs_once_and_the_tokens_equal_hf_generate(k
     model = _model(kind, attention_bias=kind != "qwen3")
     ids, mask = _shared_batch()
     calls = []
-    forward = decoder.Decoder._forward
-    monkeypatch.setattr(decoder.Decoder, "_forward", lambda self, tokens, *a, **kw: calls.append(tokens.shape)
-                        or forward(self, tokens, *a, **kw))
+    layers = decoder.Decoder._layers
+    monkeypatch.setattr(decoder.Decoder, "_layers", lambda self, tokens, *a: calls.append(tokens.shape)
+                        or layers(self, tokens, *a))
     captured = []
     ours = Decoder(model).generate(ids, mask, 16, [1], 0,
                                    pick=lambda step, logits: captured.append(logits) or logits.argmax(-1, True))
