@@ -67,10 +67,11 @@ def causal_lm(model) -> CausalLM:
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
     engine = sharding_engine(model)
     config = getattr(inner, "config", None)
-    return CausalLM(model=model, inner=inner, norm=_final_norm(base), head=_chunking_head(base, engine),
+    keep, norm = _no_logits(type(base)), _final_norm(base)
+    return CausalLM(model=model, inner=inner, norm=norm, head=_chunking_head(base, engine),
                     attention=getattr(config, "_attn_implementation", None), sharded=engine,
                     sliding_window=getattr(config, "sliding_window", None), dtype=next(inner.parameters()).dtype,
-                    no_logits=_no_logits(type(base)))
+                    no_logits=keep)
 
 
 def lm_head_for_chunking(model) -> nn.Linear | None:
